@@ -1,0 +1,75 @@
+// cuflash: shared definitions for every kernel family.
+//
+// Kernels receive one FwdParams struct by value. The Python side (cuflash/_launch.py)
+// builds it as a NumPy structured scalar whose aligned layout matches this struct field for
+// field, so keep the two in step: 8-byte fields first, then 4-byte ones.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuflash {
+
+// Leading (batch) dimensions after the launcher has merged every pair it can; dimension
+// kMaxBatchDims-1 is the innermost. Unused dimensions have extent 1 and stride 0.
+constexpr int kMaxBatchDims = 4;
+
+struct FwdParams {
+  // -- device pointers (as integers so the struct has no pointer-width surprises)
+  unsigned long long q, k, v, o, lse;
+  // -- element strides of each batch dimension (0 where an input is broadcast)
+  long long q_batch_stride[kMaxBatchDims];
+  long long k_batch_stride[kMaxBatchDims];
+  long long v_batch_stride[kMaxBatchDims];
+  long long o_batch_stride[kMaxBatchDims];
+  // -- element strides of the sequence (row) and feature (column) dimensions
+  long long q_row_stride, q_col_stride;
+  long long k_row_stride, k_col_stride;
+  long long v_row_stride, v_col_stride;
+  long long o_row_stride, o_col_stride;
+  // -- softmax scale folded with log2(e): p = exp2(s * scale_log2 - m)
+  double scale_log2;
+  // -- 4-byte fields
+  int batch_shape[kMaxBatchDims];
+  int nbatch;          // product of batch_shape
+  int Lq, Lk, d, dv;
+  int causal_offset;   // under CAUSAL, key j is visible to query i iff j <= i + causal_offset
+  int num_m_blocks;    // ceil(Lq / BLOCK_M) of the launched kernel
+  int pad_;
+};
+
+// Element offsets of batch item `b` (C order over batch_shape) in each tensor.
+struct BatchOffsets { long long q, k, v, o; };
+
+__device__ __forceinline__ BatchOffsets batch_offsets(const FwdParams& p, int b) {
+  BatchOffsets off{0, 0, 0, 0};
+#pragma unroll
+  for (int i = kMaxBatchDims - 1; i >= 0; --i) {
+    const int idx = b % p.batch_shape[i];
+    b /= p.batch_shape[i];
+    off.q += idx * p.q_batch_stride[i];
+    off.k += idx * p.k_batch_stride[i];
+    off.v += idx * p.v_batch_stride[i];
+    off.o += idx * p.o_batch_stride[i];
+  }
+  return off;
+}
+
+// -- conversions between storage types and accumulation types
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename Acc, typename T> __device__ __forceinline__ Acc to_acc(T x) { return static_cast<Acc>(x); }
+template <> __device__ __forceinline__ float to_acc<float, __half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T, typename Acc> __device__ __forceinline__ T from_acc(Acc x) { return static_cast<T>(x); }
+template <> __device__ __forceinline__ __half from_acc<__half, float>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+
+template <typename Acc> __device__ __forceinline__ Acc neg_inf() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+}  // namespace cuflash
