@@ -1,0 +1,92 @@
+"""The CPU path: FlashAttention-2's forward pass (Algorithm 1) in NumPy.
+
+This is the executable specification of the tiling the CUDA kernels implement, not a fast
+implementation. Query rows are processed in blocks of ``block_m`` (the outer loop over
+``Q_i``), keys and values in blocks of ``block_n`` (the inner loop over ``K_j, V_j``), and
+the Lq x Lk score matrix never exists: memory is O(Lq * dv) for the output plus
+O(batch * block_m * (d + dv + block_n)) for one block. Every batch item is handled at once by
+vectorised NumPy over the broadcast batch dimensions; no operation mixes rows or batch items,
+so NaN or Inf stays in the row or item where it appears.
+
+Accumulation dtype: float32 for float16, bfloat16 and float32 inputs; float64 for float64.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from cuflash._problem import AttentionProblem
+
+#: Query rows per block (B_r in the paper).
+BLOCK_M = 128
+#: Keys per block (B_c in the paper).
+BLOCK_N = 128
+
+
+def forward(prob: AttentionProblem, o: numpy.ndarray, lse: numpy.ndarray, *,
+            block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> None:
+    """Write attention output into ``o`` and log-sum-exp into ``lse``.
+
+    Parameters
+    ----------
+    prob : AttentionProblem
+        A NumPy problem (``prob.xp is numpy``).
+    o : numpy.ndarray, shape prob.batch_shape + (Lq, dv), dtype prob.dtype
+        Overwritten; any strides.
+    lse : numpy.ndarray, shape prob.batch_shape + (Lq,), dtype prob.lse_dtype
+        Overwritten.
+    block_m, block_n : int, optional
+        Tile sizes (rows of Q, rows of K and V). Results agree with any tile sizes up to
+        rounding; tests use small tiles to exercise the block boundaries on small inputs.
+
+    Notes
+    -----
+    Rows that see no key get ``o = 0`` and ``lse = -inf``. Non-finite scores propagate as
+    NaN within their row, without floating-point warnings (as on the GPU).
+    """
+    acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+    neg_inf = acc(-numpy.inf)
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        for i0 in range(0, prob.Lq, block_m):
+            i1 = min(i0 + block_m, prob.Lq)
+            # -- load Q_i, with the softmax scale folded in
+            q_i = prob.q[..., i0:i1, :].astype(acc) * acc(prob.scale)
+            # -- on chip: O_i = 0, l_i = 0, m_i = -inf
+            o_i = numpy.zeros(prob.batch_shape + (i1 - i0, prob.dv), acc)
+            l_i = numpy.zeros(prob.batch_shape + (i1 - i0,), acc)
+            m_i = numpy.full(prob.batch_shape + (i1 - i0,), neg_inf)
+            # Under the causal mask, keys beyond the last row's diagonal are never visible.
+            n_end = prob.Lk
+            if prob.causal:
+                n_end = min(prob.Lk, max(0, i1 + prob.causal_offset))
+            for j0 in range(0, n_end, block_n):
+                j1 = min(j0 + block_n, n_end)
+                # -- load K_j, V_j
+                k_j = prob.k[..., j0:j1, :].astype(acc)
+                v_j = prob.v[..., j0:j1, :].astype(acc)
+                # -- S_ij = Q_i K_j^T
+                s_ij = q_i @ k_j.swapaxes(-1, -2)
+                if prob.causal and j1 - 1 > i0 + prob.causal_offset:
+                    # -- the block crosses the diagonal: mask keys j > i + causal_offset
+                    visible = (numpy.arange(j0, j1)[None, :]
+                               <= numpy.arange(i0, i1)[:, None] + prob.causal_offset)
+                    s_ij = numpy.where(visible, s_ij, neg_inf)
+                # -- update m_i and l_i
+                m_new = numpy.maximum(m_i, s_ij.max(axis=-1))
+                # A row that has seen no visible key yet has m_new = -inf; subtract 0 instead
+                # so that P_ij = exp(-inf) = 0 and the rescale factor is 0, not exp(-inf + inf).
+                m_sub = numpy.where(m_new == neg_inf, 0, m_new)
+                p_ij = numpy.exp(s_ij - m_sub[..., None])
+                alpha = numpy.exp(m_i - m_sub)  # e^{m_i^(j-1) - m_i^(j)}
+                l_i = alpha * l_i + p_ij.sum(axis=-1)
+                # -- O_i = diag(e^{m_i^(j-1) - m_i^(j)}) O_i + P_ij V_j
+                o_i = alpha[..., None] * o_i + p_ij @ v_j
+                m_i = m_new
+            # -- O_i = diag(l_i)^-1 O_i; L_i = m_i + log(l_i)
+            # l_i == 0 exactly when every visible score of the row was -inf, in particular when
+            # no key is visible (else its max term added exp(0) = 1): such a row keeps O_i = 0
+            # and gets L_i = -inf.
+            no_key = l_i == 0
+            l_div = numpy.where(no_key, 1, l_i)
+            o[..., i0:i1, :] = (o_i / l_div[..., None]).astype(prob.dtype)
+            lse[..., i0:i1] = numpy.where(no_key, neg_inf, m_i + numpy.log(l_div))

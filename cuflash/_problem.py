@@ -1,0 +1,271 @@
+"""Validation and broadcasting: turn ``attention(q, k, v, ...)`` arguments into one problem.
+
+Every backend (the CPU path in ``_numpy``, the GPU launcher in ``_launch``, the float64
+``reference``) starts from the :class:`AttentionProblem` built here, so every entry point
+accepts and rejects exactly the same inputs, with the same messages, before any work is done.
+
+Errors follow one rule: ``TypeError`` for array types and dtypes (and arguments of the wrong
+Python type), ``ValueError`` for shapes and values. Messages show the offending values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import numbers
+import sys
+import types
+from typing import Any
+
+import ml_dtypes
+import numpy
+
+#: Largest head dimension (``d`` of q and k, ``dv`` of v) any backend accepts.
+MAX_HEAD_DIM = 256
+
+#: The dtypes q, k and v may have (all three the same).
+SUPPORTED_DTYPES = tuple(
+    numpy.dtype(t) for t in (numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.float64)
+)
+
+_CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionProblem:
+    """One validated forward attention problem, ready for a backend.
+
+    A backend ``forward(prob, o, lse)`` computes, for every batch index ``b`` (C order over
+    ``batch_shape``) and query row ``i``::
+
+        s[j]   = scale * dot(q[b, i, :], k[b, j, :])      for the keys j visible to row i
+        lse[b, i] = log(sum_j exp(s[j]))                  (-inf when no key is visible)
+        o[b, i, :] = sum_j exp(s[j] - lse[b, i]) * v[b, j, :]   (0 when no key is visible)
+
+    writing ``o`` (shape ``batch_shape + (Lq, dv)``, dtype ``dtype``, any strides) and ``lse``
+    (C-contiguous, shape ``batch_shape + (Lq,)``, dtype ``lse_dtype``).
+
+    Attributes
+    ----------
+    xp : module
+        ``numpy`` or ``cupy``: the array module of q, k and v.
+    dtype : numpy.dtype
+        The common dtype of q, k and v, and the dtype of the output.
+    batch_shape : tuple of int
+        The leading dimensions of q, k and v broadcast together by NumPy rules.
+    Lq, Lk, d, dv : int
+        Query length, key length, head dimension of q and k, head dimension of v.
+    scale : float
+        Softmax scale applied to ``q @ k.T``.
+    causal : bool
+        Whether the causal mask is applied.
+    causal_offset : int
+        Under ``causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``:
+        ``Lk - Lq`` for the bottom-right alignment, ``0`` for top-left (and ``0`` when not
+        causal, where it is unused).
+    q, k, v : array
+        The inputs broadcast to ``batch_shape + (L, d)`` with ``xp.broadcast_to``: views (stride
+        0 along broadcast dimensions), never copies.
+    lse_dtype : numpy.dtype
+        float32, or float64 for float64 inputs.
+    device_id : int or None
+        The CUDA device holding q, k and v (CuPy), or None (NumPy).
+    """
+
+    xp: types.ModuleType
+    dtype: numpy.dtype
+    batch_shape: tuple[int, ...]
+    Lq: int
+    Lk: int
+    d: int
+    dv: int
+    scale: float
+    causal: bool
+    causal_offset: int
+    q: Any = dataclasses.field(repr=False)
+    k: Any = dataclasses.field(repr=False)
+    v: Any = dataclasses.field(repr=False)
+    lse_dtype: numpy.dtype
+    device_id: int | None
+
+
+def _array_module(x: Any, name: str) -> types.ModuleType:
+    """Return ``numpy`` or ``cupy`` for an ndarray of either, else raise TypeError.
+
+    CuPy is never imported here: a CuPy array can only exist if CuPy is already loaded.
+    """
+    if isinstance(x, numpy.ndarray):
+        return numpy
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy
+    raise TypeError(
+        f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__module__}."
+        f"{type(x).__qualname__} (convert lists with numpy.asarray, and other GPU arrays "
+        f"with cupy.from_dlpack)"
+    )
+
+
+def _check_scale(scale: Any, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, (bool, numpy.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r} of type "
+                        f"{type(scale).__qualname__}")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be finite and positive, got {scale=}")
+    return value
+
+
+def _check_causal(causal: Any, Lq: int, Lk: int) -> tuple[bool, int]:
+    """Return ``(causal, causal_offset)`` for a ``causal=`` argument."""
+    if isinstance(causal, (bool, numpy.bool_)):
+        alignment = "bottom_right" if causal else None
+    elif isinstance(causal, str):
+        if causal not in _CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal must be a bool, 'bottom_right' or 'top_left', got {causal=}")
+        alignment = causal
+    else:
+        raise TypeError(f"causal must be a bool, 'bottom_right' or 'top_left', got {causal!r} "
+                        f"of type {type(causal).__qualname__}")
+    if alignment is None:
+        return False, 0
+    return True, (Lk - Lq if alignment == "bottom_right" else 0)
+
+
+def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> AttentionProblem:
+    """Validate the arguments of an attention call and broadcast the inputs.
+
+    Parameters
+    ----------
+    q, k, v : numpy.ndarray or cupy.ndarray
+        ``q (..., Lq, d)``, ``k (..., Lk, d)``, ``v (..., Lk, dv)``, all of one array type and
+        one dtype from :data:`SUPPORTED_DTYPES`, with ``1 <= d, dv <= MAX_HEAD_DIM`` and leading
+        dimensions that broadcast together; CuPy inputs on one device.
+    scale : real number or None
+        Finite and positive; None means ``1 / sqrt(d)``. bool is not a scale.
+    causal : bool or {'bottom_right', 'top_left'}
+        True means 'bottom_right': query i sees key j iff ``j <= i + Lk - Lq`` (FlashAttention's
+        alignment); 'top_left': iff ``j <= i`` (PyTorch's ``is_causal``).
+
+    Returns
+    -------
+    AttentionProblem
+        With q, k, v broadcast as views; no input is copied.
+
+    Raises
+    ------
+    TypeError
+        An input that is not a NumPy or CuPy array, NumPy mixed with CuPy, an unsupported
+        dtype, dtypes that differ, a scale or causal of the wrong type.
+    ValueError
+        Fewer than two dimensions, mismatched head dimensions or key lengths, a head dimension
+        of 0 or above ``MAX_HEAD_DIM``, batch dimensions that do not broadcast, inputs on
+        different devices, a non-finite or non-positive scale, an unknown causal alignment.
+    """
+    xps = {name: _array_module(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(xps.values())) > 1:
+        raise TypeError(
+            "q, k and v must all be NumPy arrays or all be CuPy arrays, got "
+            + ", ".join(f"{name}: {xp.__name__}.ndarray" for name, xp in xps.items())
+        )
+    xp = xps["q"]
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype={x.dtype} is not supported; use one of "
+                            f"{', '.join(str(t) for t in SUPPORTED_DTYPES)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} needs at least 2 dimensions (..., length, head_dim), "
+                             f"got {name}.shape={x.shape}")
+    Lq, d = q.shape[-2:]
+    Lk, dv = v.shape[-2:]
+    if k.shape[-1] != d:
+        raise ValueError(f"head dims of q and k differ: {q.shape=} and {k.shape=}")
+    if k.shape[-2] != Lk:
+        raise ValueError(f"k and v must have the same length: {k.shape=} and {v.shape=}")
+    for name, size in (("d (q.shape[-1])", d), ("dv (v.shape[-1])", dv)):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name}={size} is not supported: it must be at least 1 "
+                             f"and at most MAX_HEAD_DIM={MAX_HEAD_DIM}")
+    try:
+        batch_shape = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(f"batch dims of {q.shape=}, {k.shape=} and {v.shape=} do not "
+                         f"broadcast") from None
+
+    device_id = None
+    if xp is not numpy:
+        device_ids = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
+        if len(set(device_ids.values())) > 1:
+            raise ValueError(f"q, k and v must be on one device, got devices {device_ids}")
+        device_id = device_ids["q"]
+
+    is_causal, causal_offset = _check_causal(causal, Lq, Lk)
+    return AttentionProblem(
+        xp=xp,
+        dtype=q.dtype,
+        batch_shape=tuple(batch_shape),
+        Lq=Lq,
+        Lk=Lk,
+        d=d,
+        dv=dv,
+        scale=_check_scale(scale, d),
+        causal=is_causal,
+        causal_offset=causal_offset,
+        q=xp.broadcast_to(q, batch_shape + (Lq, d)),
+        k=xp.broadcast_to(k, batch_shape + (Lk, d)),
+        v=xp.broadcast_to(v, batch_shape + (Lk, dv)),
+        lse_dtype=numpy.dtype(numpy.float64 if q.dtype == numpy.float64 else numpy.float32),
+        device_id=device_id,
+    )
+
+
+def check_out(prob: AttentionProblem, out: Any) -> None:
+    """Validate an ``out=`` array for ``prob``.
+
+    ``out`` must be an array of the inputs' array type (and device), of exactly ``prob.dtype``
+    and shape ``prob.batch_shape + (Lq, dv)``, writeable, without two elements at one address
+    (no stride 0 along a dimension longer than 1), and sharing no memory with q, k or v. Any
+    other strides are allowed.
+
+    Raises
+    ------
+    TypeError
+        ``out`` is not an array of the inputs' array type, or its dtype differs.
+    ValueError
+        Wrong shape, another device, read-only, self-overlapping, or overlapping an input.
+    """
+    xp = _array_module(out, "out")
+    if xp is not prob.xp:
+        raise TypeError(f"out must be a {prob.xp.__name__}.ndarray like q, k and v, got a "
+                        f"{xp.__name__}.ndarray")
+    if out.dtype != prob.dtype:
+        raise TypeError(f"out.dtype={out.dtype} must equal the inputs' dtype {prob.dtype}")
+    expected = prob.batch_shape + (prob.Lq, prob.dv)
+    if out.shape != expected:
+        raise ValueError(f"{out.shape=} must be batch_shape + (Lq, dv) = {expected}")
+    if prob.device_id is not None and out.device.id != prob.device_id:
+        raise ValueError(f"out is on device {out.device.id} but the inputs are on device "
+                         f"{prob.device_id}")
+    if xp is numpy and not out.flags.writeable:
+        raise ValueError("out is read-only")
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.strides)):
+        raise ValueError(f"out has stride 0 along a dimension longer than 1, so several "
+                         f"elements share one address: {out.shape=}, {out.strides=}")
+    for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
+        if xp.may_share_memory(out, x):
+            raise ValueError(f"out overlaps {name} in memory; pass a separate array")
+
+
+def device_scope(prob: AttentionProblem) -> contextlib.AbstractContextManager:
+    """The context in which to allocate and launch for ``prob``: its CUDA device, if any."""
+    if prob.device_id is None:
+        return contextlib.nullcontext()
+    return prob.xp.cuda.Device(prob.device_id)

@@ -1,0 +1,69 @@
+"""The float64 oracle: attention computed the obvious way, to test every backend against.
+
+It materialises the full Lq x Lk score matrix in float64 NumPy, so use it on small problems.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+import scipy.special
+
+from cuflash import _problem
+
+
+def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
+              return_lse: bool = False, out: Any = None) -> Any:
+    """Attention in float64, with the semantics and validation of :func:`cuflash.attention`.
+
+    Computes ``s = scale * q @ k.T`` with masked entries set to ``-inf``,
+    ``lse = logsumexp(s, axis=-1)`` (SciPy) and ``o = exp(s - lse) @ v``, all in float64
+    NumPy, with the Lq x Lk matrix materialised. A row with no visible key subtracts 0 instead
+    of ``lse = -inf``, so it gets ``o = 0`` and ``lse = -inf`` exactly, as in every backend.
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, return_lse, out
+        As for :func:`cuflash.attention`, validated by the same code: NumPy or CuPy inputs of
+        float16, bfloat16, float32 or float64. CuPy inputs are copied to the host.
+
+    Returns
+    -------
+    o : numpy.ndarray of float64, shape batch_shape + (Lq, dv)
+        Without ``out``. With ``out`` (same rules as :func:`cuflash.attention`: the inputs'
+        array type and dtype), the result rounded to ``out.dtype`` is written into ``out``
+        and ``out`` is returned.
+    lse : numpy.ndarray of float64, shape batch_shape + (Lq,)
+        Only with ``return_lse=True``.
+
+    Notes
+    -----
+    Inputs are converted to float64 (a copy, materialising broadcast dimensions); NaN or Inf
+    propagates exactly as IEEE arithmetic in these formulas says.
+    """
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    if not isinstance(return_lse, (bool, numpy.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if out is not None:
+        _problem.check_out(prob, out)
+
+    def float64(x: Any) -> numpy.ndarray:
+        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
+
+    q64, k64, v64 = float64(prob.q), float64(prob.k), float64(prob.v)
+    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
+    if prob.causal:
+        visible = (numpy.arange(prob.Lk)[None, :]
+                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
+        s = numpy.where(visible, s, -numpy.inf)
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        lse = scipy.special.logsumexp(s, axis=-1)
+        shift = numpy.where(lse == -numpy.inf, 0.0, lse)  # row with no visible key
+        o = numpy.exp(s - shift[..., None]) @ v64
+
+    if out is not None:
+        with _problem.device_scope(prob):
+            out[...] = prob.xp.asarray(o.astype(out.dtype))
+        o = out
+    return (o, lse) if return_lse else o
