@@ -1,0 +1,292 @@
+// cuflash: tensor-core forward for float16 / bfloat16 on sm_80 and newer (mma.sync).
+//
+// FlashAttention-2, Algorithm 1, one thread block per (batch item, BLOCK_M query rows):
+//   each warp owns 16 query rows, so the online softmax never talks across warps;
+//   K_j and V_j tiles arrive by cp.async into XOR-swizzled shared memory; the load of V_j
+//   overlaps S = Q K_j^T and the load of K_{j+1} overlaps the softmax and O += P V_j;
+//   S and P live in registers, and P is reused directly as the A operand of P V_j;
+//   causal tiles beyond the diagonal are never visited, and only the tiles that straddle the
+//   diagonal or the end of the keys pay for a mask.
+//
+// Requirements the launcher (cuflash/_launch.py) guarantees:
+//   q, k, v have unit column stride, and every row start is 16-byte aligned;
+//   d and dv are multiples of 8 (the launcher zero-pads otherwise) and at most HEAD_DIM.
+#include "common.cuh"
+#include "mma_sm80.cuh"
+
+namespace cuflash {
+
+// Tile constants of one specialisation. The per-head-dim choice of BLOCK_N and WARPS, with the
+// reason for each, is the table SM80_TILES in cuflash/_launch.py; here they are derived and
+// checked.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS>
+struct Sm80Traits {
+  static constexpr int kHeadDim = HEAD_DIM;
+  static constexpr int kWarps = WARPS;
+  static constexpr int kThreads = 32 * WARPS;
+  static constexpr int kBlockM = 16 * WARPS;     // 16 query rows per warp (one mma M tile)
+  static constexpr int kBlockN = BLOCK_N;
+  static constexpr int kKSteps = HEAD_DIM / 16;  // k16 steps of S = Q K^T
+  static constexpr int kNTilesS = BLOCK_N / 8;   // n8 tiles of S (= k8 halves of P V)
+  static constexpr int kNTilesO = HEAD_DIM / 8;  // n8 tiles of O
+  // Q fragments stay in registers (4 per k-step) up to d = 128; beyond that O alone takes
+  // HEAD_DIM / 2 registers per thread, so Q is re-read from shared memory each k-step instead.
+  static constexpr bool kQInRegs = HEAD_DIM <= 128;
+  // Two blocks per SM where the register file allows it (<= 128 registers at 256 threads).
+  static constexpr int kMinBlocks = 1;
+
+  using QTile = SwizzledTile<kBlockM, HEAD_DIM>;   // also holds O for the epilogue
+  using KVTile = SwizzledTile<kBlockN, HEAD_DIM>;
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;  // Q + K_j + V_j
+
+  static_assert(sizeof(T) == 2, "the mma.sync path is for float16 / bfloat16 inputs");
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "head-dim buckets are multiples of 32");
+  static_assert(BLOCK_N % 16 == 0, "P V consumes S in k16 slices");
+  static_assert(WARPS >= 1 && WARPS <= 8, "one warp per 16 rows, at most 128 rows");
+};
+
+// Copy rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global tile into the
+// swizzled shared tile; rows >= nrows and columns >= cols land as zeros (cp.async zero-fill).
+template <typename Tile, int ROWS, int THREADS, bool EVEN, typename T>
+__device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ g, long long row_stride,
+                                          int row0, int nrows, int cols) {
+  constexpr int kChunks = Tile::kChunks;
+  constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = threadIdx.x + it * THREADS;
+    if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool ok = EVEN || (row0 + r < nrows && c * 8 < cols);
+      const T* src = ok ? g + (row0 + r) * row_stride + c * 8 : g;
+      cp_async_16(Tile::addr(sbase, r, c), src, ok ? 16 : 0);
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, bool CAUSAL, bool EVEN>
+__global__ void __launch_bounds__(32 * WARPS, (Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS>::kMinBlocks))
+fwd_sm80(const FwdParams p) {
+  using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned sQ = smem_u32(smem);
+  const unsigned sK = sQ + QTile::kBytes;
+  const unsigned sV = sK + KVTile::kBytes;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Heaviest causal tiles first: they have the most key tiles to walk.
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
+  const int b = static_cast<int>(blockIdx.x / p.num_m_blocks);
+  const int m0 = m_block * kBlockM;
+  const BatchOffsets off = batch_offsets(p, b);
+  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
+  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
+  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
+  const float sl2 = static_cast<float>(p.scale_log2);  // softmax scale * log2(e)
+
+  // Keys this Q tile can see: all of them, or under CAUSAL those j <= i + causal_offset for
+  // its last row. n_blocks can be 0 (every row fully masked): the loop is skipped and the
+  // epilogue writes O = 0, lse = -inf.
+  int n_end = p.Lk;
+  if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+  const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+
+  // -- load Q_i and K_0
+  load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  if (n_blocks > 0) load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, 0, p.Lk, p.d);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // A-fragment addressing (ldmatrix x4): lanes 0-15 give rows 0-15 of the warp's slice at
+  // k-chunk 2s, lanes 16-31 the same rows at chunk 2s + 1.
+  const typename QTile::FragAddr q_frag(sQ, warp * 16 + (lane & 15), lane >> 4);
+  unsigned qf[Tr::kQInRegs ? Tr::kKSteps : 1][4];
+  if constexpr (Tr::kQInRegs) {
+#pragma unroll
+    for (int s = 0; s < Tr::kKSteps; ++s) ldmatrix_x4(qf[s], q_frag.at(0, 2 * s));
+  }
+  // B-fragment addressing. K (S = Q K^T), matrices: keys 0-7 / chunk 2s, keys 0-7 / 2s+1,
+  // keys 8-15 / 2s, keys 8-15 / 2s+1.  V (O += P V, transposed), matrices: keys 0-7 / chunk
+  // 2t, keys 8-15 / 2t, keys 0-7 / 2t+1, keys 8-15 / 2t+1.
+  const typename KVTile::FragAddr k_frag(sK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const typename KVTile::FragAddr v_frag(sV, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+  // Per-thread state: rows r0 = m0 + warp*16 + lane/4 and r0 + 8 of the warp's slice.
+  float o[Tr::kNTilesO][4];
+#pragma unroll
+  for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m_i[2] = {kNegInf, kNegInf};  // running row max of the raw scores
+  float l_i[2] = {0.f, 0.f};          // running row sum of exp2(s*sl2 - m*sl2), this thread's columns
+  const int row0 = m0 + warp * 16 + lane / 4;
+  const int col_in_tile = 2 * (lane % 4);
+
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BLOCK_N;
+    if (j > 0) {
+      cp_async_wait<0>();   // K_j has landed ...
+      __syncthreads();      // ... for every thread, and every warp is done with V_{j-1}
+    }
+    // -- load V_j (overlaps S = Q K_j^T)
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sV, v, p.v_row_stride, n0, p.Lk, p.dv);
+    cp_async_commit();
+
+    // -- S_ij = Q_i K_j^T
+    float s[Tr::kNTilesS][4];
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesS; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      unsigned a[4];
+      if constexpr (Tr::kQInRegs) {
+        a[0] = qf[ks][0]; a[1] = qf[ks][1]; a[2] = qf[ks][2]; a[3] = qf[ks][3];
+      } else {
+        ldmatrix_x4(a, q_frag.at(0, 2 * ks));
+      }
+#pragma unroll
+      for (int np = 0; np < Tr::kNTilesS / 2; ++np) {
+        unsigned bk[4];
+        ldmatrix_x4(bk, k_frag.at(np * 16, 2 * ks));
+        Mma<T>::run(s[2 * np], a, bk[0], bk[1]);
+        Mma<T>::run(s[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();  // every warp is done reading K_j
+    // -- load K_{j+1} (overlaps the softmax and P V_j)
+    if (j + 1 < n_blocks) load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0 + BLOCK_N, p.Lk, p.d);
+    cp_async_commit();
+
+    // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
+    //    cross the end of the keys or this warp's diagonal pay for it.
+    const int warp_row_first = m0 + warp * 16;
+    const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
+                           (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+    if (need_mask) {
+#pragma unroll
+      for (int t = 0; t < Tr::kNTilesS; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + t * 8 + col_in_tile + (e & 1);
+          const int row = row0 + (e >> 1) * 8;
+          if (col >= p.Lk || (CAUSAL && col > row + p.causal_offset)) s[t][e] = kNegInf;
+        }
+      }
+    }
+
+    // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
+    float m_new[2] = {m_i[0], m_i[1]};
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesS; ++t) {
+      m_new[0] = fmaxf(m_new[0], fmaxf(s[t][0], s[t][1]));
+      m_new[1] = fmaxf(m_new[1], fmaxf(s[t][2], s[t][3]));
+    }
+    float m_scaled[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+      // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
+      // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
+      m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
+      // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
+      alpha[r] = ex2_approx(m_i[r] * sl2 - m_scaled[r]);
+      m_i[r] = m_new[r];
+    }
+
+    // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesS; ++t) {
+      s[t][0] = ex2_approx(fmaf(s[t][0], sl2, -m_scaled[0]));
+      s[t][1] = ex2_approx(fmaf(s[t][1], sl2, -m_scaled[0]));
+      s[t][2] = ex2_approx(fmaf(s[t][2], sl2, -m_scaled[1]));
+      s[t][3] = ex2_approx(fmaf(s[t][3], sl2, -m_scaled[1]));
+      rowsum[0] += s[t][0] + s[t][1];
+      rowsum[1] += s[t][2] + s[t][3];
+    }
+    l_i[0] = l_i[0] * alpha[0] + rowsum[0];
+    l_i[1] = l_i[1] * alpha[1] + rowsum[1];
+    // -- O_i = diag(alpha) O_i
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesO; ++t) {
+      o[t][0] *= alpha[0]; o[t][1] *= alpha[0];
+      o[t][2] *= alpha[1]; o[t][3] *= alpha[1];
+    }
+
+    cp_async_wait<1>();   // V_j has landed (K_{j+1} may still be in flight) ...
+    __syncthreads();      // ... for every thread
+
+    // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      unsigned a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int np = 0; np < Tr::kNTilesO / 2; ++np) {
+        unsigned bv[4];
+        ldmatrix_x4_trans(bv, v_frag.at(kk * 16, 2 * np));
+        Mma<T>::run(o[2 * np], a, bv[0], bv[1]);
+        Mma<T>::run(o[2 * np + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+
+  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  float inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 1);
+    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 2);
+    // l_i == 0 only for a row with no visible key: O = 0 and lse = -inf. A NaN l_i (NaN in
+    // this row's inputs) propagates to this row's outputs only.
+    inv_l[r] = (l_i[r] == 0.f) ? 0.f : 1.f / l_i[r];
+    const int row = row0 + 8 * r;
+    if (lane % 4 == 0 && row < p.Lq) {
+      const float lse = (l_i[r] == 0.f) ? kNegInf : (m_i[r] * sl2 + __log2f(l_i[r])) * 0.69314718055994531f;
+      reinterpret_cast<float*>(p.lse)[static_cast<long long>(b) * p.Lq + row] = lse;
+    }
+  }
+
+  // Stage O through shared memory (the Q tile's space; this warp's 16 rows only) so that the
+  // global stores are whole 16-byte rows.
+  if constexpr (!Tr::kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
+#pragma unroll
+  for (int t = 0; t < Tr::kNTilesO; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int srow = warp * 16 + lane / 4 + 8 * r;
+      const int col = t * 8 + col_in_tile;
+      const unsigned addr = QTile::addr(sQ, srow, col / 8) + 2u * (col % 8);
+      const unsigned val = pack2<T>(o[t][2 * r] * inv_l[r], o[t][2 * r + 1] * inv_l[r]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
+    }
+  }
+  __syncthreads();
+
+  T* __restrict__ out = reinterpret_cast<T*>(p.o) + off.o;
+  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off.o % 8 == 0 &&
+                   p.o % 16 == 0 && p.dv % 8 == 0;
+  constexpr int kChunks = QTile::kChunks;
+  for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int gi = m0 + r;
+    if (gi >= p.Lq || c * 8 >= p.dv) continue;
+    const unsigned char* src = smem + 16 * QTile::chunk_offset(r, c);
+    if (vec) {
+      *reinterpret_cast<uint4*>(out + gi * p.o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      const T* e = reinterpret_cast<const T*>(src);
+      for (int u = 0; u < 8 && c * 8 + u < p.dv; ++u) out[gi * p.o_row_stride + (c * 8 + u) * p.o_col_stride] = e[u];
+    }
+  }
+}
+
+}  // namespace cuflash

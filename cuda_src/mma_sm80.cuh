@@ -1,0 +1,117 @@
+// cuflash: thin wrappers over the sm_80 warp-level instructions the tensor-core kernels use.
+//
+//   cp.async   16-byte global -> shared copies that bypass registers (and zero-fill when the
+//              source is out of bounds),
+//   ldmatrix   four 8x8 b16 matrices from shared memory into the mma fragment layout,
+//   mma.sync   m16n8k16 with float32 accumulation.
+//
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane l, g = l / 4, t = l % 4.
+//   A (16x16, row):  a0 = (g, 2t..2t+1)  a1 = (g+8, 2t..)  a2 = (g, 2t+8..)  a3 = (g+8, 2t+8..)
+//   B (16x8,  col):  b0 = (k 2t..2t+1, n g)              b1 = (k 2t+8..2t+9, n g)
+//   C (16x8, f32):   c0,c1 = (g, 2t..2t+1)                c2,c3 = (g+8, 2t..2t+1)
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes == 0 writes zeros (the source address must still be valid).
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D = A * B + D for one m16n8k16 tile; T selects f16 or bf16 operands.
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// Two floats -> one register of two T, low half first (the A-fragment element order).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// 2^x on the special-function unit; exp2(-inf) = +0, which is what masked scores rely on.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A row-major shared-memory tile of ROWS x COLS b16 elements stored in 16-byte chunks, with the
+// chunk index XOR-swizzled by the row so that the 8 row addresses of one ldmatrix matrix, and
+// the 8 chunks one cp.async wavefront writes, fall in 8 different 16-byte bank groups.
+//   COLS % 64 == 0 (a multiple of 8 chunks a row): chunk ^= row % 8
+//   COLS % 64 == 32 (4 mod 8 chunks a row):        chunk ^= (row / 2) % 4, rows pair up in 128 B
+// Because a row starts on a multiple of 64 bytes (and the XOR only touches address bits 4..6,
+// or 4..5), the swizzle is an XOR on the byte address: addr = (base + row*kRowBytes + chunk*16)
+// ^ (sw(row) * 16), and sw depends on row % 8 alone. FragAddr below relies on that to keep
+// ldmatrix addresses as one register plus an immediate.
+template <int ROWS, int COLS> struct SwizzledTile {
+  static constexpr int kChunks = COLS / 8;
+  static constexpr int kRowBytes = COLS * 2;
+  static constexpr int kWindow = (kChunks % 8 == 0) ? 8 : 4;   // chunks one XOR permutes
+  static_assert(COLS % 32 == 0, "rows must be a multiple of four 16-byte chunks");
+  static constexpr int kBytes = ROWS * kRowBytes;
+  __device__ static __forceinline__ int swz(int row) { return (kWindow == 8) ? (row & 7) : ((row >> 1) & 3); }
+  __device__ static __forceinline__ int chunk_offset(int row, int chunk) {  // in 16-byte units
+    return row * kChunks + (chunk ^ swz(row));
+  }
+  __device__ static __forceinline__ unsigned addr(unsigned base, int row, int chunk) {
+    return base + 16u * static_cast<unsigned>(chunk_offset(row, chunk));
+  }
+
+  // ldmatrix address of one lane: the lane's (row, chunk) inside a 16x16 block is fixed, and
+  // at(row_off, chunk_off) moves to the block at row_off (a multiple of 8) and chunk_off (even).
+  // With compile-time offsets this is kWindow/2 XORed registers and immediate offsets, instead
+  // of one register per (row_off, chunk_off) pair.
+  struct FragAddr {
+    unsigned lane_addr;  // base + lane_row * kRowBytes + lane_chunk * 16, lane_chunk in {0, 1}
+    unsigned sw;         // swz(lane_row) * 16
+    __device__ __forceinline__ FragAddr(unsigned base, int lane_row, int lane_chunk)
+        : lane_addr(base + lane_row * kRowBytes + lane_chunk * 16), sw(16u * swz(lane_row)) {}
+    __device__ __forceinline__ unsigned at(int row_off, int chunk_off) const {
+      const int inner = chunk_off % kWindow;
+      return ((lane_addr + 16u * inner) ^ sw) + 16u * (chunk_off - inner) + row_off * kRowBytes;
+    }
+  };
+};
+
+}  // namespace cuflash

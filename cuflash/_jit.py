@@ -1,0 +1,228 @@
+"""Run-time compilation of the CUDA sources in ``cuda_src/``.
+
+Two ways in:
+
+* :func:`get_kernel` -- compile one template specialisation for the current GPU with
+  ``cupy.RawModule`` (NVRTC), memoised per device.  On compute capability 9.0 the target is
+  ``sm_90a`` so that Hopper-only instructions are available.
+* :func:`compile_offline` -- compile one specialisation for a *named* architecture with no GPU
+  present (NVRTC through ``cupy.cuda.nvrtc``) and return what ptxas reports: registers, spill
+  bytes, stack frame, static shared memory, and how many tensor-core instructions the SASS
+  holds.  :func:`check_all` runs it over every specialisation the dispatcher can select; that
+  is the compile gate of ``python -m cuflash check``.
+
+Local ``#include "x.cuh"`` lines are expanded here, in Python, before the source reaches NVRTC.
+CuPy's on-disk kernel cache keys on the source text only, so an included header that changed
+would otherwise hit a stale cache entry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ._paths import cuda_src_dir
+
+__all__ = ["KernelCompileError", "CompileReport", "get_kernel", "compile_offline",
+           "check_all", "arch_of_device"]
+
+_STD = "-std=c++17"
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel specialisation; the message carries its log."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Source handling
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def load_source(name: str) -> str:
+    """Return ``cuda_src/<name>`` with local ``#include "..."`` lines expanded once each."""
+    root = cuda_src_dir()
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:            # every header is '#pragma once'
+            return ""
+        seen.add(fname)
+        text = (root / fname).read_text()
+        return _INCLUDE_RE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_include_dir() -> str | None:
+    """Directory holding cuda_fp16.h / cuda_bf16.h, if pip's or the system's CUDA has one."""
+    try:
+        from cuda import pathfinder
+        found = pathfinder.find_nvidia_header_directory("cudart")
+    except Exception:  # pathfinder missing or no headers: NVRTC may still find its own
+        found = None
+    if found is None:
+        for cand in ("/usr/local/cuda/include",):
+            if Path(cand, "cuda_fp16.h").exists():
+                return cand
+    return found
+
+
+def _options(arch: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    opts = [_STD, f"-arch={arch}", "-DCUFLASH_NVRTC=1"]
+    inc = _cuda_include_dir()
+    if inc:
+        opts.append(f"-I{inc}")
+    return tuple(opts) + tuple(extra)
+
+
+def arch_of_device(device_id: int) -> str:
+    """The NVRTC target for a device: ``sm_90a`` on Hopper, else ``sm_<major><minor>``."""
+    import cupy
+    cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU: RawModule, one per (device, source, specialisation)
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(source: str, expr: str, device_id: int):
+    """Compile ``expr`` (a C++ name expression, e.g. ``cuflash::fwd_simt<float, 64, false>``)
+    from ``cuda_src/<source>`` for device ``device_id`` and return its ``cupy.RawKernel``."""
+    import cupy
+    with cupy.cuda.Device(device_id):
+        arch = arch_of_device(device_id)
+        try:
+            module = cupy.RawModule(code=load_source(source), options=_options(arch),
+                                    name_expressions=(expr,))
+            kernel = module.get_function(expr)
+            kernel.compile()  # surface errors here rather than at the first launch
+        except cupy.cuda.compiler.CompileException as exc:
+            raise KernelCompileError(
+                f"NVRTC failed on {expr} from cuda_src/{source} for {arch}:\n{exc.get_message()}"
+            ) from None
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: NVRTC for a named arch, no GPU needed
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What ptxas said about one specialisation for one architecture."""
+    source: str
+    expr: str
+    arch: str
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack: int | None = None
+    shared: int | None = None       # static shared memory, bytes
+    hmma: int | None = None         # HMMA + HGMMA instructions in the SASS (None: no disassembler)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.spill_stores and not self.spill_loads and not self.stack
+
+
+def _nvrtc_lib():
+    """libnvrtc loaded through ctypes.  ``cupy.cuda.nvrtc.getCUBIN`` drops the last byte of the
+    image (it treats it as a C string), so the cubin is fetched here directly."""
+    from cuda import pathfinder
+    lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    lib.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    return lib
+
+
+def _get_cubin(prog: int) -> bytes:
+    lib = _nvrtc_lib()
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
+        raise KernelCompileError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+        raise KernelCompileError("nvrtcGetCUBIN failed")
+    return buf.raw
+
+
+_PTXAS_FN = re.compile(r"Compiling entry function '(\S+)' for")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _parse_ptxas(log: str, lowered: str) -> dict:
+    """Pick the ptxas lines that belong to the entry ``lowered`` out of an NVRTC log."""
+    out: dict = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FN.search(line)
+        if m:
+            current = m.group(1)
+            continue
+        if current != lowered:
+            continue
+        if (m := _PTXAS_STACK.search(line)):
+            out["stack"], out["spill_stores"], out["spill_loads"] = map(int, m.groups())
+        if (m := _PTXAS_REGS.search(line)):
+            out["registers"] = int(m.group(1))
+            sm = _PTXAS_SMEM.search(line)
+            out["shared"] = int(sm.group(1)) if sm else 0
+    return out
+
+
+def _count_tensor_core_ops(cubin: bytes) -> int | None:
+    try:
+        from cuda import pathfinder
+        tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
+    except Exception:
+        tool = None
+    tool = tool or shutil.which("nvdisasm")
+    if not tool:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"\b(?:HMMA|HGMMA)\b", sass))
+
+
+def compile_offline(source: str, expr: str, arch: str) -> CompileReport:
+    """Compile ``expr`` from ``cuda_src/<source>`` for ``arch`` (e.g. ``"sm_90a"``) with NVRTC,
+    no GPU needed, and report ptxas's resource usage and the tensor-core instruction count."""
+    from cupy.cuda import nvrtc
+    prog = nvrtc.createProgram(load_source(source), source, [], [])
+    try:
+        nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(_options(arch, ("--ptxas-options=-v",))))
+        except nvrtc.NVRTCError:
+            return CompileReport(source, expr, arch, error=nvrtc.getProgramLog(prog).strip())
+        lowered = nvrtc.getLoweredName(prog, expr)
+        info = _parse_ptxas(nvrtc.getProgramLog(prog), lowered)
+        hmma = _count_tensor_core_ops(_get_cubin(prog))
+        return CompileReport(source, expr, arch, hmma=hmma, **info)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def check_all(archs) -> list[CompileReport]:
+    """Compile every specialisation the dispatcher can select, for each arch in ``archs``."""
+    from ._launch import all_specialisations
+    reports = []
+    for arch in archs:
+        for source, expr in all_specialisations(arch):
+            reports.append(compile_offline(source, expr, arch))
+    return reports

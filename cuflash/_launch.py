@@ -1,0 +1,274 @@
+"""GPU launcher: pick a kernel family, its tiles and grid, build the parameter block, launch.
+
+Families
+--------
+``fwd_sm80``  (cuda_src/fwd_sm80.cu)  float16 / bfloat16 on compute capability >= 8.0:
+              mma.sync tensor cores, cp.async, ldmatrix.  Head dims bucketed to multiples of 32.
+``fwd_simt``  (cuda_src/fwd_simt.cu)  everything else: float32 and float64 (exact paths, no
+              tensor cores), and 16-bit inputs on GPUs older than sm_80.
+
+Copies
+------
+No input is copied by the generic kernel: it reads any strides, including the stride-0
+dimensions that broadcasting produces.  The tensor-core kernel needs each q/k/v row to be
+contiguous and 16-byte aligned with a head dim that is a multiple of 8; an input that is not
+is copied (only its own, un-broadcast extent) into a C-contiguous buffer whose head dim is
+zero-padded to a multiple of 8.  Zero columns change neither ``q @ k.T`` nor the first ``dv``
+columns of ``p @ v``.  The output and lse are written in place with any strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy
+
+from . import _jit
+from ._problem import AttentionProblem
+
+MAX_BATCH_DIMS = 4          # kMaxBatchDims in cuda_src/common.cuh
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles of the tensor-core kernel, one entry per head-dim bucket
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Sm80Tiles:
+    """Tiles of ``fwd_sm80`` for one head-dim bucket (template arguments, in this order)."""
+    head_dim: int   # bucket: max(d, dv) rounded up to a multiple of 32
+    block_n: int    # keys per K/V tile
+    warps: int      # warps per block; each owns 16 query rows, so BLOCK_M = 16 * warps
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        # Sm80Traits::kSmemBytes: Q tile (reused for O) + one K tile + one V tile, 2-byte elements
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+
+
+#: Why these tiles (H200: 228 KB shared memory and 64K registers per SM):
+#: * 8 warps (BLOCK_M = 128): every K/V tile brought into shared memory serves 128 query rows,
+#:   which halves the L2 -> SM traffic of a 64-row tile; at the 160-250 registers these
+#:   kernels take, one 256-thread block per SM is also what the register file allows.
+#: * BLOCK_N = 128 at d = 32: S costs 64 registers, the O accumulator only 16, so a wide key
+#:   tile amortises the barriers and the softmax bookkeeping over more keys.
+#: * BLOCK_N = 64 up to d = 224: O takes d/2 registers per thread and S another 32; wider key
+#:   tiles spill.
+#: * BLOCK_N = 32 at d = 256: O alone is 128 registers; 64-key tiles spill (ptxas, sm_90a).
+SM80_TILES: dict[int, Sm80Tiles] = {
+    32: Sm80Tiles(32, 128, 8),
+    64: Sm80Tiles(64, 64, 8),
+    96: Sm80Tiles(96, 64, 8),
+    128: Sm80Tiles(128, 64, 8),
+    160: Sm80Tiles(160, 64, 8),
+    192: Sm80Tiles(192, 64, 8),
+    224: Sm80Tiles(224, 64, 8),
+    256: Sm80Tiles(256, 32, 8),
+}
+#: With few (batch, Q-tile) blocks the grid would leave SMs idle: then 4 warps (BLOCK_M = 64)
+#: doubles the number of blocks, and two such blocks fit on one SM.
+SMALL_GRID_WARPS = 4
+
+_CTYPE = {numpy.dtype(numpy.float16): "__half", numpy.dtype(numpy.float32): "float",
+          numpy.dtype(numpy.float64): "double"}
+
+
+def _ctype(dtype) -> str:
+    import ml_dtypes
+    dtype = numpy.dtype(dtype)
+    if dtype == numpy.dtype(ml_dtypes.bfloat16):
+        return "__nv_bfloat16"
+    return _CTYPE[dtype]
+
+
+def _bool(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def sm80_expr(dtype, tiles: Sm80Tiles, causal: bool, even: bool) -> str:
+    return (f"cuflash::fwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
+            f"{tiles.warps}, {_bool(causal)}, {_bool(even)}>")
+
+
+def all_specialisations(arch: str) -> list[tuple[str, str]]:
+    """Every (source, name expression) the dispatcher can select on ``arch``."""
+    from ._simt_config import all_simt_specialisations
+    out = [("fwd_simt.cu", e) for e in all_simt_specialisations()]
+    cc = int(arch[3:5])
+    if cc >= 80:
+        import ml_dtypes
+        for dtype in (numpy.float16, ml_dtypes.bfloat16):
+            for tiles in SM80_TILES.values():
+                for warps in sorted({tiles.warps, SMALL_GRID_WARPS}):
+                    t = dataclasses.replace(tiles, warps=warps)
+                    for causal in (False, True):
+                        for even in (False, True):
+                            out.append(("fwd_sm80.cu", sm80_expr(dtype, t, causal, even)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter block (cuflash::FwdParams in cuda_src/common.cuh, field for field)
+# ---------------------------------------------------------------------------------------------
+
+_B = MAX_BATCH_DIMS
+FWD_PARAMS = numpy.dtype([
+    ("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("o", "<u8"), ("lse", "<u8"),
+    ("q_batch_stride", "<i8", (_B,)), ("k_batch_stride", "<i8", (_B,)),
+    ("v_batch_stride", "<i8", (_B,)), ("o_batch_stride", "<i8", (_B,)),
+    ("q_row_stride", "<i8"), ("q_col_stride", "<i8"),
+    ("k_row_stride", "<i8"), ("k_col_stride", "<i8"),
+    ("v_row_stride", "<i8"), ("v_col_stride", "<i8"),
+    ("o_row_stride", "<i8"), ("o_col_stride", "<i8"),
+    ("scale_log2", "<f8"),
+    ("batch_shape", "<i4", (_B,)),
+    ("nbatch", "<i4"), ("Lq", "<i4"), ("Lk", "<i4"), ("d", "<i4"), ("dv", "<i4"),
+    ("causal_offset", "<i4"), ("num_m_blocks", "<i4"), ("pad_", "<i4"),
+], align=True)
+
+
+def _elem_strides(a) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def merge_batch_dims(shape, strides_per_tensor):
+    """Drop extent-1 batch dims and merge neighbours that every tensor walks contiguously.
+
+    ``strides_per_tensor`` is a list of per-tensor stride tuples over ``shape``.  Returns
+    ``(shape, [strides per tensor])`` with as few dimensions as the layouts allow.
+    """
+    dims = [(n, [s[i] for s in strides_per_tensor]) for i, n in enumerate(shape) if n != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for n, st in dims:
+        if merged:
+            pn, pst = merged[-1]
+            if all(ps == s * n for ps, s in zip(pst, st)):
+                merged[-1] = (pn * n, st)
+                continue
+        merged.append((n, st))
+    shape_out = tuple(n for n, _ in merged)
+    strides_out = [tuple(st[t] for _, st in merged) for t in range(len(strides_per_tensor))]
+    return shape_out, strides_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs for the tensor-core kernel
+# ---------------------------------------------------------------------------------------------
+
+def _sm80_ready(x) -> bool:
+    """True when ``x`` (batch..., L, d) can be read by fwd_sm80 as it is."""
+    st = _elem_strides(x)
+    d = x.shape[-1]
+    if d % 8 or st[-1] != 1 or x.data.ptr % 16:
+        return False
+    return all(s % 8 == 0 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
+
+
+def _sm80_input(x):
+    """``x`` itself, or a contiguous copy of its un-broadcast extent with the head dim
+    zero-padded to a multiple of 8, broadcast back to ``x.shape``."""
+    if _sm80_ready(x):
+        return x
+    import cupy
+    core = x[tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None)
+                   for n, s in zip(x.shape[:-2], x.strides[:-2]))]
+    d = x.shape[-1]
+    d8 = -(-d // 8) * 8
+    buf = cupy.zeros(core.shape[:-1] + (d8,), dtype=x.dtype)
+    buf[..., :d] = core
+    return cupy.broadcast_to(buf[..., :d], x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device_id: int) -> tuple[int, int]:
+    import cupy
+    dev = cupy.cuda.Device(device_id)
+    return int(dev.compute_capability), dev.attributes["MultiProcessorCount"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    source: str
+    expr: str
+    block_m: int
+    threads: int
+    smem_bytes: int
+
+
+def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch:
+    """The kernel, tiles and block geometry for ``prob`` on a GPU of compute capability cc."""
+    import ml_dtypes
+    half_types = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
+    if prob.dtype in half_types and cc >= 80:
+        bucket = max(32, -(-max(prob.d, prob.dv) // 32) * 32)
+        tiles = SM80_TILES[bucket]
+        if nbatch * -(-prob.Lq // tiles.block_m) < 2 * num_sms:
+            tiles = dataclasses.replace(tiles, warps=SMALL_GRID_WARPS)
+        even = (prob.Lq % tiles.block_m == 0 and prob.Lk % tiles.block_n == 0
+                and prob.d == bucket and prob.dv == bucket)
+        return Launch("fwd_sm80.cu", sm80_expr(prob.dtype, tiles, prob.causal, even),
+                      tiles.block_m, tiles.threads, tiles.smem_bytes)
+    from ._simt_config import simt_launch
+    sl = simt_launch(prob.dtype, prob.d, prob.dv, prob.causal)
+    return Launch("fwd_simt.cu", sl.expr, sl.block_m, sl.threads, sl.smem_bytes)
+
+
+def forward(prob: AttentionProblem, o, lse) -> None:
+    """Compute ``prob`` into ``o`` and ``lse`` (see AttentionProblem) on the inputs' GPU,
+    on CuPy's current stream."""
+    import cupy
+    with cupy.cuda.Device(prob.device_id):
+        cc, num_sms = _device_info(prob.device_id)
+        q, k, v = prob.q, prob.k, prob.v
+        nbatch = math.prod(prob.batch_shape)
+        launch = choose(prob, nbatch, cc, num_sms)
+        if launch.source == "fwd_sm80.cu":
+            q, k, v = _sm80_input(q), _sm80_input(k), _sm80_input(v)
+        kernel = _jit.get_kernel(launch.source, launch.expr, prob.device_id)
+        if launch.smem_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < launch.smem_bytes:
+            kernel.max_dynamic_shared_size_bytes = launch.smem_bytes
+
+        nb = len(prob.batch_shape)
+        tensors = (q, k, v, o)
+        shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
+        # Leading dims past MAX_BATCH_DIMS: one launch per index of those (rare; no copies).
+        outer = shape[:-MAX_BATCH_DIMS] if len(shape) > MAX_BATCH_DIMS else ()
+        inner = shape[len(outer):]
+        num_m_blocks = -(-prob.Lq // launch.block_m)
+        inner_n = math.prod(inner)
+
+        p = numpy.zeros((), dtype=FWD_PARAMS)
+        for name, t in zip("qkvo", tensors):
+            st = _elem_strides(t)
+            p[f"{name}_row_stride"], p[f"{name}_col_stride"] = st[-2], st[-1]
+        p["scale_log2"] = prob.scale * LOG2E
+        p["batch_shape"] = (1,) * (MAX_BATCH_DIMS - len(inner)) + inner
+        p["nbatch"] = inner_n
+        p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
+        p["causal_offset"] = prob.causal_offset
+        p["num_m_blocks"] = num_m_blocks
+        pad = MAX_BATCH_DIMS - len(inner)
+        for name, st in zip("qkvo", strides):
+            p[f"{name}_batch_stride"] = (0,) * pad + st[len(outer):]
+        grid = (inner_n * num_m_blocks,)
+        for idx in numpy.ndindex(*outer):
+            for name, t, st in zip("qkvo", tensors, strides):
+                p[name] = t.data.ptr + t.itemsize * sum(i * s for i, s in zip(idx, st))
+            p["lse"] = lse.data.ptr + lse.itemsize * prob.Lq * inner_n * (
+                numpy.ravel_multi_index(idx, outer) if outer else 0)
+            kernel(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
