@@ -373,6 +373,7 @@ def plot(rows: Sequence[dict], out_dir: pathlib.Path | str, title: str = "") -> 
             ax.set_xlabel("sequence length L")
             ax.set_title(f"d = {d}")
             ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
         axes[0][0].set_ylabel("TFLOP/s")
         axes[0][-1].legend(fontsize="small")
         kind = "causal" if causal else "noncausal"
