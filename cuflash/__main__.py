@@ -111,6 +111,19 @@ def _median_host_ms(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _naive_ms(cp, q, k, v, scale: float, causal: bool) -> float | None:
+    """Time of the naive CuPy computation (None, with a note, if CuPy cannot run it)."""
+    from cuflash._bench import naive_attention
+    L, Lk = q.shape[-2], k.shape[-2]
+    try:
+        bias = (cp.triu(cp.full((L, Lk), -cp.inf, dtype=cp.float32), k=Lk - L + 1)
+                if causal else None)
+        return _median_ms(cp, lambda: naive_attention(cp, q, k, v, scale, bias))
+    except Exception as e:
+        print(f"  (naive CuPy did not run: {_short(e)})")
+        return None
+
+
 def cmd_demo(args) -> int:
     import numpy as np
     import cuflash
@@ -151,10 +164,7 @@ def cmd_demo(args) -> int:
                     return cuflash.attention(qd, kd, vd, scale=scale, causal=causal)
                 o = cp.asnumpy(run())
                 ms = _median_ms(cp, run)
-                from cuflash._bench import naive_attention
-                bias = (cp.triu(cp.full((L, L), -cp.inf, dtype=cp.float32), k=1)
-                        if causal else None)
-                naive_ms = _median_ms(cp, lambda: naive_attention(cp, qd, kd, vd, scale, bias))
+                naive_ms = _naive_ms(cp, qd, kd, vd, scale, causal)
             else:
                 o = cuflash.attention(q, k, v, scale=scale, causal=causal)
                 ms = _median_host_ms(lambda: cuflash.attention(q, k, v, scale=scale,
@@ -168,7 +178,7 @@ def cmd_demo(args) -> int:
         failures += not ok
         line = f"{label:<36} {err:9.2e} {naive_err:9.2e} {allowed:9.2e} {ms:10.3f}"
         if cp is not None:
-            line += f" {naive_ms:9.3f}"
+            line += f" {naive_ms:9.3f}" if naive_ms is not None else f" {'-':>9}"
         print(line + ("  ok" if ok else "  FAIL"))
     print()
     print("rel err = max|o - ref| / max|ref| against cuflash.reference (float64); allowed = "

@@ -7,7 +7,7 @@ What is measured (DESIGN.md, "Benchmarks"):
 * Shapes: batch x seqlen = 16k tokens (``B = 16384 // L``), heads x head dim = 2048
   (``H = 2048 // d``), ``L`` in {1024, 4096, 16384}, ``d`` in {64, 128, 256}, causal or not,
   Lq = Lk = L, layout (B, H, L, d) contiguous.
-* Implementations, all on the same CuPy arrays:
+* Implementations, all on the same CuPy arrays (see ``naive_attention`` for bfloat16 in CuPy):
   ``cuflash``; ``naive_cupy`` (matmul, softmax in float32, matmul -- what a CuPy user writes
   today; skipped when its float32 L x L buffer would exceed 40 GB); where importable, PyTorch
   SDPA with one backend forced (``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``) on tensors
@@ -40,9 +40,12 @@ peak of device memory allocated *during one call* beyond the inputs and the outp
 allocations (cuflash, naive_cupy) are counted exactly with a ``cupy.cuda.MemoryHook`` that
 follows every allocation and release of a fresh memory pool (bytes as the pool rounds them,
 to 512 B). PyTorch's are read from ``torch.cuda.max_memory_allocated`` (its inputs are CuPy
-memory, so only its output and workspaces show). Memory that neither allocator sees (cuBLAS
-and cuDNN handles, loaded kernel images, the driver) is not counted; the device-wide change of
-``cudaMemGetInfo`` across the call is recorded beside it as ``device_delta_bytes``.
+memory, so only its output and workspaces show). Each measured call follows an unmeasured
+one (compilation, handles, plans), and the output is subtracted, so an implementation's
+internal lse buffer counts as extra. Memory that neither allocator sees (cuBLAS and cuDNN
+workspaces, loaded kernel images, the driver) is not counted; the device-wide growth of used
+memory across the measured call (``cudaMemGetInfo``; 0 when the pools reuse what the warm-up
+call took) is recorded beside it as ``device_delta_bytes``.
 
 The logic that does not touch a GPU (shapes, FLOPs, table, JSON, plots) is plain Python and is
 tested on the CPU in tests/test_bench_logic.py. Nothing here imports CuPy, PyTorch or JAX at
@@ -406,6 +409,25 @@ def cuflash_version() -> str:
     return version_of("cuflash") or "0+unknown"
 
 
+def git_describe() -> str | None:
+    """Commit of the checkout this runs from, with "+dirty" when files differ (None outside
+    a git checkout), so a result can be tied to the kernel source that produced it."""
+    import subprocess
+    root = repo_root()
+    if root is None:
+        return None
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU side
 # ---------------------------------------------------------------------------------------------
@@ -416,11 +438,13 @@ class Skip(Exception):
 
 def _short(exc: BaseException, caught: Sequence[warnings.WarningMessage] = ()) -> str:
     msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    # PyTorch explains "No available kernel" in warnings; keep the first explanation.
+    # PyTorch explains "No available kernel" in warnings, after headers such as "Flash
+    # attention kernel not used because:"; keep the first real explanation.
     for w in caught:
-        text = str(w.message).strip()
-        if text:
-            msg += f" [{text.splitlines()[0]}]"
+        text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", str(w.message)).strip()
+        text = text.splitlines()[0].strip() if text else ""
+        if text and not text.endswith(":") and "runtime disabled" not in text:
+            msg += f" [{text}]"
             break
     return msg[:300]
 
@@ -537,9 +561,31 @@ class NaiveCupyImpl(Impl):
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def batched_matmul(xp, a, b):
+    """``xp.matmul(a, b)``, except where CuPy refuses it: CuPy 14.2's batched (ndim > 2)
+    matmul rejects bfloat16 ("data type 'E' not understood") while 2-D matmul takes it, so
+    there the batch is looped over with 2-D matmuls (cuBLAS, tensor cores) into one output,
+    which is what a CuPy user has to write today."""
+    try:
+        return xp.matmul(a, b)
+    except TypeError:
+        if a.ndim <= 2 or a.dtype.name != "bfloat16":
+            raise
+    import numpy as np
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = xp.broadcast_to(a, batch + a.shape[-2:])
+    b = xp.broadcast_to(b, batch + b.shape[-2:])
+    out = xp.empty(batch + (a.shape[-2], b.shape[-1]), dtype=a.dtype)
+    for idx in np.ndindex(*batch):
+        xp.matmul(a[idx], b[idx], out=out[idx])
+    return out
+
+
 def naive_attention(cp, q, k, v, scale: float, bias=None):
-    """O = softmax(scale * Q K^T + bias) V with the score matrix materialised in float32."""
-    s = cp.matmul(q, k.swapaxes(-1, -2))
+    """O = softmax(scale * Q K^T + bias) V with the score matrix materialised in float32:
+    matmul in the input dtype (float32 accumulation in cuBLAS), softmax in float32, the
+    probabilities cast back to the input dtype, matmul."""
+    s = batched_matmul(cp, q, k.swapaxes(-1, -2))
     s = s.astype(cp.float32, copy=False)
     s *= cp.float32(scale)
     if bias is not None:
@@ -547,7 +593,7 @@ def naive_attention(cp, q, k, v, scale: float, bias=None):
     s -= s.max(axis=-1, keepdims=True)
     cp.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    return cp.matmul(s.astype(q.dtype, copy=False), v)
+    return batched_matmul(cp, s.astype(q.dtype, copy=False), v)
 
 
 class SdpaImpl(Impl):
@@ -792,6 +838,7 @@ def device_header(argv: Sequence[str]) -> dict:
         "jax": version_of("jax"),
         "jaxlib": version_of("jaxlib"),
         "cuflash": cuflash_version(),
+        "git": git_describe(),
         "python": sys.version.split()[0],
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(argv),
@@ -893,7 +940,7 @@ def measure_memory_cupy(fn: Callable[[], Any], pool=None) -> dict:
     rounded_out = -(-out.nbytes // 512) * 512
     res = {"peak_extra_bytes": max(0, hook.peak - rounded_out),
            "output_bytes": out_bytes,
-           "device_delta_bytes": free_before - free_after - rounded_out}
+           "device_delta_bytes": free_before - free_after}
     if pool is not None:
         res["pool_growth_bytes"] = pool.total_bytes() - pool_before
     del out
@@ -915,7 +962,7 @@ def measure_memory_torch(fn: Callable[[], Any]) -> dict:
     free_after = cp.cuda.runtime.memGetInfo()[0]
     peak = torch.cuda.max_memory_allocated() - base
     res = {"peak_extra_bytes": max(0, peak - out_bytes), "output_bytes": out_bytes,
-           "device_delta_bytes": free_before - free_after - out_bytes}
+           "device_delta_bytes": free_before - free_after}
     del out
     return res
 

@@ -274,3 +274,56 @@ def test_check_table_and_verdict(monkeypatch, capsys):
     monkeypatch.setattr(jit, "check_all", lambda archs: [], raising=False)
     assert cli.main(["check"]) == 1
     capsys.readouterr()
+
+
+def test_batched_matmul_loops_where_cupy_refuses_bfloat16():
+    # CuPy 14.2: matmul of bfloat16 arrays with ndim > 2 raises TypeError, 2-D works
+    import types
+
+    import ml_dtypes
+    import numpy as np
+
+    calls = []
+
+    def matmul(a, b, out=None):
+        calls.append(a.ndim)
+        if a.ndim > 2 and a.dtype == ml_dtypes.bfloat16:
+            raise TypeError("data type 'E' not understood")
+        return np.matmul(a, b, out=out)
+
+    xp = types.SimpleNamespace(matmul=matmul, broadcast_to=np.broadcast_to, empty=np.empty)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 3, 4, 5)).astype(ml_dtypes.bfloat16)
+    bm = rng.standard_normal((1, 3, 5, 6)).astype(ml_dtypes.bfloat16)    # broadcast batch
+    out = b.batched_matmul(xp, a, bm)
+    assert out.shape == (2, 3, 4, 6) and out.dtype == ml_dtypes.bfloat16
+    want = np.matmul(a.astype(np.float32), bm.astype(np.float32))
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2**-7, atol=1e-2)
+    assert calls.count(2) == 6
+    f32 = a.astype(np.float32)
+    with pytest.raises(TypeError):         # other dtypes are not silently looped
+        b.batched_matmul(types.SimpleNamespace(
+            matmul=lambda x, y: (_ for _ in ()).throw(TypeError("no"))), f32, f32)
+
+
+def test_skip_reason_keeps_torchs_real_explanation():
+    import warnings
+
+    def w(text):
+        return warnings.WarningMessage(text, UserWarning, "x.py", 1)
+    caught = [w("Memory efficient kernel not used because: (Triggered internally at /a.cpp:9.)"),
+              w("Memory Efficient attention has been runtime disabled. (Triggered internally "
+                "at /a.cpp:1.)"),
+              w("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query "
+                "dtype: float (Triggered internally at /b.cpp:2.)")]
+    msg = b._short(RuntimeError("No available kernel. Aborting execution."), caught)
+    assert msg == ("RuntimeError: No available kernel. Aborting execution. [Expected query, key "
+                   "and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float]")
+
+
+def test_git_describe_in_checkout():
+    import shutil
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    desc = b.git_describe()
+    assert desc is not None and len(desc.split("+")[0]) == 12
