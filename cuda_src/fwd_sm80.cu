@@ -2,8 +2,9 @@
 //
 // FlashAttention-2, Algorithm 1, one thread block per (batch item, BLOCK_M query rows):
 //   each warp owns 16 query rows, so the online softmax never talks across warps;
-//   K_j and V_j tiles arrive by cp.async into XOR-swizzled shared memory; the load of V_j
-//   overlaps S = Q K_j^T and the load of K_{j+1} overlaps the softmax and O += P V_j;
+//   K_j and V_j tiles arrive by cp.async into XOR-swizzled, double-buffered shared memory:
+//   K_{j+1} and V_{j+1} load while the block computes on K_j and V_j, and one barrier per
+//   key tile is all the synchronisation there is;
 //   S and P live in registers, and P is reused directly as the A operand of P V_j;
 //   causal tiles beyond the diagonal are never visited, and only the tiles that straddle the
 //   diagonal or the end of the keys pay for a mask.
@@ -19,7 +20,7 @@ namespace cuflash {
 // Tile constants of one specialisation. The per-head-dim choice of BLOCK_N and WARPS, with the
 // reason for each, is the table SM80_TILES in cuflash/_launch.py; here they are derived and
 // checked.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int MIN_BLOCKS>
 struct Sm80Traits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kWarps = WARPS;
@@ -32,17 +33,20 @@ struct Sm80Traits {
   // Q fragments stay in registers (4 per k-step) up to d = 128; beyond that O alone takes
   // HEAD_DIM / 2 registers per thread, so Q is re-read from shared memory each k-step instead.
   static constexpr bool kQInRegs = HEAD_DIM <= 128;
-  // Two blocks per SM where the register file allows it (<= 128 registers at 256 threads).
-  static constexpr int kMinBlocks = 1;
+  // Blocks per SM the registers must allow (__launch_bounds__): 2 caps a 256-thread block at
+  // 128 registers a thread.
+  static constexpr int kMinBlocks = MIN_BLOCKS;
 
   using QTile = SwizzledTile<kBlockM, HEAD_DIM>;   // also holds O for the epilogue
   using KVTile = SwizzledTile<kBlockN, HEAD_DIM>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * KVTile::kBytes;  // Q + K_j + V_j
+  static constexpr int kStages = 2;  // K/V buffers: compute on one while the next one loads
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
 
   static_assert(sizeof(T) == 2, "the mma.sync path is for float16 / bfloat16 inputs");
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "head-dim buckets are multiples of 32");
   static_assert(BLOCK_N % 16 == 0, "P V consumes S in k16 slices");
   static_assert(WARPS >= 1 && WARPS <= 8, "one warp per 16 rows, at most 128 rows");
+  static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
 };
 
 // Copy rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global tile into the
@@ -52,7 +56,9 @@ __device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ 
                                           int row0, int nrows, int cols) {
   constexpr int kChunks = Tile::kChunks;
   constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
-#pragma unroll
+  // Not unrolled: unrolled, ptxas keeps one 64-bit source address per iteration live across
+  // the whole key loop, and at 4 warps that alone pushes the kernel into spills.
+#pragma unroll 1
   for (int it = 0; it < kIters; ++it) {
     const int idx = threadIdx.x + it * THREADS;
     if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
@@ -64,19 +70,20 @@ __device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ 
   }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, bool CAUSAL, bool EVEN>
-__global__ void __launch_bounds__(32 * WARPS, (Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS>::kMinBlocks))
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 fwd_sm80(const FwdParams p) {
-  using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS>;
+  using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, MIN_BLOCKS>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
   const float kNegInf = -__int_as_float(0x7f800000);
 
   extern __shared__ __align__(128) unsigned char smem[];
+  // Layout: Q | K stage 0 | V stage 0 | K stage 1 | V stage 1
   const unsigned sQ = smem_u32(smem);
-  const unsigned sK = sQ + QTile::kBytes;
-  const unsigned sV = sK + KVTile::kBytes;
+  const unsigned sKV = sQ + QTile::kBytes;
+  constexpr unsigned kStageBytes = 2 * KVTile::kBytes;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Heaviest causal tiles first: they have the most key tiles to walk.
@@ -96,9 +103,16 @@ fwd_sm80(const FwdParams p) {
   if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
-  // -- load Q_i and K_0
+  // K_j and V_j into stage `stage`
+  auto load_kv = [&](int n0, int stage) {
+    const unsigned sK = sKV + stage * kStageBytes;
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, n0, p.Lk, p.dv);
+  };
+
+  // -- load Q_i, K_0 and V_0
   load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > 0) load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, 0, p.Lk, p.d);
+  if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -114,8 +128,9 @@ fwd_sm80(const FwdParams p) {
   // B-fragment addressing. K (S = Q K^T), matrices: keys 0-7 / chunk 2s, keys 0-7 / 2s+1,
   // keys 8-15 / 2s, keys 8-15 / 2s+1.  V (O += P V, transposed), matrices: keys 0-7 / chunk
   // 2t, keys 8-15 / 2t, keys 0-7 / 2t+1, keys 8-15 / 2t+1.
-  const typename KVTile::FragAddr k_frag(sK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const typename KVTile::FragAddr v_frag(sV, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  // Both address stage 0; stage 1 is kStageBytes further on.
+  const typename KVTile::FragAddr k_frag(sKV, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const typename KVTile::FragAddr v_frag(sKV + KVTile::kBytes, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
   // Per-thread state: rows r0 = m0 + warp*16 + lane/4 and r0 + 8 of the warp's slice.
   float o[Tr::kNTilesO][4];
@@ -128,12 +143,13 @@ fwd_sm80(const FwdParams p) {
 
   for (int j = 0; j < n_blocks; ++j) {
     const int n0 = j * BLOCK_N;
+    const unsigned stage_off = (j & 1) * kStageBytes;
     if (j > 0) {
-      cp_async_wait<0>();   // K_j has landed ...
-      __syncthreads();      // ... for every thread, and every warp is done with V_{j-1}
+      cp_async_wait<0>();   // K_j and V_j have landed ...
+      __syncthreads();      // ... for every thread, and every warp is done with stage (j+1)&1
     }
-    // -- load V_j (overlaps S = Q K_j^T)
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sV, v, p.v_row_stride, n0, p.Lk, p.dv);
+    // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
+    if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
     cp_async_commit();
 
     // -- S_ij = Q_i K_j^T
@@ -151,29 +167,28 @@ fwd_sm80(const FwdParams p) {
 #pragma unroll
       for (int np = 0; np < Tr::kNTilesS / 2; ++np) {
         unsigned bk[4];
-        ldmatrix_x4(bk, k_frag.at(np * 16, 2 * ks));
+        ldmatrix_x4(bk, k_frag.at(np * 16, 2 * ks) + stage_off);
         Mma<T>::run(s[2 * np], a, bk[0], bk[1]);
         Mma<T>::run(s[2 * np + 1], a, bk[2], bk[3]);
       }
     }
-    __syncthreads();  // every warp is done reading K_j
-    // -- load K_{j+1} (overlaps the softmax and P V_j)
-    if (j + 1 < n_blocks) load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0 + BLOCK_N, p.Lk, p.d);
-    cp_async_commit();
-
     // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
     //    cross the end of the keys or this warp's diagonal pay for it.
     const int warp_row_first = m0 + warp * 16;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
                            (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
     if (need_mask) {
+      // the last visible key of each of this thread's two rows, relative to this thread's
+      // first column in the tile
 #pragma unroll
-      for (int t = 0; t < Tr::kNTilesS; ++t) {
+      for (int r = 0; r < 2; ++r) {
+        int last = p.Lk - 1;
+        if (CAUSAL) last = min(last, row0 + 8 * r + p.causal_offset);
+        last -= n0 + col_in_tile;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n0 + t * 8 + col_in_tile + (e & 1);
-          const int row = row0 + (e >> 1) * 8;
-          if (col >= p.Lk || (CAUSAL && col > row + p.causal_offset)) s[t][e] = kNegInf;
+        for (int t = 0; t < Tr::kNTilesS; ++t) {
+          if (t * 8 > last) s[t][2 * r] = kNegInf;
+          if (t * 8 + 1 > last) s[t][2 * r + 1] = kNegInf;
         }
       }
     }
@@ -218,9 +233,6 @@ fwd_sm80(const FwdParams p) {
       o[t][2] *= alpha[1]; o[t][3] *= alpha[1];
     }
 
-    cp_async_wait<1>();   // V_j has landed (K_{j+1} may still be in flight) ...
-    __syncthreads();      // ... for every thread
-
     // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -232,7 +244,7 @@ fwd_sm80(const FwdParams p) {
 #pragma unroll
       for (int np = 0; np < Tr::kNTilesO / 2; ++np) {
         unsigned bv[4];
-        ldmatrix_x4_trans(bv, v_frag.at(kk * 16, 2 * np));
+        ldmatrix_x4_trans(bv, v_frag.at(kk * 16, 2 * np) + stage_off);
         Mma<T>::run(o[2 * np], a, bv[0], bv[1]);
         Mma<T>::run(o[2 * np + 1], a, bv[2], bv[3]);
       }

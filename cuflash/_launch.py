@@ -42,6 +42,7 @@ class Sm80Tiles:
     head_dim: int   # bucket: max(d, dv) rounded up to a multiple of 32
     block_n: int    # keys per K/V tile
     warps: int      # warps per block; each owns 16 query rows, so BLOCK_M = 16 * warps
+    min_blocks: int = 1  # blocks per SM the register budget must allow (__launch_bounds__)
 
     @property
     def block_m(self) -> int:
@@ -53,32 +54,50 @@ class Sm80Tiles:
 
     @property
     def smem_bytes(self) -> int:
-        # Sm80Traits::kSmemBytes: Q tile (reused for O) + one K tile + one V tile, 2-byte elements
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+        # Sm80Traits::kSmemBytes: Q tile (reused for O) + two stages of K and V, 2-byte elements
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2
 
 
-#: Why these tiles (H200: 228 KB shared memory and 64K registers per SM):
+#: Why these tiles (H200: 228 KB shared memory and 64K registers per SM; register counts are
+#: ptxas's for sm_90a, see `python -m cuflash check`):
 #: * 8 warps (BLOCK_M = 128): every K/V tile brought into shared memory serves 128 query rows,
-#:   which halves the L2 -> SM traffic of a 64-row tile; at the 160-250 registers these
-#:   kernels take, one 256-thread block per SM is also what the register file allows.
-#: * BLOCK_N = 128 at d = 32: S costs 64 registers, the O accumulator only 16, so a wide key
-#:   tile amortises the barriers and the softmax bookkeeping over more keys.
-#: * BLOCK_N = 64 up to d = 224: O takes d/2 registers per thread and S another 32; wider key
-#:   tiles spill.
-#: * BLOCK_N = 32 at d = 256: O alone is 128 registers; 64-key tiles spill (ptxas, sm_90a).
+#:   which halves the L2 -> SM traffic of a 64-row tile.
+#: * d <= 64: 32-64 keys a tile keep the kernel at <= 128 registers, so two 256-thread blocks
+#:   share an SM and one block's barrier stalls are hidden by the other's math.
+#: * d = 96..192: O takes d/2 registers per thread, Q in registers up to d/2 more (d <= 128),
+#:   S 32 at 64 keys; 200-250 registers, so one block per SM, and 64 keys a tile amortise the
+#:   barrier and the softmax bookkeeping.
+#: * d = 224, 256: O alone is 112-128 registers; 64-key tiles spill, so 32 keys a tile.
 SM80_TILES: dict[int, Sm80Tiles] = {
-    32: Sm80Tiles(32, 128, 8),
-    64: Sm80Tiles(64, 64, 8),
+    32: Sm80Tiles(32, 64, 8, 2),
+    64: Sm80Tiles(64, 32, 8, 2),
     96: Sm80Tiles(96, 64, 8),
     128: Sm80Tiles(128, 64, 8),
     160: Sm80Tiles(160, 64, 8),
     192: Sm80Tiles(192, 64, 8),
-    224: Sm80Tiles(224, 64, 8),
+    224: Sm80Tiles(224, 32, 8),
     256: Sm80Tiles(256, 32, 8),
 }
 #: With few (batch, Q-tile) blocks the grid would leave SMs idle: then 4 warps (BLOCK_M = 64)
 #: doubles the number of blocks, and two such blocks fit on one SM.
 SMALL_GRID_WARPS = 4
+
+
+
+def small_grid(tiles: Sm80Tiles) -> Sm80Tiles:
+    return dataclasses.replace(tiles, warps=SMALL_GRID_WARPS,
+                               min_blocks=tiles.min_blocks * tiles.warps // SMALL_GRID_WARPS)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_override() -> dict[int, Sm80Tiles]:
+    """Tile sweeps: ``CUFLASH_SM80_TILES="64:32:8:2,128:64:8:1"`` (head_dim:block_n:warps:
+    min_blocks) replaces table entries. For tuning runs only; read once per process."""
+    import os
+    spec = os.environ.get("CUFLASH_SM80_TILES", "")
+    entries = [Sm80Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
+    return {t.head_dim: t for t in entries}
+
 
 _CTYPE = {numpy.dtype(numpy.float16): "__half", numpy.dtype(numpy.float32): "float",
           numpy.dtype(numpy.float64): "double"}
@@ -98,7 +117,7 @@ def _bool(x: bool) -> str:
 
 def sm80_expr(dtype, tiles: Sm80Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::fwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warps}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warps}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
 
 
 def all_specialisations(arch: str) -> list[tuple[str, str]]:
@@ -110,8 +129,7 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
         import ml_dtypes
         for dtype in (numpy.float16, ml_dtypes.bfloat16):
             for tiles in SM80_TILES.values():
-                for warps in sorted({tiles.warps, SMALL_GRID_WARPS}):
-                    t = dataclasses.replace(tiles, warps=warps)
+                for t in (tiles, small_grid(tiles)):
                     for causal in (False, True):
                         for even in (False, True):
                             out.append(("fwd_sm80.cu", sm80_expr(dtype, t, causal, even)))
@@ -216,9 +234,9 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
     half_types = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
     if prob.dtype in half_types and cc >= 80:
         bucket = max(32, -(-max(prob.d, prob.dv) // 32) * 32)
-        tiles = SM80_TILES[bucket]
-        if nbatch * -(-prob.Lq // tiles.block_m) < 2 * num_sms:
-            tiles = dataclasses.replace(tiles, warps=SMALL_GRID_WARPS)
+        tiles = _tile_override().get(bucket, SM80_TILES[bucket])
+        if nbatch * -(-prob.Lq // tiles.block_m) < tiles.min_blocks * num_sms:
+            tiles = small_grid(tiles)
         even = (prob.Lq % tiles.block_m == 0 and prob.Lk % tiles.block_n == 0
                 and prob.d == bucket and prob.dv == bucket)
         return Launch("fwd_sm80.cu", sm80_expr(prob.dtype, tiles, prob.causal, even),

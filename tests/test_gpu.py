@@ -1,0 +1,176 @@
+"""GPU forward kernels against the float64 reference (``gpu`` marker: skipped without a device).
+
+Every call writes into an output buffer poisoned with NaN first, so an element a kernel leaves
+unwritten fails the comparison. Inputs keep the memory layout Hypothesis drew for them (strided
+views keep their NaN-filled gaps on the device too, so a kernel that reads outside a view gets
+NaN in its result).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+from hypothesis import example, given, settings, target
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _problem
+from tests._inputs import attention_inputs, make_array
+from tests._tolerance import assert_attention_close
+
+pytestmark = pytest.mark.gpu
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+F16 = numpy.dtype(numpy.float16)
+
+
+def to_device(x: numpy.ndarray):
+    """A CuPy array with the same values, shape *and strides* as ``x``; the bytes of the span
+    that ``x`` does not cover are NaN, as in the strided layouts of tests._inputs."""
+    import cupy
+    if x.size == 0 or 0 in x.strides:
+        return cupy.asarray(x)
+    lo = sum(min(0, s * (n - 1)) for n, s in zip(x.shape, x.strides))
+    hi = sum(max(0, s * (n - 1)) for n, s in zip(x.shape, x.strides)) + x.itemsize
+    buf = cupy.full((hi - lo) // x.itemsize, numpy.nan, dtype=x.dtype)
+    view = cupy.ndarray(x.shape, x.dtype, memptr=buf.data + (-lo), strides=x.strides)
+    view[...] = cupy.asarray(numpy.ascontiguousarray(x))
+    return view
+
+
+def poisoned(shape, dtype, layout="c"):
+    import cupy
+    if layout == "c":
+        return cupy.full(shape, numpy.nan, dtype=dtype)
+    if layout == "transposed":  # column-major rows: unit stride on the sequence axis
+        return cupy.full(shape[:-2] + shape[-1:] + shape[-2:-1], numpy.nan, dtype).swapaxes(-1, -2)
+    base = cupy.full(shape[:-1] + (2 * shape[-1],), numpy.nan, dtype)  # "strided": every other column
+    return base[..., ::2]
+
+
+def run_and_check(q, k, v, *, scale=None, causal=False, out_layout="c"):
+    """cuflash on the GPU (into a poisoned ``out``) against the float64 reference."""
+    import cupy
+    qd, kd, vd = (to_device(x) for x in (q, k, v))
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    out = poisoned(prob.batch_shape + (prob.Lq, prob.dv), q.dtype, out_layout)
+    o, lse = cuflash.attention(qd, kd, vd, scale=scale, causal=causal, return_lse=True, out=out)
+    assert o is out
+    cupy.cuda.Device().synchronize()
+    o_ref, lse_ref = cuflash.reference.attention(q, k, v, scale=scale, causal=causal,
+                                                 return_lse=True)
+    return assert_attention_close(prob, o, lse, o_ref, lse_ref)
+
+
+# -- every dtype, shape, layout and mask the strategies draw (both kernels) --------------------
+
+@given(attention_inputs(), st.sampled_from(["c", "transposed", "strided"]))
+@example(  # ragged tensor-core case from the issue: 113 x 203, d = 111, causal
+    dict(q=make_array(numpy.random.default_rng(1), (2, 113, 111), F16),
+         k=make_array(numpy.random.default_rng(2), (2, 203, 111), F16),
+         v=make_array(numpy.random.default_rng(3), (2, 203, 111), F16),
+         scale=None, causal=True, block_m=0, block_n=0, out_layout=None), "c")
+def test_matches_reference(inputs, out_layout):
+    target(run_and_check(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
+                         causal=inputs["causal"], out_layout=out_layout))
+
+
+# -- the tensor-core kernel: every head-dim bucket, ragged lengths, both alignments ------------
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d, dv", [(32, 32), (40, 40), (64, 64), (72, 72), (96, 96), (111, 111),
+                                   (128, 128), (160, 160), (192, 192), (224, 224), (256, 256),
+                                   (64, 128), (128, 40)])
+@pytest.mark.parametrize("Lq, Lk, causal", [(113, 203, True), (203, 113, True),
+                                            (256, 256, "top_left"), (128, 512, False),
+                                            (1, 77, False)])
+def test_tensor_core_buckets(dtype, d, dv, Lq, Lk, causal):
+    rng = numpy.random.default_rng(d * 1000 + Lq)
+    q = make_array(rng, (2, 3, Lq, d), dtype)
+    k = make_array(rng, (2, 1, Lk, d), dtype)   # broadcast over the head axis (GQA pattern)
+    v = make_array(rng, (2, 1, Lk, dv), dtype)
+    run_and_check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)],
+                         ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_tiles_many_blocks(dtype, causal):
+    """Tile-multiple shapes with enough blocks for the large-tile configuration (EVEN path)."""
+    rng = numpy.random.default_rng(7)
+    q, k, v = (make_array(rng, (4, 16, 512, 128), dtype) for _ in range(3))
+    run_and_check(q, k, v, causal=causal)
+
+
+# -- properties of the GPU path -------------------------------------------------------------
+
+def _random_device(shape, dtype, seed=0):
+    import cupy
+    return cupy.asarray(make_array(numpy.random.default_rng(seed), shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)],
+                         ids=["f16", "bf16", "f32", "f64"])
+def test_bitwise_deterministic(dtype):
+    q, k, v = (_random_device((2, 4, 300, 64), dtype, s) for s in range(3))
+    a, la = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    b, lb = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all()
+    assert (la == lb).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, numpy.dtype(numpy.float32)], ids=["bf16", "f32"])
+def test_non_default_stream(dtype):
+    import cupy
+    q, k, v = (_random_device((2, 2, 257, 64), dtype, s) for s in range(3))
+    expected = cuflash.attention(q, k, v)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cupy.full_like(expected, numpy.nan)
+        got = cuflash.attention(q, k, v, out=out)
+    stream.synchronize()
+    assert got is out
+    assert (got.view(numpy.uint8) == expected.view(numpy.uint8)).all()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)],
+                         ids=["f16", "bf16", "f32", "f64"])
+def test_nan_stays_in_its_batch_item(dtype):
+    import cupy
+    q, k, v = (_random_device((3, 2, 130, 64), dtype, s) for s in range(3))
+    clean = cuflash.attention(q, k, v)
+    k_bad = k.copy()
+    k_bad[1, 0, 5, 3] = numpy.nan
+    dirty = cuflash.attention(q, k_bad, v)
+    assert bool(cupy.isnan(dirty[1, 0]).all())
+    for b, h in [(0, 0), (0, 1), (1, 1), (2, 0), (2, 1)]:
+        assert (dirty[b, h].view(numpy.uint8) == clean[b, h].view(numpy.uint8)).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, numpy.dtype(numpy.float32)], ids=["bf16", "f32"])
+def test_input_through_dlpack(dtype):
+    import cupy
+    q, k, v = (_random_device((1, 2, 200, 64), dtype, s) for s in range(3))
+    qd = cupy.from_dlpack(q)
+    assert qd.data.ptr == q.data.ptr
+    a = cuflash.attention(qd, k, v)
+    b = cuflash.attention(q, k, v)
+    assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, numpy.dtype(numpy.float32)], ids=["bf16", "f32"])
+def test_extra_memory_does_not_grow_with_l_squared(dtype):
+    """Pool growth during a call is at most the output and lse (no Lq x Lk buffer)."""
+    import cupy
+    L, d = 8192, 64
+    q, k, v = (_random_device((1, 1, L, d), dtype, s) for s in range(3))
+    pool = cupy.get_default_memory_pool()
+    cuflash.attention(q, k, v)  # compile and warm up
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    cupy.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    assert grown <= 2 * (o.nbytes + lse.nbytes), (grown, o.nbytes, lse.nbytes, L * L * 4)
