@@ -72,8 +72,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         overlapping an input.
     """
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    if not isinstance(return_lse, (bool, numpy.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    _problem.check_return_lse(return_lse)
     if out is not None:
         _problem.check_out(prob, out)
 

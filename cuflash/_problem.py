@@ -178,7 +178,8 @@ def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> Attentio
             raise TypeError(f"{name}.dtype={x.dtype} is not supported; use one of "
                             f"{', '.join(str(t) for t in SUPPORTED_DTYPES)}")
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must have one dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+        raise TypeError(f"q, k and v must have one dtype, got q.dtype={q.dtype}, "
+                        f"k.dtype={k.dtype}, v.dtype={v.dtype}")
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 2:
@@ -232,8 +233,8 @@ def check_out(prob: AttentionProblem, out: Any) -> None:
 
     ``out`` must be an array of the inputs' array type (and device), of exactly ``prob.dtype``
     and shape ``prob.batch_shape + (Lq, dv)``, writeable, without two elements at one address
-    (no stride 0 along a dimension longer than 1), and sharing no memory with q, k or v. Any
-    other strides are allowed.
+    (no stride 0 along a dimension longer than 1, unless it is empty), and sharing no memory
+    with q, k or v. Any other strides are allowed.
 
     Raises
     ------
@@ -256,12 +257,19 @@ def check_out(prob: AttentionProblem, out: Any) -> None:
                          f"{prob.device_id}")
     if xp is numpy and not out.flags.writeable:
         raise ValueError("out is read-only")
-    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.strides)):
+    if out.size > 1 and any(stride == 0 and size > 1
+                            for size, stride in zip(out.shape, out.strides)):
         raise ValueError(f"out has stride 0 along a dimension longer than 1, so several "
                          f"elements share one address: {out.shape=}, {out.strides=}")
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
         if xp.may_share_memory(out, x):
             raise ValueError(f"out overlaps {name} in memory; pass a separate array")
+
+
+def check_return_lse(return_lse: Any) -> None:
+    """``return_lse`` must be a bool (Python or NumPy); anything else is a TypeError."""
+    if not isinstance(return_lse, (bool, numpy.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
 
 
 def device_scope(prob: AttentionProblem) -> contextlib.AbstractContextManager:

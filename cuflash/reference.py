@@ -43,8 +43,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     propagates exactly as IEEE arithmetic in these formulas says.
     """
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    if not isinstance(return_lse, (bool, numpy.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    _problem.check_return_lse(return_lse)
     if out is not None:
         _problem.check_out(prob, out)
 
