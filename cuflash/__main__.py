@@ -304,10 +304,15 @@ def cmd_check(args) -> int:
         return 1
     print(format_check_table(reports))
     bad = [r for r in reports if check_failed(r)]
+    # Compile errors, each distinct log once (one bug usually breaks many specialisations).
+    by_error: dict[str, list] = {}
     for r in bad:
         if r.error:
-            print(f"\n{r.arch} {r.source} {r.expr}:\n  " + "\n  ".join(
-                str(r.error).strip().splitlines()[:20]))
+            by_error.setdefault(str(r.error).strip(), []).append(r)
+    for text, rs in by_error.items():
+        more = f" and {len(rs) - 1} more" if len(rs) > 1 else ""
+        print(f"\n{rs[0].arch} {rs[0].source} {rs[0].expr}{more}:\n  "
+              + "\n  ".join(text.splitlines()[:20]))
     print()
     print(f"{len(reports)} compilations ({', '.join(archs)}): "
           + ("all ok, 0 bytes spilled, 0 bytes stack" if not bad else f"{len(bad)} failed"))
