@@ -1,0 +1,51 @@
+"""Test configuration: Hypothesis profiles and the ``gpu`` marker.
+
+Hypothesis profile, chosen by the environment variable ``HYPOTHESIS_PROFILE``:
+
+- ``ci`` (default): derandomized, 50 examples per property, so CI is reproducible and fast;
+- ``gpu``: 300 examples, for the GPU test machine;
+- ``thorough``: 3000 examples, for hunting bugs before a release.
+
+Tests marked ``gpu`` are skipped, with the reason, when CuPy cannot be imported or sees no
+CUDA device; ``pytest -m gpu`` selects them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, max_examples=50, deadline=None,
+                          print_blob=True)
+settings.register_profile("gpu", max_examples=300, deadline=None, print_blob=True)
+settings.register_profile("thorough", max_examples=3000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped when none is usable)")
+
+
+@functools.cache
+def cuda_unavailable_reason() -> str | None:
+    """Why no CUDA device can be used here, or None when one can."""
+    try:
+        import cupy
+    except ImportError as e:
+        return f"cupy cannot be imported: {e}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver, or any failure to reach one
+        return f"no usable CUDA device: {type(e).__name__}: {e}"
+    return None if count > 0 else "no CUDA device"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    reason = cuda_unavailable_reason() if gpu_items else None
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
