@@ -2,12 +2,14 @@
 
     python bench/ab.py TREE [TREE ...] [--d 64,128] [--L 4096] [--causal both]
 
-Each TREE is a directory holding cuflash/ and cuda_src/ (e.g. an old commit's `git archive`).
+Each TREE is a directory holding cuflash/ and cuda_src/ (e.g. an old commit's `git archive`),
+optionally followed by @TILES, a CUFLASH_SM80_TILES setting for that process.
 bf16 forward, B*L = 16k tokens, H*d = 2048, CUDA-event medians; SDPA flash is timed in every
 process so each tree has its own same-run reference.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -36,7 +38,7 @@ for d in ds:
             t1 = med(lambda: cuflash.attention(q, k, v, causal=c))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 t2 = med(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=c))
-            print(json.dumps(dict(tree=sys.argv[1], d=d, L=L, causal=c, cuflash=fl / t1 / 1e9, sdpa_flash=fl / t2 / 1e9)), flush=True)
+            print(json.dumps(dict(tree=sys.argv[1] + "@" + __import__("os").environ.get("CUFLASH_SM80_TILES", ""), d=d, L=L, causal=c, cuflash=fl / t1 / 1e9, sdpa_flash=fl / t2 / 1e9)), flush=True)
 """
 
 
@@ -50,14 +52,17 @@ def main():
     causals = {"both": [False, True], "false": [False], "true": [True]}[a.causal]
     cfg = json.dumps([[int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")], causals])
     rows = []
-    for tree in a.trees:
-        out = subprocess.run([sys.executable, "-c", CHILD, tree, cfg], capture_output=True, text=True)
+    for spec in a.trees:
+        tree, _, tiles = spec.partition("@")
+        env = dict(os.environ, CUFLASH_SM80_TILES=tiles)
+        out = subprocess.run([sys.executable, "-c", CHILD, tree, cfg], capture_output=True,
+                             text=True, env=env)
         if out.returncode:
             print(out.stderr[-3000:])
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    print(f"{'tree':12s} {'d':>4s} {'L':>6s} {'causal':>6s} {'cuflash':>8s} {'flash':>8s} {'ratio':>6s}")
+    print(f"{'tree':24s} {'d':>4s} {'L':>6s} {'causal':>6s} {'cuflash':>8s} {'flash':>8s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['tree']:12s} {r['d']:4d} {r['L']:6d} {str(r['causal']):>6s} {r['cuflash']:8.1f} "
+        print(f"{r['tree']:24s} {r['d']:4d} {r['L']:6d} {str(r['causal']):>6s} {r['cuflash']:8.1f} "
               f"{r['sdpa_flash']:8.1f} {r['cuflash'] / r['sdpa_flash']:6.2f}")
 
 

@@ -1,7 +1,8 @@
 // cuflash: tensor-core forward for float16 / bfloat16 on sm_80 and newer (mma.sync).
 //
 // FlashAttention-2, Algorithm 1, one thread block per (batch item, BLOCK_M query rows):
-//   each warp owns 16 query rows, so the online softmax never talks across warps;
+//   each warp owns SLICES x 16 query rows, so the online softmax never talks across warps,
+//   and every K/V fragment a warp reads from shared memory feeds SLICES mma's;
 //   K_j and V_j tiles arrive by cp.async into XOR-swizzled, double-buffered shared memory:
 //   K_{j+1} and V_{j+1} load while the block computes on K_j and V_j, and one barrier per
 //   key tile is all the synchronisation there is;
@@ -20,19 +21,22 @@ namespace cuflash {
 // Tile constants of one specialisation. The per-head-dim choice of BLOCK_N and WARPS, with the
 // reason for each, is the table SM80_TILES in cuflash/_launch.py; here they are derived and
 // checked.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int MIN_BLOCKS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS>
 struct Sm80Traits {
   static constexpr int kHeadDim = HEAD_DIM;
   static constexpr int kWarps = WARPS;
   static constexpr int kThreads = 32 * WARPS;
-  static constexpr int kBlockM = 16 * WARPS;     // 16 query rows per warp (one mma M tile)
+  static constexpr int kSlices = SLICES;         // 16-row mma M tiles per warp
+  static constexpr int kWarpRows = 16 * SLICES;
+  static constexpr int kBlockM = kWarpRows * WARPS;
   static constexpr int kBlockN = BLOCK_N;
   static constexpr int kKSteps = HEAD_DIM / 16;  // k16 steps of S = Q K^T
   static constexpr int kNTilesS = BLOCK_N / 8;   // n8 tiles of S (= k8 halves of P V)
   static constexpr int kNTilesO = HEAD_DIM / 8;  // n8 tiles of O
-  // Q fragments stay in registers (4 per k-step) up to d = 128; beyond that O alone takes
-  // HEAD_DIM / 2 registers per thread, so Q is re-read from shared memory each k-step instead.
-  static constexpr bool kQInRegs = HEAD_DIM <= 128;
+  // Q fragments (HEAD_DIM/4 registers a slice) stay in registers while Q and O together fit
+  // in 3 * HEAD_DIM/4 a slice at d <= 128 for one slice, d <= 64 for two; otherwise Q is
+  // re-read from shared memory each k-step.
+  static constexpr bool kQInRegs = HEAD_DIM * SLICES <= 128;
   // Blocks per SM the registers must allow (__launch_bounds__): 2 caps a 256-thread block at
   // 128 registers a thread.
   static constexpr int kMinBlocks = MIN_BLOCKS;
@@ -45,7 +49,8 @@ struct Sm80Traits {
   static_assert(sizeof(T) == 2, "the mma.sync path is for float16 / bfloat16 inputs");
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "head-dim buckets are multiples of 32");
   static_assert(BLOCK_N % 16 == 0, "P V consumes S in k16 slices");
-  static_assert(WARPS >= 1 && WARPS <= 8, "one warp per 16 rows, at most 128 rows");
+  static_assert(WARPS >= 1 && WARPS <= 8 && kBlockM <= 128, "at most 128 rows a block");
+  static_assert(SLICES == 1 || SLICES == 2, "one or two 16-row slices a warp");
   static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
 };
 
@@ -71,10 +76,11 @@ __device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ 
   }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 fwd_sm80(const FwdParams p) {
-  using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, MIN_BLOCKS>;
+  using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, SLICES, MIN_BLOCKS>;
+  constexpr int MS = SLICES;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
@@ -118,13 +124,15 @@ fwd_sm80(const FwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
 
-  // A-fragment addressing (ldmatrix x4): lanes 0-15 give rows 0-15 of the warp's slice at
-  // k-chunk 2s, lanes 16-31 the same rows at chunk 2s + 1.
-  const typename QTile::FragAddr q_frag(sQ, warp * 16 + (lane & 15), lane >> 4);
-  unsigned qf[Tr::kQInRegs ? Tr::kKSteps : 1][4];
+  // A-fragment addressing (ldmatrix x4): lanes 0-15 give rows 0-15 of a slice at k-chunk
+  // 2s, lanes 16-31 the same rows at chunk 2s + 1; slice ms is 16 rows further on.
+  const typename QTile::FragAddr q_frag(sQ, warp * Tr::kWarpRows + (lane & 15), lane >> 4);
+  unsigned qf[Tr::kQInRegs ? MS : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
   if constexpr (Tr::kQInRegs) {
 #pragma unroll
-    for (int s = 0; s < Tr::kKSteps; ++s) ldmatrix_x4(qf[s], q_frag.at(0, 2 * s));
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+      for (int s = 0; s < Tr::kKSteps; ++s) ldmatrix_x4(qf[ms][s], q_frag.at(16 * ms, 2 * s));
   }
   // B-fragment addressing. K (S = Q K^T), matrices: keys 0-7 / chunk 2s, keys 0-7 / 2s+1,
   // keys 8-15 / 2s, keys 8-15 / 2s+1.  V (O += P V, transposed), matrices: keys 0-7 / chunk
@@ -133,13 +141,16 @@ fwd_sm80(const FwdParams p) {
   const typename KVTile::FragAddr k_frag(sKV, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   const typename KVTile::FragAddr v_frag(sKV + KVTile::kBytes, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
-  // Per-thread state: rows r0 = m0 + warp*16 + lane/4 and r0 + 8 of the warp's slice.
-  float o[Tr::kNTilesO][4];
+  // Per-thread state, per slice ms: rows row0 + 16 ms and row0 + 16 ms + 8.
+  float o[MS][Tr::kNTilesO][4];
 #pragma unroll
-  for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float m_i[2] = {kNegInf, kNegInf};  // running row max of the raw scores
-  float l_i[2] = {0.f, 0.f};          // running row sum of exp2(s*sl2 - m*sl2), this thread's columns
-  const int row0 = m0 + warp * 16 + lane / 4;
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesO; ++t) o[ms][t][0] = o[ms][t][1] = o[ms][t][2] = o[ms][t][3] = 0.f;
+  float m_i[MS][2], l_i[MS][2];  // running row max of the raw scores; running row sum of
+#pragma unroll                   // exp2(s*sl2 - m*sl2) over this thread's columns
+  for (int ms = 0; ms < MS; ++ms) m_i[ms][0] = m_i[ms][1] = kNegInf, l_i[ms][0] = l_i[ms][1] = 0.f;
+  const int row0 = m0 + warp * Tr::kWarpRows + lane / 4;
   const int col_in_tile = 2 * (lane % 4);
 
   for (int j = 0; j < n_blocks; ++j) {
@@ -154,131 +165,152 @@ fwd_sm80(const FwdParams p) {
     cp_async_commit();
 
     // -- S_ij = Q_i K_j^T
-    float s[Tr::kNTilesS][4];
+    float s[MS][Tr::kNTilesS][4];
 #pragma unroll
-    for (int t = 0; t < Tr::kNTilesS; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+      for (int t = 0; t < Tr::kNTilesS; ++t) s[ms][t][0] = s[ms][t][1] = s[ms][t][2] = s[ms][t][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-      unsigned a[4];
-      if constexpr (Tr::kQInRegs) {
-        a[0] = qf[ks][0]; a[1] = qf[ks][1]; a[2] = qf[ks][2]; a[3] = qf[ks][3];
-      } else {
-        ldmatrix_x4(a, q_frag.at(0, 2 * ks));
+      unsigned a[MS][4];
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms) {
+        if constexpr (Tr::kQInRegs) {
+          a[ms][0] = qf[ms][ks][0]; a[ms][1] = qf[ms][ks][1]; a[ms][2] = qf[ms][ks][2]; a[ms][3] = qf[ms][ks][3];
+        } else {
+          ldmatrix_x4(a[ms], q_frag.at(16 * ms, 2 * ks));
+        }
       }
 #pragma unroll
       for (int np = 0; np < Tr::kNTilesS / 2; ++np) {
         unsigned bk[4];
         ldmatrix_x4(bk, k_frag.at(np * 16, 2 * ks) + stage_off);
-        Mma<T>::run(s[2 * np], a, bk[0], bk[1]);
-        Mma<T>::run(s[2 * np + 1], a, bk[2], bk[3]);
-      }
-    }
-    // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
-    //    cross the end of the keys or this warp's diagonal pay for it.
-    const int warp_row_first = m0 + warp * 16;
-    const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
-    if (need_mask) {
-      // the last visible key of each of this thread's two rows, relative to this thread's
-      // first column in the tile
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        int last = p.Lk - 1;
-        if (CAUSAL) last = min(last, row0 + 8 * r + p.causal_offset);
-        last -= n0 + col_in_tile;
-#pragma unroll
-        for (int t = 0; t < Tr::kNTilesS; ++t) {
-          if (t * 8 > last) s[t][2 * r] = kNegInf;
-          if (t * 8 + 1 > last) s[t][2 * r + 1] = kNegInf;
+        for (int ms = 0; ms < MS; ++ms) {
+          Mma<T>::run(s[ms][2 * np], a[ms], bk[0], bk[1]);
+          Mma<T>::run(s[ms][2 * np + 1], a[ms], bk[2], bk[3]);
         }
       }
     }
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms) {
+      // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
+      //    cross the end of the keys or this warp's diagonal pay for it.
+      const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
+      const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
+                             (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+      if (need_mask) {
+        // the last visible key of each of this thread's two rows, relative to this thread's
+        // first column in the tile
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          int last = p.Lk - 1;
+          if (CAUSAL) last = min(last, row0 + 16 * ms + 8 * r + p.causal_offset);
+          last -= n0 + col_in_tile;
+#pragma unroll
+          for (int t = 0; t < Tr::kNTilesS; ++t) {
+            if (t * 8 > last) s[ms][t][2 * r] = kNegInf;
+            if (t * 8 + 1 > last) s[ms][t][2 * r + 1] = kNegInf;
+          }
+        }
+      }
 
-    // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
-    float m_new[2] = {m_i[0], m_i[1]};
+      // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
+      float m_new[2] = {m_i[ms][0], m_i[ms][1]};
 #pragma unroll
-    for (int t = 0; t < Tr::kNTilesS; ++t) {
-      m_new[0] = fmaxf(m_new[0], fmaxf(s[t][0], s[t][1]));
-      m_new[1] = fmaxf(m_new[1], fmaxf(s[t][2], s[t][3]));
-    }
-    float m_scaled[2], alpha[2];
+      for (int t = 0; t < Tr::kNTilesS; ++t) {
+        m_new[0] = fmaxf(m_new[0], fmaxf(s[ms][t][0], s[ms][t][1]));
+        m_new[1] = fmaxf(m_new[1], fmaxf(s[ms][t][2], s[ms][t][3]));
+      }
+      float m_scaled[2], alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-      m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
-      // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
-      // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
-      m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
-      // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
-      alpha[r] = ex2_approx(m_i[r] * sl2 - m_scaled[r]);
-      m_i[r] = m_new[r];
-    }
+      for (int r = 0; r < 2; ++r) {
+        m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+        m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+        // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
+        // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
+        m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
+        // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
+        alpha[r] = ex2_approx(m_i[ms][r] * sl2 - m_scaled[r]);
+        m_i[ms][r] = m_new[r];
+      }
 
-    // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
-    float rowsum[2] = {0.f, 0.f};
+      // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
+      float rowsum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int t = 0; t < Tr::kNTilesS; ++t) {
-      s[t][0] = ex2_approx(fmaf(s[t][0], sl2, -m_scaled[0]));
-      s[t][1] = ex2_approx(fmaf(s[t][1], sl2, -m_scaled[0]));
-      s[t][2] = ex2_approx(fmaf(s[t][2], sl2, -m_scaled[1]));
-      s[t][3] = ex2_approx(fmaf(s[t][3], sl2, -m_scaled[1]));
-      rowsum[0] += s[t][0] + s[t][1];
-      rowsum[1] += s[t][2] + s[t][3];
-    }
-    l_i[0] = l_i[0] * alpha[0] + rowsum[0];
-    l_i[1] = l_i[1] * alpha[1] + rowsum[1];
-    // -- O_i = diag(alpha) O_i
+      for (int t = 0; t < Tr::kNTilesS; ++t) {
+        s[ms][t][0] = ex2_approx(fmaf(s[ms][t][0], sl2, -m_scaled[0]));
+        s[ms][t][1] = ex2_approx(fmaf(s[ms][t][1], sl2, -m_scaled[0]));
+        s[ms][t][2] = ex2_approx(fmaf(s[ms][t][2], sl2, -m_scaled[1]));
+        s[ms][t][3] = ex2_approx(fmaf(s[ms][t][3], sl2, -m_scaled[1]));
+        rowsum[0] += s[ms][t][0] + s[ms][t][1];
+        rowsum[1] += s[ms][t][2] + s[ms][t][3];
+      }
+      l_i[ms][0] = l_i[ms][0] * alpha[0] + rowsum[0];
+      l_i[ms][1] = l_i[ms][1] * alpha[1] + rowsum[1];
+      // -- O_i = diag(alpha) O_i
 #pragma unroll
-    for (int t = 0; t < Tr::kNTilesO; ++t) {
-      o[t][0] *= alpha[0]; o[t][1] *= alpha[0];
-      o[t][2] *= alpha[1]; o[t][3] *= alpha[1];
+      for (int t = 0; t < Tr::kNTilesO; ++t) {
+        o[ms][t][0] *= alpha[0]; o[ms][t][1] *= alpha[0];
+        o[ms][t][2] *= alpha[1]; o[ms][t][3] *= alpha[1];
+      }
     }
 
     // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      unsigned a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      unsigned a[MS][4];
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms) {
+        a[ms][0] = pack2<T>(s[ms][2 * kk][0], s[ms][2 * kk][1]);
+        a[ms][1] = pack2<T>(s[ms][2 * kk][2], s[ms][2 * kk][3]);
+        a[ms][2] = pack2<T>(s[ms][2 * kk + 1][0], s[ms][2 * kk + 1][1]);
+        a[ms][3] = pack2<T>(s[ms][2 * kk + 1][2], s[ms][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int np = 0; np < Tr::kNTilesO / 2; ++np) {
         unsigned bv[4];
         ldmatrix_x4_trans(bv, v_frag.at(kk * 16, 2 * np) + stage_off);
-        Mma<T>::run(o[2 * np], a, bv[0], bv[1]);
-        Mma<T>::run(o[2 * np + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+          Mma<T>::run(o[ms][2 * np], a[ms], bv[0], bv[1]);
+          Mma<T>::run(o[ms][2 * np + 1], a[ms], bv[2], bv[3]);
+        }
       }
     }
   }
 
   // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
-  float inv_l[2];
+  float inv_l[MS][2];
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 1);
-    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 2);
+    l_i[ms][r] += __shfl_xor_sync(0xffffffffu, l_i[ms][r], 1);
+    l_i[ms][r] += __shfl_xor_sync(0xffffffffu, l_i[ms][r], 2);
     // l_i == 0 only for a row with no visible key: O = 0 and lse = -inf. A NaN l_i (NaN in
     // this row's inputs) propagates to this row's outputs only.
-    inv_l[r] = (l_i[r] == 0.f) ? 0.f : 1.f / l_i[r];
-    const int row = row0 + 8 * r;
+    inv_l[ms][r] = (l_i[ms][r] == 0.f) ? 0.f : 1.f / l_i[ms][r];
+    const int row = row0 + 16 * ms + 8 * r;
     if (lane % 4 == 0 && row < p.Lq) {
-      const float lse = (l_i[r] == 0.f) ? kNegInf : (m_i[r] * sl2 + __log2f(l_i[r])) * 0.69314718055994531f;
+      const float lse = (l_i[ms][r] == 0.f) ? kNegInf : (m_i[ms][r] * sl2 + __log2f(l_i[ms][r])) * 0.69314718055994531f;
       reinterpret_cast<float*>(p.lse)[static_cast<long long>(b) * p.Lq + row] = lse;
     }
   }
 
-  // Stage O through shared memory (the Q tile's space; this warp's 16 rows only) so that the
+  // Stage O through shared memory (the Q tile's space; this warp's own rows only) so that the
   // global stores are whole 16-byte rows.
   if constexpr (!Tr::kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
   for (int t = 0; t < Tr::kNTilesO; ++t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int srow = warp * 16 + lane / 4 + 8 * r;
+      const int srow = warp * Tr::kWarpRows + 16 * ms + lane / 4 + 8 * r;
       const int col = t * 8 + col_in_tile;
       const unsigned addr = QTile::addr(sQ, srow, col / 8) + 2u * (col % 8);
-      const unsigned val = pack2<T>(o[t][2 * r] * inv_l[r], o[t][2 * r + 1] * inv_l[r]);
+      const unsigned val = pack2<T>(o[ms][t][2 * r] * inv_l[ms][r], o[ms][t][2 * r + 1] * inv_l[ms][r]);
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
     }
   }

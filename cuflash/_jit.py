@@ -183,7 +183,8 @@ def _parse_ptxas(log: str, lowered: str) -> dict:
     return out
 
 
-def _count_tensor_core_ops(cubin: bytes) -> int | None:
+def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, int] | None:
+    """HMMA + HGMMA instruction count of each function in ``cubin`` (None: no nvdisasm)."""
     try:
         from cuda import pathfinder
         tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
@@ -196,24 +197,40 @@ def _count_tensor_core_ops(cubin: bytes) -> int | None:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"\b(?:HMMA|HGMMA)\b", sass))
+    counts: dict[str, int] = {}
+    for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
+        name = section.split(",", 1)[0]
+        counts[name] = len(re.findall(r"\b(?:HMMA|HGMMA)\b", section))
+    return counts
 
 
-def compile_offline(source: str, expr: str, arch: str) -> CompileReport:
-    """Compile ``expr`` from ``cuda_src/<source>`` for ``arch`` (e.g. ``"sm_90a"``) with NVRTC,
-    no GPU needed, and report ptxas's resource usage and the tensor-core instruction count."""
+def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
+    """Compile the name expressions ``exprs`` from ``cuda_src/<source>`` for ``arch`` (e.g.
+    ``"sm_90a"``) with NVRTC, no GPU needed, and report ptxas's resource usage and the
+    tensor-core instruction count of each.  One NVRTC program holds them all (the C++ front
+    end runs once); if it fails, each is compiled alone so the error lands on its own report.
+    """
     from cupy.cuda import nvrtc
+    exprs = [exprs] if isinstance(exprs, str) else list(exprs)
     prog = nvrtc.createProgram(load_source(source), source, [], [])
     try:
-        nvrtc.addNameExpression(prog, expr)
+        for e in exprs:
+            nvrtc.addNameExpression(prog, e)
         try:
             nvrtc.compileProgram(prog, list(_options(arch, ("--ptxas-options=-v",))))
         except nvrtc.NVRTCError:
-            return CompileReport(source, expr, arch, error=nvrtc.getProgramLog(prog).strip())
-        lowered = nvrtc.getLoweredName(prog, expr)
-        info = _parse_ptxas(nvrtc.getProgramLog(prog), lowered)
-        hmma = _count_tensor_core_ops(_get_cubin(prog))
-        return CompileReport(source, expr, arch, hmma=hmma, **info)
+            if len(exprs) == 1:
+                return [CompileReport(source, exprs[0], arch,
+                                      error=nvrtc.getProgramLog(prog).strip())]
+            return [r for e in exprs for r in compile_offline(source, [e], arch)]
+        log = nvrtc.getProgramLog(prog)
+        hmma = _tensor_core_ops_per_function(_get_cubin(prog))
+        reports = []
+        for e in exprs:
+            lowered = nvrtc.getLoweredName(prog, e)
+            count = None if hmma is None else hmma.get(lowered, 0)
+            reports.append(CompileReport(source, e, arch, hmma=count, **_parse_ptxas(log, lowered)))
+        return reports
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -223,6 +240,9 @@ def check_all(archs) -> list[CompileReport]:
     from ._launch import all_specialisations
     reports = []
     for arch in archs:
+        by_source: dict[str, list[str]] = {}
         for source, expr in all_specialisations(arch):
-            reports.append(compile_offline(source, expr, arch))
+            by_source.setdefault(source, []).append(expr)
+        for source, exprs in by_source.items():
+            reports.extend(compile_offline(source, exprs, arch))
     return reports

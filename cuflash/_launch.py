@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import numpy
 
@@ -41,12 +42,13 @@ class Sm80Tiles:
     """Tiles of ``fwd_sm80`` for one head-dim bucket (template arguments, in this order)."""
     head_dim: int   # bucket: max(d, dv) rounded up to a multiple of 32
     block_n: int    # keys per K/V tile
-    warps: int      # warps per block; each owns 16 query rows, so BLOCK_M = 16 * warps
+    warps: int      # warps per block
+    slices: int     # 16-row mma tiles per warp: BLOCK_M = 16 * slices * warps
     min_blocks: int = 1  # blocks per SM the register budget must allow (__launch_bounds__)
 
     @property
     def block_m(self) -> int:
-        return 16 * self.warps
+        return 16 * self.slices * self.warps
 
     @property
     def threads(self) -> int:
@@ -59,24 +61,33 @@ class Sm80Tiles:
 
 
 #: Why these tiles (H200: 228 KB shared memory and 64K registers per SM; register counts are
-#: ptxas's for sm_90a, see `python -m cuflash check`):
-#: * 8 warps (BLOCK_M = 128): every K/V tile brought into shared memory serves 128 query rows,
-#:   which halves the L2 -> SM traffic of a 64-row tile.
-#: * d <= 64: 32-64 keys a tile keep the kernel at <= 128 registers, so two 256-thread blocks
-#:   share an SM and one block's barrier stalls are hidden by the other's math.
+#: ptxas's for sm_90a, see `python -m cuflash check`; timings in bench/NOTES.md):
+#: * BLOCK_M = 128 everywhere: every K/V tile brought into shared memory serves 128 query
+#:   rows, which halves the L2 -> SM traffic of a 64-row tile.
+#: * One 16-row slice a warp (8 warps) by default: two slices (4 warps x 32 rows) halve the
+#:   ldmatrix traffic per mma, since each K/V fragment feeds two mma's, but double the S and O
+#:   accumulators; only d <= 64 affords that without spilling, and there it measured faster
+#:   without the causal mask only (0.96-1.03x SDPA flash against 0.85-0.90x, non-causal;
+#:   0.81-0.95x against 0.81-0.84x causal at 4k and worse at 1k-4k).
+#: * d <= 64, one slice: 32-64 keys a tile keep the kernel at <= 128 registers, so two
+#:   256-thread blocks share an SM and one block's barrier stalls are hidden by the other's.
 #: * d = 96..192: O takes d/2 registers per thread, Q in registers up to d/2 more (d <= 128),
 #:   S 32 at 64 keys; 200-250 registers, so one block per SM, and 64 keys a tile amortise the
 #:   barrier and the softmax bookkeeping.
 #: * d = 224, 256: O alone is 112-128 registers; 64-key tiles spill, so 32 keys a tile.
 SM80_TILES: dict[int, Sm80Tiles] = {
-    32: Sm80Tiles(32, 64, 8, 2),
-    64: Sm80Tiles(64, 32, 8, 2),
-    96: Sm80Tiles(96, 64, 8),
-    128: Sm80Tiles(128, 64, 8),
-    160: Sm80Tiles(160, 64, 8),
-    192: Sm80Tiles(192, 64, 8),
-    224: Sm80Tiles(224, 32, 8),
-    256: Sm80Tiles(256, 32, 8),
+    32: Sm80Tiles(32, 64, 8, 1, 2),
+    64: Sm80Tiles(64, 32, 8, 1, 2),   # causal; see SM80_TILES_NON_CAUSAL
+    96: Sm80Tiles(96, 64, 8, 1),
+    128: Sm80Tiles(128, 64, 8, 1),
+    160: Sm80Tiles(160, 64, 8, 1),
+    192: Sm80Tiles(192, 64, 8, 1),
+    224: Sm80Tiles(224, 32, 8, 1),
+    256: Sm80Tiles(256, 32, 8, 1),
+}
+#: Entries that differ when there is no causal mask.
+SM80_TILES_NON_CAUSAL: dict[int, Sm80Tiles] = {
+    64: Sm80Tiles(64, 64, 4, 2, 2),
 }
 #: With few (batch, Q-tile) blocks the grid would leave SMs idle: then 4 warps (BLOCK_M = 64)
 #: doubles the number of blocks, and two such blocks fit on one SM.
@@ -85,14 +96,24 @@ SMALL_GRID_WARPS = 4
 
 
 def small_grid(tiles: Sm80Tiles) -> Sm80Tiles:
-    return dataclasses.replace(tiles, warps=SMALL_GRID_WARPS,
-                               min_blocks=tiles.min_blocks * tiles.warps // SMALL_GRID_WARPS)
+    """64-row tiles (4 warps of one slice): twice the blocks of a 128-row configuration."""
+    return dataclasses.replace(tiles, warps=SMALL_GRID_WARPS, slices=1,
+                               min_blocks=max(1, tiles.min_blocks * tiles.warps // SMALL_GRID_WARPS))
+
+
+def sm80_tiles(bucket: int, causal: bool) -> Sm80Tiles:
+    """The tiles of ``fwd_sm80`` for one head-dim bucket, with or without the causal mask."""
+    if bucket in _tile_override():
+        return _tile_override()[bucket]
+    if not causal and bucket in SM80_TILES_NON_CAUSAL:
+        return SM80_TILES_NON_CAUSAL[bucket]
+    return SM80_TILES[bucket]
 
 
 @functools.lru_cache(maxsize=None)
 def _tile_override() -> dict[int, Sm80Tiles]:
-    """Tile sweeps: ``CUFLASH_SM80_TILES="64:32:8:2,128:64:8:1"`` (head_dim:block_n:warps:
-    min_blocks) replaces table entries. For tuning runs only; read once per process."""
+    """Tile sweeps: ``CUFLASH_SM80_TILES="64:32:8:1:2,128:64:4:2:1"`` (head_dim:block_n:warps:
+    slices:min_blocks) replaces table entries. For tuning runs only; read once per process."""
     import os
     spec = os.environ.get("CUFLASH_SM80_TILES", "")
     entries = [Sm80Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
@@ -117,20 +138,21 @@ def _bool(x: bool) -> str:
 
 def sm80_expr(dtype, tiles: Sm80Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::fwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warps}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warps}, {tiles.slices}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
 
 
 def all_specialisations(arch: str) -> list[tuple[str, str]]:
     """Every (source, name expression) the dispatcher can select on ``arch``."""
     from ._simt_config import all_simt_specialisations
     out = [("fwd_simt.cu", e) for e in all_simt_specialisations()]
-    cc = int(arch[3:5])
+    cc = int(re.match(r"sm_(\d+)", arch).group(1))
     if cc >= 80:
         import ml_dtypes
         for dtype in (numpy.float16, ml_dtypes.bfloat16):
-            for tiles in SM80_TILES.values():
-                for t in (tiles, small_grid(tiles)):
-                    for causal in (False, True):
+            for causal in (False, True):
+                for bucket in SM80_TILES:
+                    tiles = sm80_tiles(bucket, causal)
+                    for t in (tiles, small_grid(tiles)):
                         for even in (False, True):
                             out.append(("fwd_sm80.cu", sm80_expr(dtype, t, causal, even)))
     return out
@@ -234,7 +256,7 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
     half_types = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
     if prob.dtype in half_types and cc >= 80:
         bucket = max(32, -(-max(prob.d, prob.dv) // 32) * 32)
-        tiles = _tile_override().get(bucket, SM80_TILES[bucket])
+        tiles = sm80_tiles(bucket, prob.causal)
         if nbatch * -(-prob.Lq // tiles.block_m) < tiles.min_blocks * num_sms:
             tiles = small_grid(tiles)
         even = (prob.Lq % tiles.block_m == 0 and prob.Lk % tiles.block_n == 0

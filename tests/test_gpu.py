@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _problem
-from tests._inputs import attention_inputs, make_array
-from tests._tolerance import assert_attention_close
+from _inputs import attention_inputs, make_array
+from _tolerance import assert_attention_close
 
 pytestmark = pytest.mark.gpu
 
@@ -99,8 +99,18 @@ def test_tensor_core_buckets(dtype, d, dv, Lq, Lk, causal):
 def test_full_tiles_many_blocks(dtype, causal):
     """Tile-multiple shapes with enough blocks for the large-tile configuration (EVEN path)."""
     rng = numpy.random.default_rng(7)
-    q, k, v = (make_array(rng, (4, 16, 512, 128), dtype) for _ in range(3))
+    q, k, v = (make_array(rng, (8, 16, 512, 128), dtype) for _ in range(3))
     run_and_check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [40, 64, 72, 128, 200, 256])
+def test_ragged_many_blocks(dtype, d):
+    """Ragged lengths with enough blocks for the 128-row tiles (not the small-grid variant)."""
+    rng = numpy.random.default_rng(d)
+    q = make_array(rng, (4, 40, 300, d), dtype)
+    k, v = (make_array(rng, (4, 40, 333, d), dtype) for _ in range(2))
+    run_and_check(q, k, v, causal=True)
 
 
 # -- properties of the GPU path -------------------------------------------------------------
