@@ -128,7 +128,7 @@ class CompileReport:
     spill_loads: int | None = None
     stack: int | None = None
     shared: int | None = None       # static shared memory, bytes
-    hmma: int | None = None         # HMMA + HGMMA instructions in the SASS (None: no disassembler)
+    hmma: int | None = None         # HMMA + HGMMA instructions in the SASS (None: not disassembled)
     error: str | None = None
 
     @property
@@ -136,25 +136,109 @@ class CompileReport:
         return self.error is None and not self.spill_stores and not self.spill_loads and not self.stack
 
 
-def _nvrtc_lib():
-    """libnvrtc loaded through ctypes.  ``cupy.cuda.nvrtc.getCUBIN`` drops the last byte of the
-    image (it treats it as a C string), so the cubin is fetched here directly."""
-    from cuda import pathfinder
-    lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
-    lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    lib.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    return lib
+class _Nvrtc:
+    """One libnvrtc, called through ctypes (the offline gate needs no GPU and no CuPy module).
+
+    ``cupy.cuda.nvrtc`` is not used here: its ``getCUBIN`` drops the last byte of the image,
+    and it is bound to one NVRTC, while the gate may need two: NVRTC 13 (cupy-cuda13x's) has
+    dropped sm_70, which NVRTC 12 (pip's ``nvidia-cuda-nvrtc-cu12``) still compiles.
+    """
+
+    def __init__(self, path: str):
+        libdir = Path(path).parent
+        for builtins in sorted(libdir.glob("libnvrtc-builtins.so.*")):  # NVRTC dlopens it by name
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            break
+        self.lib = lib = ctypes.CDLL(path)
+        P, S, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(P), C, C, ctypes.c_int, P, P]
+        lib.nvrtcAddNameExpression.argtypes = [P, C]
+        lib.nvrtcCompileProgram.argtypes = [P, ctypes.c_int, ctypes.POINTER(C)]
+        lib.nvrtcGetProgramLogSize.argtypes = [P, ctypes.POINTER(S)]
+        lib.nvrtcGetProgramLog.argtypes = [P, C]
+        lib.nvrtcGetLoweredName.argtypes = [P, C, ctypes.POINTER(C)]
+        lib.nvrtcGetCUBINSize.argtypes = [P, ctypes.POINTER(S)]
+        lib.nvrtcGetCUBIN.argtypes = [P, C]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(P)]
+        n = ctypes.c_int()
+        lib.nvrtcGetNumSupportedArchs(ctypes.byref(n))
+        archs = (ctypes.c_int * n.value)()
+        lib.nvrtcGetSupportedArchs(archs)
+        self.archs = frozenset(archs)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        self.version = (major.value, minor.value)
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise KernelCompileError(f"{what} failed with NVRTC status {status}")
+
+    def compile(self, src: str, name: str, exprs: list[str], options: tuple[str, ...]):
+        """Return ``(log, None, None)`` on a compile error, else ``(log, lowered names, cubin)``."""
+        prog = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(),
+                                                0, None, None), "nvrtcCreateProgram")
+        try:
+            for e in exprs:
+                self._check(self.lib.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
+            opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            if status != 0:
+                return log, None, None
+            lowered = {}
+            for e in exprs:
+                out = ctypes.c_char_p()
+                self._check(self.lib.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(out)),
+                            "nvrtcGetLoweredName")
+                lowered[e] = out.value.decode()
+            self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return log, lowered, cubin.raw
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def _get_cubin(prog: int) -> bytes:
-    lib = _nvrtc_lib()
-    size = ctypes.c_size_t()
-    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
-        raise KernelCompileError("nvrtcGetCUBINSize failed")
-    buf = ctypes.create_string_buffer(size.value)
-    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
-        raise KernelCompileError("nvrtcGetCUBIN failed")
-    return buf.raw
+@functools.lru_cache(maxsize=None)
+def _nvrtc_libraries() -> tuple[_Nvrtc, ...]:
+    """The NVRTCs found here, newest first: CuPy's (through cuda.pathfinder) and pip's NVRTC 12."""
+    paths = []
+    try:
+        from cuda import pathfinder
+        paths.append(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:  # no NVRTC 13 here
+        pass
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            paths.extend(str(p) for p in Path(root, "lib").glob("libnvrtc.so.12"))
+    except ImportError:
+        pass
+    libs = []
+    for path in paths:
+        try:
+            libs.append(_Nvrtc(path))
+        except OSError:
+            continue
+    return tuple(libs)
+
+
+def _nvrtc_for(arch: str) -> _Nvrtc:
+    num = int(re.match(r"sm_(\d+)", arch).group(1))
+    libs = _nvrtc_libraries()
+    for lib in libs:
+        if num in lib.archs:
+            return lib
+    found = ", ".join(f"NVRTC {v[0]}.{v[1]}" for v in (lib.version for lib in libs)) or "none"
+    raise KernelCompileError(
+        f"no NVRTC here compiles for {arch} (found: {found}); sm_70 needs NVRTC 12: "
+        f"pip install nvidia-cuda-nvrtc-cu12")
 
 
 _PTXAS_FN = re.compile(r"Compiling entry function '(\S+)' for")
@@ -196,7 +280,10 @@ def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+        run = subprocess.run([tool, f.name], capture_output=True, text=True)
+    if run.returncode != 0:  # e.g. nvdisasm 13 no longer reads sm_70 code
+        return None
+    sass = run.stdout
     counts: dict[str, int] = {}
     for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
         name = section.split(",", 1)[0]
@@ -210,29 +297,20 @@ def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
     tensor-core instruction count of each.  One NVRTC program holds them all (the C++ front
     end runs once); if it fails, each is compiled alone so the error lands on its own report.
     """
-    from cupy.cuda import nvrtc
     exprs = [exprs] if isinstance(exprs, str) else list(exprs)
-    prog = nvrtc.createProgram(load_source(source), source, [], [])
     try:
-        for e in exprs:
-            nvrtc.addNameExpression(prog, e)
-        try:
-            nvrtc.compileProgram(prog, list(_options(arch, ("--ptxas-options=-v",))))
-        except nvrtc.NVRTCError:
-            if len(exprs) == 1:
-                return [CompileReport(source, exprs[0], arch,
-                                      error=nvrtc.getProgramLog(prog).strip())]
-            return [r for e in exprs for r in compile_offline(source, [e], arch)]
-        log = nvrtc.getProgramLog(prog)
-        hmma = _tensor_core_ops_per_function(_get_cubin(prog))
-        reports = []
-        for e in exprs:
-            lowered = nvrtc.getLoweredName(prog, e)
-            count = None if hmma is None else hmma.get(lowered, 0)
-            reports.append(CompileReport(source, e, arch, hmma=count, **_parse_ptxas(log, lowered)))
-        return reports
-    finally:
-        nvrtc.destroyProgram(prog)
+        nvrtc = _nvrtc_for(arch)
+    except KernelCompileError as exc:
+        return [CompileReport(source, e, arch, error=str(exc)) for e in exprs]
+    log, lowered, cubin = nvrtc.compile(load_source(source), source, exprs,
+                                        _options(arch, ("--ptxas-options=-v",)))
+    if lowered is None:
+        if len(exprs) == 1:
+            return [CompileReport(source, exprs[0], arch, error=log.strip())]
+        return [r for e in exprs for r in compile_offline(source, [e], arch)]
+    hmma = _tensor_core_ops_per_function(cubin)
+    return [CompileReport(source, e, arch, hmma=None if hmma is None else hmma.get(lowered[e], 0),
+                          **_parse_ptxas(log, lowered[e])) for e in exprs]
 
 
 def check_all(archs) -> list[CompileReport]:

@@ -1,0 +1,47 @@
+"""A few small calls of every GPU kernel family, for compute-sanitizer (memcheck, racecheck).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_smoke.py
+
+Small ragged shapes: partial Q and K tiles, d not a multiple of 8 (padded copy path), causal
+both ways, broadcast K/V. Exits non-zero if a result is not finite where it should be.
+"""
+import sys
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cuflash
+
+
+def main() -> int:
+    rng = numpy.random.default_rng(0)
+    cases = [  # (dtype, q shape, kv shape, d, dv, causal)
+        (numpy.float16, (2, 3, 77), (2, 1, 131), 64, 64, True),
+        (ml_dtypes.bfloat16, (1, 2, 130), (1, 2, 70), 111, 96, "top_left"),
+        (ml_dtypes.bfloat16, (1, 2, 200), (1, 2, 200), 128, 128, False),
+        (numpy.float32, (2, 2, 65), (2, 1, 97), 40, 72, True),
+        (numpy.float64, (1, 1, 33), (1, 1, 45), 256, 16, False),
+    ]
+    bad = 0
+    for dtype, qs, kvs, d, dv, causal in cases:
+        q = cupy.asarray(rng.standard_normal(qs + (d,)).astype(dtype))
+        k = cupy.asarray(rng.standard_normal(kvs + (d,)).astype(dtype))
+        v = cupy.asarray(rng.standard_normal(kvs + (dv,)).astype(dtype))
+        o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        if hasattr(cuflash, "attention_backward"):
+            do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
+            for det in (False, True):
+                grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                   deterministic=det)
+                bad += sum(int(not bool(cupy.isfinite(g.astype(numpy.float32)).all())) for g in grads)
+        cupy.cuda.Device().synchronize()
+        finite = bool(cupy.isfinite(o.astype(numpy.float32)).all())
+        print(f"{numpy.dtype(dtype).name:8s} q{qs + (d,)} kv{kvs + (dv,)} causal={causal}: "
+              f"{'ok' if finite else 'NOT FINITE'}")
+        bad += not finite
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
