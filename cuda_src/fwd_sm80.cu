@@ -163,6 +163,10 @@ fwd_sm80(const FwdParams p) {
     // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
     if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
     cp_async_commit();
+    // A causal tile wholly past the diagonal of this warp's last row changes nothing for its
+    // rows (every score masked: alpha = 1, P = 0), so the warp skips its math; it still takes
+    // part in the loads and the barrier above.
+    if (CAUSAL && n0 > m0 + (warp + 1) * Tr::kWarpRows - 1 + p.causal_offset) continue;
 
     // -- S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];

@@ -45,6 +45,7 @@ class Sm80Tiles:
     warps: int      # warps per block
     slices: int     # 16-row mma tiles per warp: BLOCK_M = 16 * slices * warps
     min_blocks: int = 1  # blocks per SM the register budget must allow (__launch_bounds__)
+    allow_even: bool = True  # False: always the predicated kernel (its EVEN twin spills)
 
     @property
     def block_m(self) -> int:
@@ -85,20 +86,22 @@ SM80_TILES: dict[int, Sm80Tiles] = {
     224: Sm80Tiles(224, 32, 8, 1),
     256: Sm80Tiles(256, 32, 8, 1),
 }
-#: Entries that differ when there is no causal mask.
+#: Entries that differ when there is no causal mask. At d = 128 two slices fit only with
+#: 32-key tiles and Q re-read from shared memory (253 registers); the unpredicated (EVEN)
+#: build of that configuration spills 20 bytes, so it always runs the predicated one.
 SM80_TILES_NON_CAUSAL: dict[int, Sm80Tiles] = {
     64: Sm80Tiles(64, 64, 4, 2, 2),
+    128: Sm80Tiles(128, 32, 4, 2, 2, allow_even=False),
 }
-#: With few (batch, Q-tile) blocks the grid would leave SMs idle: then 4 warps (BLOCK_M = 64)
-#: doubles the number of blocks, and two such blocks fit on one SM.
+#: With few (batch, Q-tile) blocks the grid would leave SMs idle: then 4 warps of one slice
+#: (BLOCK_M = 64) doubles the number of blocks (same register budget per thread).
 SMALL_GRID_WARPS = 4
 
 
 
 def small_grid(tiles: Sm80Tiles) -> Sm80Tiles:
     """64-row tiles (4 warps of one slice): twice the blocks of a 128-row configuration."""
-    return dataclasses.replace(tiles, warps=SMALL_GRID_WARPS, slices=1,
-                               min_blocks=max(1, tiles.min_blocks * tiles.warps // SMALL_GRID_WARPS))
+    return dataclasses.replace(tiles, warps=SMALL_GRID_WARPS, slices=1, allow_even=True)
 
 
 def sm80_tiles(bucket: int, causal: bool) -> Sm80Tiles:
@@ -153,7 +156,7 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
                 for bucket in SM80_TILES:
                     tiles = sm80_tiles(bucket, causal)
                     for t in (tiles, small_grid(tiles)):
-                        for even in (False, True):
+                        for even in (False, True) if t.allow_even else (False,):
                             out.append(("fwd_sm80.cu", sm80_expr(dtype, t, causal, even)))
     return out
 
@@ -259,8 +262,8 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
         tiles = sm80_tiles(bucket, prob.causal)
         if nbatch * -(-prob.Lq // tiles.block_m) < tiles.min_blocks * num_sms:
             tiles = small_grid(tiles)
-        even = (prob.Lq % tiles.block_m == 0 and prob.Lk % tiles.block_n == 0
-                and prob.d == bucket and prob.dv == bucket)
+        even = (tiles.allow_even and prob.Lq % tiles.block_m == 0
+                and prob.Lk % tiles.block_n == 0 and prob.d == bucket and prob.dv == bucket)
         return Launch("fwd_sm80.cu", sm80_expr(prob.dtype, tiles, prob.causal, even),
                       tiles.block_m, tiles.threads, tiles.smem_bytes)
     from ._simt_config import simt_launch
