@@ -4,10 +4,13 @@
 CUDA kernels compiled at run time for CuPy arrays, a blocked CPU implementation of the same
 algorithm for NumPy arrays. ``cuflash.reference.attention`` is the float64 oracle with the
 same signature.
+``cuflash.attention_backward`` and ``cuflash.attention_vjp`` give the gradients (FlashAttention-2
+backward, recomputing the probabilities from the stored log-sum-exp);
+``cuflash.reference.attention_backward`` is their float64 oracle.
 """
 
 from cuflash import reference
-from cuflash._api import attention
+from cuflash._api import attention, attention_backward, attention_vjp
 
-__all__ = ["attention", "reference"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "reference"]
 __version__ = "0.1.0"

@@ -92,3 +92,103 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
 
             _launch.forward(prob, o, lse)
     return (o, lse) if return_lse else o
+
+
+def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
+                       causal: Any = False, deterministic: bool = False) -> tuple[Any, Any, Any]:
+    """Gradients of :func:`attention` with respect to q, k and v (FlashAttention-2 backward).
+
+    Only ``o`` and ``lse`` of the forward pass are needed: the attention probabilities are
+    recomputed tile by tile from ``lse``, and the Lq x Lk matrix is never materialised.
+
+    Parameters
+    ----------
+    do : array, shape batch_shape + (Lq, dv)
+        The gradient of the loss with respect to the output ``o``. Dtype of the inputs, any
+        strides.
+    q, k, v : arrays
+        The inputs of the forward call, with its rules (see :func:`attention`).
+    o, lse : arrays
+        What ``attention(q, k, v, ..., return_lse=True)`` returned for the same arguments:
+        ``o`` of shape ``batch_shape + (Lq, dv)`` in the inputs' dtype (any strides), ``lse``
+        of shape ``batch_shape + (Lq,)`` in float32 (float64 for float64 inputs).
+    scale, causal
+        As for :func:`attention`; must be those of the forward call.
+    deterministic : bool, optional
+        False (default): on the GPU, the key tiles add their dq contributions with atomics, so
+        dq may differ in the last bits from run to run. True: bitwise-reproducible results,
+        run to run. The CPU path is always deterministic.
+
+    Returns
+    -------
+    dq, dk, dv : arrays of the inputs' dtype, shapes ``q.shape``, ``k.shape``, ``v.shape``
+        New C-contiguous arrays. The gradient of a broadcast input is summed over the
+        dimensions broadcasting added (NumPy/JAX semantics): for grouped-query attention,
+        ``q (B, Hkv, G, Lq, d)`` with ``k, v (B, Hkv, 1, Lk, d)``, dk and dv are summed over
+        the group axis. Sums run in the accumulation dtype (float32, float64 for float64) and
+        are rounded once.
+
+    Notes
+    -----
+    - A query row with no visible key (``lse = -inf``) contributes exactly 0 to every
+      gradient and gets a zero dq row, never NaN (its output is the constant 0).
+    - Empty problems (``Lq == 0``, ``Lk == 0`` or a batch dimension of 0) return zeros
+      without running a backend.
+    - GPU memory beyond the outputs: float32 (float64) buffers for D = rowsum(dO * O)
+      (``batch_shape + (Lq,)``), dq (``batch_shape + (Lq, d)``), and dk, dv per broadcast
+      batch item (``batch_shape + (Lk, d)``, ``batch_shape + (Lk, dv)``) before they are summed
+      over broadcast dimensions, so grouped-query attention does materialise per-group dk, dv
+      there (summing inside the kernel is future work). ``deterministic=True`` adds a buffer of
+      ``ceil(Lk / BLOCK_N) * prod(batch_shape) * Lq * d`` accumulator values (one partial dq
+      per key tile, summed in key-tile order afterwards), which grows with Lq * Lk: see
+      ``cuflash._launch_bwd``. ``lse`` is copied if it is not C-contiguous (it is small).
+    - The CPU path (NumPy inputs) runs the same blocked algorithm; its extra memory is the
+      dq and D buffers plus one pair of tiles.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Everything :func:`attention` raises for q, k, v, scale and causal; a ``do``, ``o`` or
+        ``lse`` that is not an array of the inputs' type (TypeError), of the wrong dtype
+        (TypeError), of the wrong shape or on another device (ValueError); a
+        ``deterministic`` that is not a bool (TypeError).
+    """
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    _problem.check_backward_inputs(prob, do, o, lse)
+    _problem.check_deterministic(deterministic)
+
+    xp = prob.xp
+    with _problem.device_scope(prob):
+        if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
+            # nothing to compute: no query sees a key, or there is nothing to differentiate
+            return tuple(xp.zeros(x.shape, prob.dtype) for x in (q, k, v))
+        dq = xp.empty(q.shape, prob.dtype)
+        dk = xp.empty(k.shape, prob.dtype)
+        dv = xp.empty(v.shape, prob.dtype)
+        if xp is numpy:
+            _numpy.backward(prob, do, o, lse, dq, dk, dv)
+        else:
+            from cuflash import _launch_bwd  # needs CuPy; imported only for CuPy inputs
+
+            _launch_bwd.backward(prob, do, o, lse, dq, dk, dv, deterministic=bool(deterministic))
+    return dq, dk, dv
+
+
+def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
+                  deterministic: bool = False) -> tuple[Any, Any]:
+    """The forward pass and its pullback: ``o, pullback = attention_vjp(q, k, v)``.
+
+    ``o`` is ``attention(q, k, v, scale=scale, causal=causal)``; ``pullback(do)`` returns
+    ``(dq, dk, dv)`` as :func:`attention_backward` does for that ``do``, using the ``o`` and
+    log-sum-exp of this forward pass (kept by the pullback; nothing else is stored). The
+    pullback may be called any number of times. Arguments are validated here, before the
+    forward pass runs; ``do`` is validated when the pullback is called.
+    """
+    _problem.check_deterministic(deterministic)
+    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True)
+
+    def pullback(do: Any) -> tuple[Any, Any, Any]:
+        return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal,
+                                  deterministic=deterministic)
+
+    return o, pullback

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy
 
+from cuflash import _problem
 from cuflash._problem import AttentionProblem
 
 #: Query rows per block (B_r in the paper).
@@ -90,3 +91,95 @@ def forward(prob: AttentionProblem, o: numpy.ndarray, lse: numpy.ndarray, *,
             l_div = numpy.where(no_key, 1, l_i)
             o[..., i0:i1, :] = (o_i / l_div[..., None]).astype(prob.dtype)
             lse[..., i0:i1] = numpy.where(no_key, neg_inf, m_i + numpy.log(l_div))
+
+
+def backward(prob: AttentionProblem, do: numpy.ndarray, o: numpy.ndarray, lse: numpy.ndarray,
+             dq: numpy.ndarray, dk: numpy.ndarray, dv: numpy.ndarray, *,
+             block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> None:
+    """FlashAttention-2's backward pass (Algorithm 2): write the gradients into dq, dk, dv.
+
+    Parameters
+    ----------
+    prob : AttentionProblem
+        A NumPy problem with ``prob.Lq, prob.Lk >= 1``.
+    do, o : numpy.ndarray, shape prob.batch_shape + (Lq, dv), dtype prob.dtype
+        The gradient of the output and the output of the forward pass; any strides.
+    lse : numpy.ndarray, shape prob.batch_shape + (Lq,), dtype prob.lse_dtype
+        The log-sum-exp of the forward pass (``-inf`` for rows with no visible key).
+    dq, dk, dv : numpy.ndarray of prob.dtype
+        Overwritten. Their shapes are those of the *un-broadcast* inputs q, k, v (each
+        broadcasts to ``prob.batch_shape + (L, d)``): the gradient of a broadcast input is
+        summed over the dimensions broadcasting added, in the accumulation dtype, and rounded
+        once.
+    block_m, block_n : int, optional
+        Tile sizes (rows of Q and dO, rows of K and V).
+
+    Notes
+    -----
+    The outer loop walks the key tiles ``K_j, V_j`` and keeps ``dK_j, dV_j`` on chip; the inner
+    loop walks the query tiles that can see them and recomputes ``P_ij = exp(S_ij - L_i)``
+    from the stored log-sum-exp. ``dQ`` accumulates across key tiles in an accumulation-dtype
+    buffer of ``batch_shape + (Lq, d)``. Memory: that buffer, ``D`` (``batch_shape + (Lq,)``)
+    and O(batch * (block_m + block_n) * (d + dv) + batch * block_m * block_n) for one pair of
+    tiles; the Lq x Lk matrix never exists. ``dK_j, dV_j`` are reduced over broadcast
+    dimensions tile by tile, so per-group copies of dK and dV never exist either.
+
+    A row with no visible key (``lse = -inf``) contributes exactly 0 to every gradient, and its
+    dq row is 0: its dO row is treated as 0 (its output is the constant 0, so the true
+    gradient through it is 0), and its P and dS are 0 without evaluating exp(-inf + inf).
+    """
+    acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+    scale = acc(prob.scale)
+    no_key = lse == -numpy.inf                                   # rows with no visible key
+    # -- D_i = rowsum(dO_i o O_i) (zero for rows with no visible key), one query tile at a time
+    D = numpy.empty(prob.batch_shape + (prob.Lq,), acc)
+    for i0 in range(0, prob.Lq, block_m):
+        i1 = min(i0 + block_m, prob.Lq)
+        D[..., i0:i1] = numpy.einsum("...c,...c->...", do[..., i0:i1, :].astype(acc),
+                                     o[..., i0:i1, :].astype(acc))
+    D[no_key] = 0
+    # Subtracting +inf for those rows makes their P = exp(s - inf) = 0, never NaN.
+    lse_sub = numpy.where(no_key, acc(numpy.inf), lse).astype(acc)
+    dq_acc = numpy.zeros(prob.batch_shape + (prob.Lq, prob.d), acc)
+
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        # -- for 1 <= j <= T_c:
+        for j0 in range(0, prob.Lk, block_n):
+            j1 = min(j0 + block_n, prob.Lk)
+            # -- load K_j, V_j; initialise dK_j = 0, dV_j = 0 on chip
+            k_j = prob.k[..., j0:j1, :].astype(acc)
+            v_j = prob.v[..., j0:j1, :].astype(acc)
+            dk_j = numpy.zeros(prob.batch_shape + (j1 - j0, prob.d), acc)
+            dv_j = numpy.zeros(prob.batch_shape + (j1 - j0, prob.dv), acc)
+            # Under the causal mask, query rows i < j0 - causal_offset see none of these keys.
+            i_start = max(0, j0 - prob.causal_offset) if prob.causal else 0
+            # -- for 1 <= i <= T_r (the query tiles that see some key of K_j):
+            for i0 in range(i_start - i_start % block_m, prob.Lq, block_m):
+                i1 = min(i0 + block_m, prob.Lq)
+                # -- load Q_i (with the softmax scale folded in), dO_i, L_i, D_i
+                q_i = prob.q[..., i0:i1, :].astype(acc) * scale
+                dead = no_key[..., i0:i1, None]
+                do_i = numpy.where(dead, acc(0), do[..., i0:i1, :].astype(acc))
+                # -- S_ij = tau Q_i K_j^T;  P_ij = exp(S_ij - L_i)
+                s_ij = q_i @ k_j.swapaxes(-1, -2)
+                if prob.causal and j1 - 1 > i0 + prob.causal_offset:
+                    # -- the tile crosses the diagonal: S = -inf, so P = 0, for keys
+                    #    j > i + causal_offset (before exp: a masked score may exceed L_i)
+                    visible = (numpy.arange(j0, j1)[None, :]
+                               <= numpy.arange(i0, i1)[:, None] + prob.causal_offset)
+                    s_ij = numpy.where(visible, s_ij, acc(-numpy.inf))
+                p_ij = numpy.exp(s_ij - lse_sub[..., i0:i1, None])
+                # -- dV_j += P_ij^T dO_i
+                dv_j += p_ij.swapaxes(-1, -2) @ do_i
+                # -- dP_ij = dO_i V_j^T;  dS_ij = P_ij o (dP_ij - D_i)
+                dp_ij = do_i @ v_j.swapaxes(-1, -2)
+                ds_ij = numpy.where(dead, acc(0), p_ij * (dp_ij - D[..., i0:i1, None]))
+                # -- dQ_i += tau dS_ij K_j (tau applied once at the end);  dK_j += tau dS_ij^T Q_i
+                dq_acc[..., i0:i1, :] += ds_ij @ k_j
+                dk_j += ds_ij.swapaxes(-1, -2) @ q_i
+            # -- write dK_j, dV_j (summed over the dimensions broadcasting added to k and v)
+            dk[..., j0:j1, :] = _problem.sum_to_shape(dk_j, dk.shape[:-2] + (j1 - j0, prob.d),
+                                                      dk.dtype)
+            dv[..., j0:j1, :] = _problem.sum_to_shape(dv_j, dv.shape[:-2] + (j1 - j0, prob.dv),
+                                                      dv.dtype)
+    dq[...] = _problem.sum_to_shape(dq_acc * scale, dq.shape, dq.dtype)

@@ -277,3 +277,81 @@ def device_scope(prob: AttentionProblem) -> contextlib.AbstractContextManager:
     if prob.device_id is None:
         return contextlib.nullcontext()
     return prob.xp.cuda.Device(prob.device_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward pass: the extra arguments of attention_backward, and gradients of broadcast
+# inputs (summed over the broadcast dimensions)
+# ---------------------------------------------------------------------------------------------
+
+_ABSENT = object()
+
+
+def check_backward_inputs(prob: AttentionProblem, do: Any, o: Any = _ABSENT,
+                          lse: Any = _ABSENT) -> None:
+    """Validate the arguments ``do`` (and ``o``, ``lse`` unless left out) of a backward call.
+
+    ``do`` and ``o`` must be arrays of the inputs' array type (and device), of exactly
+    ``prob.dtype`` and shape ``prob.batch_shape + (Lq, dv)``; any strides, stride 0 included
+    (a broadcast ``do`` is fine: it is only read). ``lse`` must be an array of the same type and
+    device, of dtype ``prob.lse_dtype`` and shape ``prob.batch_shape + (Lq,)``.
+
+    Raises
+    ------
+    TypeError
+        An argument that is not an array of the inputs' array type, or of the wrong dtype.
+    ValueError
+        Wrong shape, or another device.
+    """
+    expected = {"do": prob.batch_shape + (prob.Lq, prob.dv), "o": prob.batch_shape + (prob.Lq, prob.dv),
+                "lse": prob.batch_shape + (prob.Lq,)}
+    dtypes = {"do": prob.dtype, "o": prob.dtype, "lse": prob.lse_dtype}
+    rule = {"do": "batch_shape + (Lq, dv)", "o": "batch_shape + (Lq, dv)",
+            "lse": "batch_shape + (Lq,)"}
+    for name, x in (("do", do), ("o", o), ("lse", lse)):
+        if x is _ABSENT:
+            continue
+        xp = _array_module(x, name)
+        if xp is not prob.xp:
+            raise TypeError(f"{name} must be a {prob.xp.__name__}.ndarray like q, k and v, got a "
+                            f"{xp.__name__}.ndarray")
+        if x.dtype != dtypes[name]:
+            what = "the inputs' dtype" if name != "lse" else "the lse dtype of the inputs"
+            raise TypeError(f"{name}.dtype={x.dtype} must equal {what} {dtypes[name]}")
+        if x.shape != expected[name]:
+            raise ValueError(f"{name}.shape={x.shape} must be {rule[name]} = {expected[name]}")
+        if prob.device_id is not None and x.device.id != prob.device_id:
+            raise ValueError(f"{name} is on device {x.device.id} but the inputs are on device "
+                             f"{prob.device_id}")
+
+
+def check_deterministic(deterministic: Any) -> None:
+    """``deterministic`` must be a bool (Python or NumPy); anything else is a TypeError."""
+    if not isinstance(deterministic, (bool, numpy.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+
+
+def broadcast_axes(shape: tuple[int, ...], full_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of ``full_shape`` that broadcasting added to ``shape``.
+
+    ``shape`` broadcasts to ``full_shape`` (NumPy rules). The result holds the leading axes that
+    ``shape`` lacks and the axes where ``shape`` has extent 1 and ``full_shape`` does not:
+    summing an array of ``full_shape`` over them (keeping dims) gives the gradient for an input
+    of ``shape``.
+    """
+    lead = len(full_shape) - len(shape)
+    return tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and full_shape[lead + i] != 1)
+
+
+def sum_to_shape(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``x`` summed over the dimensions broadcasting added to ``shape``, then cast to ``dtype``.
+
+    The gradient of a broadcast input (NumPy/JAX semantics). The sum runs in ``x``'s dtype (the
+    accumulation dtype of the caller) and the result is rounded once, to ``dtype``. Works for
+    NumPy and CuPy arrays alike; the result is a new C-contiguous array of ``shape``.
+    """
+    axes = broadcast_axes(tuple(shape), tuple(x.shape))
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape).astype(dtype, copy=True, order="C")

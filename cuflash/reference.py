@@ -66,3 +66,59 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             out[...] = prob.xp.asarray(o.astype(out.dtype))
         o = out
     return (o, lse) if return_lse else o
+
+
+def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
+                       causal: Any = False) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+    """Gradients of attention in float64, from the analytic formulas on the full matrix.
+
+    With ``s = scale * q @ k.T`` (masked entries ``-inf``), ``p = softmax(s)`` and
+    ``o = p @ v`` (all float64, the Lq x Lk matrices materialised)::
+
+        dv = p.T @ do
+        dp = do @ v.T
+        ds = p * (dp - rowsum(dp * p))          # the softmax's Jacobian-vector product
+        dq = scale * ds @ k
+        dk = scale * ds.T @ q
+
+    per broadcast batch item, then summed over the dimensions broadcasting added to q, k and v
+    (the gradient of a broadcast input, as in NumPy/JAX). A row with no visible key has
+    ``p = 0`` and contributes exactly 0 (its output is the constant 0).
+
+    Parameters
+    ----------
+    do : array, shape batch_shape + (Lq, dv)
+        The gradient of the output; the inputs' array type and dtype.
+    q, k, v, scale, causal
+        As for :func:`cuflash.attention`, validated by the same code.
+
+    Returns
+    -------
+    dq, dk, dv : numpy.ndarray of float64
+        Shapes equal to ``q.shape``, ``k.shape``, ``v.shape`` (the un-broadcast inputs).
+    """
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    _problem.check_backward_inputs(prob, do)
+
+    def float64(x: Any) -> numpy.ndarray:
+        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
+
+    q64, k64, v64, do64 = float64(prob.q), float64(prob.k), float64(prob.v), float64(do)
+    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
+    if prob.causal:
+        visible = (numpy.arange(prob.Lk)[None, :]
+                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
+        s = numpy.where(visible, s, -numpy.inf)
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        lse = scipy.special.logsumexp(s, axis=-1) if prob.Lk else numpy.full(s.shape[:-1], -numpy.inf)
+        no_key = (lse == -numpy.inf)[..., None]
+        p = numpy.where(no_key, 0.0, numpy.exp(s - numpy.where(no_key, 0.0, lse[..., None])))
+        do64 = numpy.where(no_key, 0.0, do64)
+        dv = p.swapaxes(-1, -2) @ do64
+        dp = do64 @ v64.swapaxes(-1, -2)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        dq = prob.scale * (ds @ k64)
+        dk = prob.scale * (ds.swapaxes(-1, -2) @ q64)
+    return (_problem.sum_to_shape(dq, q.shape, numpy.float64),
+            _problem.sum_to_shape(dk, k.shape, numpy.float64),
+            _problem.sum_to_shape(dv, v.shape, numpy.float64))
