@@ -73,3 +73,60 @@ template <typename Acc> __device__ __forceinline__ Acc neg_inf() { return -__int
 template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
 
 }  // namespace cuflash
+
+// ---------------------------------------------------------------------------------------------
+// The backward pass (cuda_src/bwd_*.cu). One BwdParams struct by value, mirrored field for
+// field by BWD_PARAMS in cuflash/_launch_bwd.py: 8-byte fields first, then 4-byte ones.
+// ---------------------------------------------------------------------------------------------
+namespace cuflash {
+
+struct BwdParams {
+  // -- device pointers: the inputs q, k, v, the forward's o and lse, the gradient dout = dO;
+  //    dpsum = D = rowsum(dO o O) and the accumulation-dtype gradient buffers (C-contiguous:
+  //    dq_acc batch x Lq x d (times num_n_blocks in deterministic mode), dk_acc batch x Lk x d,
+  //    dv_acc batch x Lk x dv; lse and dpsum batch x Lq)
+  unsigned long long q, k, v, o, dout, lse, dpsum, dq_acc, dk_acc, dv_acc;
+  // -- element strides of each batch dimension (0 where a tensor is broadcast)
+  long long q_batch_stride[kMaxBatchDims];
+  long long k_batch_stride[kMaxBatchDims];
+  long long v_batch_stride[kMaxBatchDims];
+  long long o_batch_stride[kMaxBatchDims];
+  long long dout_batch_stride[kMaxBatchDims];
+  // -- element strides of the sequence (row) and feature (column) dimensions
+  long long q_row_stride, q_col_stride;
+  long long k_row_stride, k_col_stride;
+  long long v_row_stride, v_col_stride;
+  long long o_row_stride, o_col_stride;
+  long long dout_row_stride, dout_col_stride;
+  // -- elements between the dQ partials of consecutive key tiles (deterministic mode), else 0
+  long long dq_block_stride;
+  // -- softmax scale tau, and tau * log2(e): P = exp2(S * scale_log2 - L * log2(e))
+  double scale, scale_log2;
+  // -- 4-byte fields
+  int batch_shape[kMaxBatchDims];
+  int nbatch;          // product of batch_shape
+  int Lq, Lk, d, dv;
+  int causal_offset;   // under CAUSAL, key j is visible to query i iff j <= i + causal_offset
+  int num_n_blocks;    // ceil(Lk / BLOCK_N) of the launched kernel
+  int pad_;
+};
+
+// Element offsets of batch item `b` (C order over batch_shape) in each strided tensor.
+struct BwdBatchOffsets { long long q, k, v, o, dout; };
+
+__device__ __forceinline__ BwdBatchOffsets bwd_batch_offsets(const BwdParams& p, int b) {
+  BwdBatchOffsets off{0, 0, 0, 0, 0};
+#pragma unroll
+  for (int i = kMaxBatchDims - 1; i >= 0; --i) {
+    const int idx = b % p.batch_shape[i];
+    b /= p.batch_shape[i];
+    off.q += idx * p.q_batch_stride[i];
+    off.k += idx * p.k_batch_stride[i];
+    off.v += idx * p.v_batch_stride[i];
+    off.o += idx * p.o_batch_stride[i];
+    off.dout += idx * p.dout_batch_stride[i];
+  }
+  return off;
+}
+
+}  // namespace cuflash
