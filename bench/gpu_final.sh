@@ -9,24 +9,24 @@ T="$OUT/tests.txt" L="$OUT/bench.txt" S="$OUT/sanitizer.txt"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -m cuflash info; } > "$T" 2>&1
 echo "== forward GPU tests" >> "$T"
-timeout 200 python3 -m pytest -m gpu -p no:cacheprovider -q --tb=short \
+timeout -s INT 240 python3 -m pytest -m gpu -p no:cacheprovider -q --tb=short \
   --ignore=tests/test_gpu_backward.py >> "$T" 2>&1; echo "pytest exit $?" >> "$T"
 if [ -f tests/test_gpu_backward.py ]; then
   echo "== backward GPU tests" >> "$T"
-  timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q --tb=short \
+  timeout -s INT 120 python3 -m pytest -m gpu -p no:cacheprovider -q --tb=short \
     tests/test_gpu_backward.py >> "$T" 2>&1; echo "pytest exit $?" >> "$T"
 fi
-echo "== demo" >> "$T"; timeout 60 python3 -m cuflash demo >> "$T" 2>&1; echo "demo exit $?" >> "$T"
+echo "== demo" >> "$T"; timeout 40 python3 -m cuflash demo >> "$T" 2>&1; echo "demo exit $?" >> "$T"
 B="--mode fwd --budget 0.25"
-timeout 150 python3 -m cuflash bench --dtype bf16,fp16 --impl cuflash,sdpa_flash,sdpa_cudnn $B \
+timeout 110 python3 -m cuflash bench --dtype bf16,fp16 --impl cuflash,sdpa_flash,sdpa_cudnn $B \
   --json "$OUT/fwd_bf16_fp16.json" > "$L" 2>&1
-timeout 50 python3 -m cuflash bench --dtype fp32 --d 64,128 --L 1024,4096 --causal false \
+timeout 40 python3 -m cuflash bench --dtype fp32 --d 64,128 --L 1024,4096 --causal false \
   --impl cuflash,naive_cupy $B --json "$OUT/fwd_fp32.json" >> "$L" 2>&1
-timeout 60 python3 -m cuflash bench --memory --impl cuflash,naive_cupy,sdpa_flash --dtype bf16 \
+timeout 45 python3 -m cuflash bench --memory --impl cuflash,naive_cupy,sdpa_flash --dtype bf16 \
   --json "$OUT/memory.json" >> "$L" 2>&1
 for tool in memcheck racecheck; do
   echo "== $tool" >> "$S"
-  timeout 45 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_smoke.py >> "$S" 2>&1
+  timeout 30 compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_smoke.py >> "$S" 2>&1
   echo "exit $?" >> "$S"
 done
 grep -E "passed|failed|exit" "$T"; grep -A40 "^TFLOP/s" "$L" | head -n 70
