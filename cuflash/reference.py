@@ -47,39 +47,25 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     if out is not None:
         _problem.check_out(prob, out)
 
-    p, lse = _softmax64(prob)
-    with numpy.errstate(invalid="ignore"):
-        o = p @ _float64(prob, prob.v)
+    def float64(x: Any) -> numpy.ndarray:
+        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
+
+    q64, k64, v64 = float64(prob.q), float64(prob.k), float64(prob.v)
+    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
+    if prob.causal:
+        visible = (numpy.arange(prob.Lk)[None, :]
+                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
+        s = numpy.where(visible, s, -numpy.inf)
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        lse = scipy.special.logsumexp(s, axis=-1)
+        shift = numpy.where(lse == -numpy.inf, 0.0, lse)  # row with no visible key
+        o = numpy.exp(s - shift[..., None]) @ v64
 
     if out is not None:
         with _problem.device_scope(prob):
             out[...] = prob.xp.asarray(o.astype(out.dtype))
         o = out
     return (o, lse) if return_lse else o
-
-
-def _float64(prob: _problem.AttentionProblem, x: Any) -> numpy.ndarray:
-    """A float64 NumPy copy of ``x`` (materialising broadcast dimensions)."""
-    return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
-
-
-def _softmax64(prob: _problem.AttentionProblem) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """``p = softmax(scale * q @ k.T)`` under the mask, and its log-sum-exp, in float64.
-
-    A row with no visible key (masked entirely, or ``Lk == 0``) has ``p = 0`` and
-    ``lse = -inf``; subtracting 0 instead of its lse keeps ``-inf - -inf`` out.
-    """
-    s = prob.scale * (_float64(prob, prob.q) @ _float64(prob, prob.k).swapaxes(-1, -2))
-    if prob.causal:
-        visible = (numpy.arange(prob.Lk)[None, :]
-                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
-        s = numpy.where(visible, s, -numpy.inf)
-    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
-        lse = (scipy.special.logsumexp(s, axis=-1) if prob.Lk
-               else numpy.full(s.shape[:-1], -numpy.inf))
-        no_key = (lse == -numpy.inf)[..., None]
-        p = numpy.where(no_key, 0.0, numpy.exp(s - numpy.where(no_key, 0.0, lse[..., None])))
-    return p, lse
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
@@ -114,10 +100,20 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_backward_inputs(prob, do)
 
-    q64, k64, v64 = (_float64(prob, x) for x in (prob.q, prob.k, prob.v))
-    p, lse = _softmax64(prob)
-    with numpy.errstate(invalid="ignore"):
-        do64 = numpy.where((lse == -numpy.inf)[..., None], 0.0, _float64(prob, do))
+    def float64(x: Any) -> numpy.ndarray:
+        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
+
+    q64, k64, v64, do64 = float64(prob.q), float64(prob.k), float64(prob.v), float64(do)
+    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
+    if prob.causal:
+        visible = (numpy.arange(prob.Lk)[None, :]
+                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
+        s = numpy.where(visible, s, -numpy.inf)
+    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
+        lse = scipy.special.logsumexp(s, axis=-1) if prob.Lk else numpy.full(s.shape[:-1], -numpy.inf)
+        no_key = (lse == -numpy.inf)[..., None]
+        p = numpy.where(no_key, 0.0, numpy.exp(s - numpy.where(no_key, 0.0, lse[..., None])))
+        do64 = numpy.where(no_key, 0.0, do64)
         dv = p.swapaxes(-1, -2) @ do64
         dp = do64 @ v64.swapaxes(-1, -2)
         ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
