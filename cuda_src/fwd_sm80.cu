@@ -15,6 +15,7 @@
 //   d and dv are multiples of 8 (the launcher zero-pads otherwise) and at most HEAD_DIM.
 #include "common.cuh"
 #include "mma_sm80.cuh"
+#include "online_softmax.cuh"
 
 namespace cuflash {
 
@@ -53,28 +54,6 @@ struct Sm80Traits {
   static_assert(SLICES == 1 || SLICES == 2, "one or two 16-row slices a warp");
   static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
 };
-
-// Copy rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global tile into the
-// swizzled shared tile; rows >= nrows and columns >= cols land as zeros (cp.async zero-fill).
-template <typename Tile, int ROWS, int THREADS, bool EVEN, typename T>
-__device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ g, long long row_stride,
-                                          int row0, int nrows, int cols) {
-  constexpr int kChunks = Tile::kChunks;
-  constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
-  // Unrolled by at most 4: a fully unrolled loop issues its copies back to back (measured
-  // faster than a rolled one at 8 warps), but ptxas keeps one 64-bit source address per copy
-  // live across the key loop, and the 8 copies a 4-warp block makes would spill.
-#pragma unroll 4
-  for (int it = 0; it < kIters; ++it) {
-    const int idx = threadIdx.x + it * THREADS;
-    if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const bool ok = EVEN || (row0 + r < nrows && c * 8 < cols);
-      const T* src = ok ? g + (row0 + r) * row_stride + c * 8 : g;
-      cp_async_16(Tile::addr(sbase, r, c), src, ok ? 16 : 0);
-    }
-  }
-}
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
@@ -206,58 +185,16 @@ fwd_sm80(const FwdParams p) {
       if (need_mask) {
         // the last visible key of each of this thread's two rows, relative to this thread's
         // first column in the tile
+        int last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          int last = p.Lk - 1;
-          if (CAUSAL) last = min(last, row0 + 16 * ms + 8 * r + p.causal_offset);
-          last -= n0 + col_in_tile;
-#pragma unroll
-          for (int t = 0; t < Tr::kNTilesS; ++t) {
-            if (t * 8 > last) s[ms][t][2 * r] = kNegInf;
-            if (t * 8 + 1 > last) s[ms][t][2 * r + 1] = kNegInf;
-          }
+          last[r] = p.Lk - 1;
+          if (CAUSAL) last[r] = min(last[r], row0 + 16 * ms + 8 * r + p.causal_offset);
+          last[r] -= n0 + col_in_tile;
         }
+        mask_scores(s[ms], last);
       }
-
-      // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
-      float m_new[2] = {m_i[ms][0], m_i[ms][1]};
-#pragma unroll
-      for (int t = 0; t < Tr::kNTilesS; ++t) {
-        m_new[0] = fmaxf(m_new[0], fmaxf(s[ms][t][0], s[ms][t][1]));
-        m_new[1] = fmaxf(m_new[1], fmaxf(s[ms][t][2], s[ms][t][3]));
-      }
-      float m_scaled[2], alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-        m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
-        // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
-        // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
-        m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
-        // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
-        alpha[r] = ex2_approx(m_i[ms][r] * sl2 - m_scaled[r]);
-        m_i[ms][r] = m_new[r];
-      }
-
-      // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
-      float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int t = 0; t < Tr::kNTilesS; ++t) {
-        s[ms][t][0] = ex2_approx(fmaf(s[ms][t][0], sl2, -m_scaled[0]));
-        s[ms][t][1] = ex2_approx(fmaf(s[ms][t][1], sl2, -m_scaled[0]));
-        s[ms][t][2] = ex2_approx(fmaf(s[ms][t][2], sl2, -m_scaled[1]));
-        s[ms][t][3] = ex2_approx(fmaf(s[ms][t][3], sl2, -m_scaled[1]));
-        rowsum[0] += s[ms][t][0] + s[ms][t][1];
-        rowsum[1] += s[ms][t][2] + s[ms][t][3];
-      }
-      l_i[ms][0] = l_i[ms][0] * alpha[0] + rowsum[0];
-      l_i[ms][1] = l_i[ms][1] * alpha[1] + rowsum[1];
-      // -- O_i = diag(alpha) O_i
-#pragma unroll
-      for (int t = 0; t < Tr::kNTilesO; ++t) {
-        o[ms][t][0] *= alpha[0]; o[ms][t][1] *= alpha[0];
-        o[ms][t][2] *= alpha[1]; o[ms][t][3] *= alpha[1];
-      }
+      online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
     // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
@@ -265,12 +202,7 @@ fwd_sm80(const FwdParams p) {
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       unsigned a[MS][4];
 #pragma unroll
-      for (int ms = 0; ms < MS; ++ms) {
-        a[ms][0] = pack2<T>(s[ms][2 * kk][0], s[ms][2 * kk][1]);
-        a[ms][1] = pack2<T>(s[ms][2 * kk][2], s[ms][2 * kk][3]);
-        a[ms][2] = pack2<T>(s[ms][2 * kk + 1][0], s[ms][2 * kk + 1][1]);
-        a[ms][3] = pack2<T>(s[ms][2 * kk + 1][2], s[ms][2 * kk + 1][3]);
-      }
+      for (int ms = 0; ms < MS; ++ms) p_fragment<T>(a[ms], s[ms], kk);
 #pragma unroll
       for (int np = 0; np < Tr::kNTilesO / 2; ++np) {
         unsigned bv[4];
@@ -288,54 +220,17 @@ fwd_sm80(const FwdParams p) {
   float inv_l[MS][2];
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_i[ms][r] += __shfl_xor_sync(0xffffffffu, l_i[ms][r], 1);
-    l_i[ms][r] += __shfl_xor_sync(0xffffffffu, l_i[ms][r], 2);
-    // l_i == 0 only for a row with no visible key: O = 0 and lse = -inf. A NaN l_i (NaN in
-    // this row's inputs) propagates to this row's outputs only.
-    inv_l[ms][r] = (l_i[ms][r] == 0.f) ? 0.f : 1.f / l_i[ms][r];
-    const int row = row0 + 16 * ms + 8 * r;
-    if (lane % 4 == 0 && row < p.Lq) {
-      const float lse = (l_i[ms][r] == 0.f) ? kNegInf : (m_i[ms][r] * sl2 + __log2f(l_i[ms][r])) * 0.69314718055994531f;
-      reinterpret_cast<float*>(p.lse)[static_cast<long long>(b) * p.Lq + row] = lse;
-    }
-  }
+    finish_rows(inv_l[ms], l_i[ms], m_i[ms], sl2, row0 + 16 * ms, p.Lq,
+                reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
 
   // Stage O through shared memory (the Q tile's space; this warp's own rows only) so that the
   // global stores are whole 16-byte rows.
   if constexpr (!Tr::kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
-#pragma unroll
-  for (int t = 0; t < Tr::kNTilesO; ++t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int srow = warp * Tr::kWarpRows + 16 * ms + lane / 4 + 8 * r;
-      const int col = t * 8 + col_in_tile;
-      const unsigned addr = QTile::addr(sQ, srow, col / 8) + 2u * (col % 8);
-      const unsigned val = pack2<T>(o[ms][t][2 * r] * inv_l[ms][r], o[ms][t][2 * r + 1] * inv_l[ms][r]);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
-    }
-  }
+    stage_o_slice<QTile, T>(sQ, warp * Tr::kWarpRows + 16 * ms, o[ms], inv_l[ms]);
   __syncthreads();
-
-  T* __restrict__ out = reinterpret_cast<T*>(p.o) + off.o;
-  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off.o % 8 == 0 &&
-                   p.o % 16 == 0 && p.dv % 8 == 0;
-  constexpr int kChunks = QTile::kChunks;
-  for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int gi = m0 + r;
-    if (gi >= p.Lq || c * 8 >= p.dv) continue;
-    const unsigned char* src = smem + 16 * QTile::chunk_offset(r, c);
-    if (vec) {
-      *reinterpret_cast<uint4*>(out + gi * p.o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      const T* e = reinterpret_cast<const T*>(src);
-      for (int u = 0; u < 8 && c * 8 + u < p.dv; ++u) out[gi * p.o_row_stride + (c * 8 + u) * p.o_col_stride] = e[u];
-    }
-  }
+  store_o_tile<QTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
 }
 
 }  // namespace cuflash

@@ -114,4 +114,74 @@ template <int ROWS, int COLS> struct SwizzledTile {
   };
 };
 
+// ---------------------------------------------------------------------------------------------
+// Tile I/O shared by the tensor-core kernels. `Tile` is any shared-memory tile type with
+// kChunks (16-byte chunks a row) and addr(base, row, chunk) / chunk_offset(row, chunk).
+// ---------------------------------------------------------------------------------------------
+
+// Copy rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global tile into the
+// swizzled shared tile; rows >= nrows and columns >= cols land as zeros (cp.async zero-fill).
+template <typename Tile, int ROWS, int THREADS, bool EVEN, typename T>
+__device__ __forceinline__ void load_tile(unsigned sbase, const T* __restrict__ g, long long row_stride,
+                                          int row0, int nrows, int cols) {
+  constexpr int kChunks = Tile::kChunks;
+  constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
+  // Unrolled by at most 4: a fully unrolled loop issues its copies back to back (measured
+  // faster than a rolled one at 8 warps), but ptxas keeps one 64-bit source address per copy
+  // live across the key loop, and the 8 copies a 4-warp block makes would spill.
+#pragma unroll 4
+  for (int it = 0; it < kIters; ++it) {
+    const int idx = threadIdx.x + it * THREADS;
+    if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool ok = EVEN || (row0 + r < nrows && c * 8 < cols);
+      const T* src = ok ? g + (row0 + r) * row_stride + c * 8 : g;
+      cp_async_16(Tile::addr(sbase, r, c), src, ok ? 16 : 0);
+    }
+  }
+}
+
+// Write rows srow0 + lane/4 and srow0 + lane/4 + 8 of O (accumulator layout, NO 8-column tiles)
+// times 1/l into the shared tile as T; the caller then stores the tile with store_o_tile, so
+// that global stores are whole 16-byte chunks.
+template <typename Tile, typename T, int NO>
+__device__ __forceinline__ void stage_o_slice(unsigned sbase, int srow0, const float (&o)[NO][4],
+                                              const float (&inv_l)[2]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int t = 0; t < NO; ++t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int srow = srow0 + lane / 4 + 8 * r;
+      const int col = t * 8 + 2 * (lane % 4);
+      const unsigned addr = Tile::addr(sbase, srow, col / 8) + 2u * (col % 8);
+      const unsigned val = pack2<T>(o[t][2 * r] * inv_l[r], o[t][2 * r + 1] * inv_l[r]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
+    }
+  }
+}
+
+// Rows [0, ROWS) of a staged shared tile (generic pointer `stile`) -> output rows m0.. of `out`
+// (already offset to its batch item by off_o elements): 16-byte stores when the layout allows,
+// element stores with any strides otherwise; rows >= Lq and columns >= dv are not written.
+template <typename Tile, int ROWS, int THREADS, typename T>
+__device__ __forceinline__ void store_o_tile(const unsigned char* stile, T* __restrict__ out,
+                                             const FwdParams& p, long long off_o, int m0) {
+  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off_o % 8 == 0 &&
+                   p.o % 16 == 0 && p.dv % 8 == 0;
+  constexpr int kChunks = Tile::kChunks;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int gi = m0 + r;
+    if (gi >= p.Lq || c * 8 >= p.dv) continue;
+    const unsigned char* src = stile + 16 * Tile::chunk_offset(r, c);
+    if (vec) {
+      *reinterpret_cast<uint4*>(out + gi * p.o_row_stride + c * 8) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      const T* e = reinterpret_cast<const T*>(src);
+      for (int u = 0; u < 8 && c * 8 + u < p.dv; ++u) out[gi * p.o_row_stride + (c * 8 + u) * p.o_col_stride] = e[u];
+    }
+  }
+}
+
 }  // namespace cuflash

@@ -1,0 +1,107 @@
+// cuflash: the online softmax of FlashAttention-2 on one 16-row slice of scores held in the
+// tensor-core accumulator layout, shared by fwd_sm80 (mma.sync) and fwd_sm90 (wgmma): both
+// leave S in the same per-thread layout, so one copy of the numerics serves both.
+//
+// Layout (mma.sync C fragment per 8-column tile t; lane l, g = l / 4, c = 2 (l % 4)):
+//   s[t][0..1] = row g,     columns 8t + c, 8t + c + 1
+//   s[t][2..3] = row g + 8, columns 8t + c, 8t + c + 1
+// A thread therefore owns two rows (r = 0: g, r = 1: g + 8); the four threads of a quad share
+// them, so row reductions are this thread's columns and then two xor-shuffles.
+//
+// Running state per row r: m_i[r], the max of the raw scores so far, and l_i[r], this thread's
+// share of sum(exp2(s * sl2 - m_i * sl2)); sl2 = softmax scale * log2(e).
+#pragma once
+#include "mma_sm80.cuh"
+
+namespace cuflash {
+
+// -- mask: columns past last[r] (relative to this thread's first column c) get -inf.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&last)[2]) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t * 8 > last[r]) s[t][2 * r] = kNegInf;
+      if (t * 8 + 1 > last[r]) s[t][2 * r + 1] = kNegInf;
+    }
+}
+
+// One step of the online softmax for a new score tile S_ij of NT 8-column tiles:
+//   m_new = max(m_i, rowmax(S_ij)), P_ij = exp2(S_ij sl2 - m_new sl2) (in place of S_ij),
+//   l_i = exp2(m_i sl2 - m_new sl2) l_i + rowsum(P_ij), O_i = diag(exp2(m_i sl2 - m_new sl2)) O_i.
+template <int NT, int NO>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
+                                                    float (&o)[NO][4], float sl2) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+  // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
+  float m_new[2] = {m_i[0], m_i[1]};
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    m_new[0] = fmaxf(m_new[0], fmaxf(s[t][0], s[t][1]));
+    m_new[1] = fmaxf(m_new[1], fmaxf(s[t][2], s[t][3]));
+  }
+  float m_scaled[2], alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+    m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+    // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
+    // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
+    m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
+    // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
+    alpha[r] = ex2_approx(m_i[r] * sl2 - m_scaled[r]);
+    m_i[r] = m_new[r];
+  }
+  // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
+  float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    s[t][0] = ex2_approx(fmaf(s[t][0], sl2, -m_scaled[0]));
+    s[t][1] = ex2_approx(fmaf(s[t][1], sl2, -m_scaled[0]));
+    s[t][2] = ex2_approx(fmaf(s[t][2], sl2, -m_scaled[1]));
+    s[t][3] = ex2_approx(fmaf(s[t][3], sl2, -m_scaled[1]));
+    rowsum[0] += s[t][0] + s[t][1];
+    rowsum[1] += s[t][2] + s[t][3];
+  }
+  l_i[0] = l_i[0] * alpha[0] + rowsum[0];
+  l_i[1] = l_i[1] * alpha[1] + rowsum[1];
+  // -- O_i = diag(alpha) O_i
+#pragma unroll
+  for (int t = 0; t < NO; ++t) {
+    o[t][0] *= alpha[0]; o[t][1] *= alpha[0];
+    o[t][2] *= alpha[1]; o[t][3] *= alpha[1];
+  }
+}
+
+// P_ij's k16 slice kk as the A operand of P V (mma.sync m16n8k16 and wgmma register-A share
+// this layout): columns 16kk..16kk+15 are the 8-column tiles 2kk and 2kk+1.
+template <typename T, int NT>
+__device__ __forceinline__ void p_fragment(unsigned (&a)[4], const float (&s)[NT][4], int kk) {
+  a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// -- epilogue of one row pair: l_i over the quad; returns 1 / l_i (0 for a row with no visible
+//    key) and writes L_i = m_i + log(l_i) (-inf for such a row) for rows < Lq.
+__device__ __forceinline__ void finish_rows(float (&inv_l)[2], float (&l_i)[2], const float (&m_i)[2],
+                                            float sl2, int row, int Lq, float* lse_row0) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 1);
+    l_i[r] += __shfl_xor_sync(0xffffffffu, l_i[r], 2);
+    // l_i == 0 only for a row with no visible key: O = 0 and lse = -inf. A NaN l_i (NaN in
+    // this row's inputs) propagates to this row's outputs only.
+    inv_l[r] = (l_i[r] == 0.f) ? 0.f : 1.f / l_i[r];
+    const int gi = row + 8 * r;
+    if ((threadIdx.x & 3) == 0 && gi < Lq) {
+      lse_row0[gi] = (l_i[r] == 0.f) ? kNegInf : (m_i[r] * sl2 + __log2f(l_i[r])) * 0.69314718055994531f;
+    }
+  }
+}
+
+}  // namespace cuflash
