@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_smoke.py
 
 Small ragged shapes: partial Q and K tiles, d not a multiple of 8 (padded copy path), causal
-both ways, broadcast K/V. Exits non-zero if a result is not finite where it should be.
+both ways, broadcast K/V. 16-bit cases run twice on Hopper: with the dispatcher's choice
+(fwd_sm90) and kept on fwd_sm80. Exits non-zero if a result is not finite where it should be.
 """
 import sys
 
@@ -12,6 +13,7 @@ import ml_dtypes
 import numpy
 
 import cuflash
+from cuflash import _launch
 
 
 def main() -> int:
@@ -20,6 +22,8 @@ def main() -> int:
         (numpy.float16, (2, 3, 77), (2, 1, 131), 64, 64, True),
         (ml_dtypes.bfloat16, (1, 2, 130), (1, 2, 70), 111, 96, "top_left"),
         (ml_dtypes.bfloat16, (1, 2, 200), (1, 2, 200), 128, 128, False),
+        (ml_dtypes.bfloat16, (1, 2, 300), (1, 2, 300), 256, 256, True),
+        (numpy.float16, (2, 1, 90), (2, 1, 150), 32, 32, True),
         (numpy.float32, (2, 2, 65), (2, 1, 97), 40, 72, True),
         (numpy.float64, (1, 1, 33), (1, 1, 45), 256, 16, False),
     ]
@@ -29,6 +33,10 @@ def main() -> int:
         k = cupy.asarray(rng.standard_normal(kvs + (d,)).astype(dtype))
         v = cupy.asarray(rng.standard_normal(kvs + (dv,)).astype(dtype))
         o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        if numpy.dtype(dtype).itemsize == 2:
+            with _launch.use_family("sm80"):
+                o80 = cuflash.attention(q, k, v, causal=causal)
+            bad += int(not bool(cupy.isfinite(o80.astype(numpy.float32)).all()))
         if hasattr(cuflash, "attention_backward"):
             do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
             for det in (False, True):

@@ -77,7 +77,10 @@ QUICK_L = (1024, 4096)
 QUICK_D = (64, 128)
 MODES = ("fwd", "fwd_bwd")
 DTYPES = ("bf16", "fp16", "fp32")
-IMPLS = ("cuflash", "naive_cupy", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "jax_cudnn")
+IMPLS = ("cuflash", "cuflash_sm80", "naive_cupy", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
+         "jax_cudnn")
+#: cuflash_sm80 only on request: off Hopper it is cuflash itself.
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "cuflash_sm80")
 RATIO_PEERS = ("sdpa_flash", "sdpa_cudnn")
 MEMORY_L = (1024, 4096, 16384, 32768, 65536, 131072)
 MEMORY_B, MEMORY_H, MEMORY_D = 1, 16, 128
@@ -532,6 +535,21 @@ class CuflashImpl(Impl):
         cp.get_default_memory_pool().free_all_blocks()
 
 
+class CuflashSm80Impl(CuflashImpl):
+    """cuflash with the dispatcher kept on fwd_sm80 (mma.sync) where it would pick fwd_sm90:
+    the kernel every sm_80+ GPU other than Hopper runs, measured on the same inputs."""
+    name = "cuflash_sm80"
+
+    def prepare(self, case, sets, scale):
+        from cuflash import _launch
+        inner = super().prepare(case, sets, scale)
+
+        def fn(i):
+            with _launch.use_family("sm80"):
+                return inner(i)
+        return fn
+
+
 class NaiveCupyImpl(Impl):
     """matmul, softmax in float32, matmul: what a CuPy user writes today."""
     name = "naive_cupy"
@@ -729,7 +747,7 @@ class JaxCudnnImpl(Impl):
 
 
 def all_impls() -> list[Impl]:
-    return [CuflashImpl(), NaiveCupyImpl(), SdpaImpl("sdpa_flash"), SdpaImpl("sdpa_cudnn"),
+    return [CuflashImpl(), CuflashSm80Impl(), NaiveCupyImpl(), SdpaImpl("sdpa_flash"), SdpaImpl("sdpa_cudnn"),
             SdpaImpl("sdpa_efficient"), JaxCudnnImpl()]
 
 
@@ -1035,8 +1053,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of false,true (default both; memory mode: false)")
     p.add_argument("--mode", type=lambda s: parse_list(s, str, MODES), default=None,
                    help="comma list of fwd, fwd_bwd (default both; --quick: fwd)")
-    p.add_argument("--impl", type=lambda s: parse_list(s, str, IMPLS), default=list(IMPLS),
-                   help=f"comma list of implementations (default all: {','.join(IMPLS)})")
+    p.add_argument("--impl", type=lambda s: parse_list(s, str, IMPLS), default=list(DEFAULT_IMPLS),
+                   help=f"comma list of implementations from {','.join(IMPLS)} "
+                        f"(default: {','.join(DEFAULT_IMPLS)})")
     p.add_argument("--quick", action="store_true",
                    help=f"small subset: d in {QUICK_D}, L in {QUICK_L}, forward only, "
                         f"{QUICK_BUDGET_S} s per point")

@@ -129,6 +129,8 @@ class CompileReport:
     stack: int | None = None
     shared: int | None = None       # static shared memory, bytes
     hmma: int | None = None         # HMMA + HGMMA instructions in the SASS (None: not disassembled)
+    hgmma: int | None = None        # of which HGMMA (Hopper's wgmma)
+    notes: tuple[str, ...] = ()     # ptxas remarks on this entry, e.g. serialised wgmma
     error: str | None = None
 
     @property
@@ -267,8 +269,9 @@ def _parse_ptxas(log: str, lowered: str) -> dict:
     return out
 
 
-def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, int] | None:
-    """HMMA + HGMMA instruction count of each function in ``cubin`` (None: no nvdisasm)."""
+def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, tuple[int, int]] | None:
+    """(HMMA + HGMMA, HGMMA) instruction counts of each function in ``cubin`` (None: no
+    nvdisasm)."""
     try:
         from cuda import pathfinder
         tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
@@ -284,10 +287,11 @@ def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, int] | None:
     if run.returncode != 0:  # e.g. nvdisasm 13 no longer reads sm_70 code
         return None
     sass = run.stdout
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[int, int]] = {}
     for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
         name = section.split(",", 1)[0]
-        counts[name] = len(re.findall(r"\b(?:HMMA|HGMMA)\b", section))
+        counts[name] = (len(re.findall(r"\b(?:HMMA|HGMMA)\b", section)),
+                        len(re.findall(r"\bHGMMA\b", section)))
     return counts
 
 
@@ -308,9 +312,17 @@ def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
         if len(exprs) == 1:
             return [CompileReport(source, exprs[0], arch, error=log.strip())]
         return [r for e in exprs for r in compile_offline(source, [e], arch)]
-    hmma = _tensor_core_ops_per_function(cubin)
-    return [CompileReport(source, e, arch, hmma=None if hmma is None else hmma.get(lowered[e], 0),
-                          **_parse_ptxas(log, lowered[e])) for e in exprs]
+    tc = _tensor_core_ops_per_function(cubin)
+    reports = []
+    for e in exprs:
+        hmma, hgmma = (None, None) if tc is None else tc.get(lowered[e], (0, 0))
+        # ptxas names the function in remarks such as "wgmma.mma_async instructions are
+        # serialized due to ..." (a wgmma kernel that runs at a fraction of its speed)
+        notes = tuple(line.strip() for line in log.splitlines()
+                      if lowered[e] in line and "Compiling entry" not in line and "Function properties" not in line)
+        reports.append(CompileReport(source, e, arch, hmma=hmma, hgmma=hgmma, notes=notes,
+                                     **_parse_ptxas(log, lowered[e])))
+    return reports
 
 
 def check_all(archs) -> list[CompileReport]:

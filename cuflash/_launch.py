@@ -4,6 +4,9 @@ Families
 --------
 ``fwd_sm80``  (cuda_src/fwd_sm80.cu)  float16 / bfloat16 on compute capability >= 8.0:
               mma.sync tensor cores, cp.async, ldmatrix.  Head dims bucketed to multiples of 32.
+``fwd_sm90``  (cuda_src/fwd_sm90.cu)  float16 / bfloat16 on Hopper (compute capability 9.0),
+              max(d, dv) > 32: wgmma from shared memory, same algorithm and softmax as
+              fwd_sm80.  Head dims bucketed to multiples of 64.
 ``fwd_simt``  (cuda_src/fwd_simt.cu)  everything else: float32 and float64 (exact paths, no
               tensor cores), and 16-bit inputs on GPUs older than sm_80.
 
@@ -19,6 +22,7 @@ columns of ``p @ v``.  The output and lse are written in place with any strides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -123,6 +127,97 @@ def _tile_override() -> dict[int, Sm80Tiles]:
     return {t.head_dim: t for t in entries}
 
 
+# ---------------------------------------------------------------------------------------------
+# Tiles of the Hopper kernel
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Tiles:
+    """Tiles of ``fwd_sm90`` for one head-dim bucket (template arguments, in this order)."""
+    head_dim: int    # bucket: max(d, dv) rounded up to a multiple of 64
+    block_n: int     # keys per K/V tile (the N of the S = Q K^T wgmma)
+    warpgroups: int  # 64 query rows each: BLOCK_M = 64 * warpgroups
+    min_blocks: int = 1
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def smem_bytes(self) -> int:
+        # Sm90Traits::kSmemBytes: Q + two stages of K and V + 1 KB to align the base
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
+
+
+#: Why these tiles (H200: 227 KB of shared memory a block, 64K registers an SM; registers are
+#: ptxas's, `python -m cuflash check`; timings in bench/NOTES.md):
+#: * A warpgroup owns 64 rows (wgmma's M). While one warpgroup is in its softmax the others'
+#:   wgmma's keep the tensor cores busy, so a block should hold as many warpgroups as the
+#:   registers allow: O takes d/2 registers a thread, S BLOCK_N/2, P BLOCK_N/4.
+#: * d <= 128: 128-key tiles (S = 64 registers) halve the softmax bookkeeping per key of a
+#:   64-key tile; with 3 warpgroups (384 threads) the cap is 168 registers, which fits.
+#: * d = 192, 256: O alone is 96-128 registers, so 64-key tiles and 2 warpgroups
+#:   (shared memory: Q 64 KB + 2 x (K + V) 128 KB at d = 256).
+SM90_TILES: dict[int, Sm90Tiles] = {
+    64: Sm90Tiles(64, 128, 3),
+    128: Sm90Tiles(128, 64, 3),
+    192: Sm90Tiles(192, 64, 2),
+    256: Sm90Tiles(256, 64, 2),
+}
+#: Entries that differ under the causal mask (none at present; sm90_tiles() looks here first).
+SM90_TILES_CAUSAL: dict[int, Sm90Tiles] = {}
+#: Short rows (Lk <= SM90_SHORT_LK): a block walks few key tiles, so the part of its time that
+#: nothing overlaps (loading Q and the first K/V tile, the epilogue) and the lockstep of its
+#: warpgroups at each tile's barrier weigh more. At d = 64 three independent 1-warpgroup blocks
+#: an SM (168 registers, 73 KB of shared memory each) hide one block's prologue behind the
+#: others' work: 1.04x / 1.07x SDPA flash at L = 1k (non-causal / causal) against 0.99x / 0.89x
+#: for the 3-warpgroup block, which wins from 4k on (1.13x against 1.06x); bench/NOTES.md.
+SM90_TILES_SHORT: dict[int, Sm90Tiles] = {
+    64: Sm90Tiles(64, 128, 1, 3),
+}
+SM90_SHORT_LK = 2048
+#: fwd_sm90 takes head dims above this; at d <= 32 the 64-column blocks would be half padding.
+SM90_MIN_HEAD_DIM = 33
+
+
+def sm90_tiles(bucket: int, causal: bool, Lk: int | None = None) -> Sm90Tiles:
+    """The tiles of ``fwd_sm90`` for one head-dim bucket, with or without the causal mask, for
+    rows of ``Lk`` keys (None: long rows)."""
+    if bucket in _sm90_override():
+        return _sm90_override()[bucket]
+    if Lk is not None and Lk <= SM90_SHORT_LK and bucket in SM90_TILES_SHORT:
+        return SM90_TILES_SHORT[bucket]
+    if causal and bucket in SM90_TILES_CAUSAL:
+        return SM90_TILES_CAUSAL[bucket]
+    return SM90_TILES[bucket]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_override() -> dict[int, Sm90Tiles]:
+    """Tile sweeps: ``CUFLASH_SM90_TILES="128:128:2:1"`` (head_dim:block_n:warpgroups:
+    min_blocks) replaces table entries. For tuning runs only; read once per process."""
+    import os
+    spec = os.environ.get("CUFLASH_SM90_TILES", "")
+    entries = [Sm90Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
+    return {t.head_dim: t for t in entries}
+
+
+def sm90_expr(dtype, tiles: Sm90Tiles, causal: bool, even: bool) -> str:
+    return (f"cuflash::sm90::fwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
+            f"{tiles.warpgroups}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
+
+
+def _sm90_grid_tiles(tiles: Sm90Tiles, nbatch: int, Lq: int, num_sms: int) -> Sm90Tiles:
+    """Fewer warpgroups a block when the grid would leave SMs idle (short Lq, few heads)."""
+    while tiles.warpgroups > 1 and nbatch * -(-Lq // tiles.block_m) < num_sms:
+        tiles = dataclasses.replace(tiles, warpgroups=tiles.warpgroups - 1)
+    return tiles
+
+
 _CTYPE = {numpy.dtype(numpy.float16): "__half", numpy.dtype(numpy.float32): "float",
           numpy.dtype(numpy.float64): "double"}
 
@@ -161,6 +256,18 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
                     for t in (tiles, small_grid(tiles)):
                         for even in (False, True) if t.allow_even else (False,):
                             out.append(("fwd_sm80.cu", sm80_expr(dtype, t, causal, even)))
+    if arch == "sm_90a":
+        import ml_dtypes
+        for dtype in (numpy.float16, ml_dtypes.bfloat16):
+            for causal in (False, True):
+                for bucket in SM90_TILES:
+                    variants = set()
+                    for tiles in (sm90_tiles(bucket, causal), sm90_tiles(bucket, causal, 1)):
+                        variants |= {dataclasses.replace(tiles, warpgroups=w)
+                                     for w in range(1, tiles.warpgroups + 1)}
+                    for t in sorted(variants, key=lambda t: (t.warpgroups, t.min_blocks)):
+                        for even in (False, True):
+                            out.append(("fwd_sm90.cu", sm90_expr(dtype, t, causal, even)))
     return out
 
 
@@ -256,10 +363,46 @@ class Launch:
     smem_bytes: int
 
 
+#: ``CUFLASH_FWD=sm80`` keeps Hopper on the mma.sync kernel (tests and A/B runs cover both).
+FAMILIES = ("auto", "sm80")
+_family_override: str | None = None
+
+
+@contextlib.contextmanager
+def use_family(family: str):
+    """Within the block, dispatch as if ``CUFLASH_FWD=family`` (the benchmark's cuflash_sm80)."""
+    global _family_override
+    if family not in FAMILIES:
+        raise ValueError(f"{family=}: expected one of {FAMILIES}")
+    saved, _family_override = _family_override, family
+    try:
+        yield
+    finally:
+        _family_override = saved
+
+
+def _family() -> str:
+    import os
+    if _family_override is not None:
+        return _family_override
+    fam = os.environ.get("CUFLASH_FWD", "auto")
+    if fam not in FAMILIES:
+        raise ValueError(f"CUFLASH_FWD={fam!r}: expected one of {FAMILIES}")
+    return fam
+
+
 def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch:
     """The kernel, tiles and block geometry for ``prob`` on a GPU of compute capability cc."""
     import ml_dtypes
     half_types = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
+    dmax = max(prob.d, prob.dv)
+    if prob.dtype in half_types and cc == 90 and dmax >= SM90_MIN_HEAD_DIM and _family() == "auto":
+        bucket = -(-dmax // 64) * 64
+        tiles = _sm90_grid_tiles(sm90_tiles(bucket, prob.causal, prob.Lk), nbatch, prob.Lq, num_sms)
+        # EVEN: whole key tiles and no padded columns (Q rows are always predicated)
+        even = prob.Lk % tiles.block_n == 0 and prob.d == bucket and prob.dv == bucket
+        return Launch("fwd_sm90.cu", sm90_expr(prob.dtype, tiles, prob.causal, even),
+                      tiles.block_m, tiles.threads, tiles.smem_bytes)
     if prob.dtype in half_types and cc >= 80:
         bucket = max(32, -(-max(prob.d, prob.dv) // 32) * 32)
         tiles = sm80_tiles(bucket, prob.causal)
@@ -283,7 +426,7 @@ def forward(prob: AttentionProblem, o, lse) -> None:
         q, k, v = prob.q, prob.k, prob.v
         nbatch = math.prod(prob.batch_shape)
         launch = choose(prob, nbatch, cc, num_sms)
-        if launch.source == "fwd_sm80.cu":
+        if launch.source in ("fwd_sm80.cu", "fwd_sm90.cu"):
             q, k, v = _sm80_input(q), _sm80_input(k), _sm80_input(v)
         kernel = _jit.get_kernel(launch.source, launch.expr, prob.device_id)
         if launch.smem_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < launch.smem_bytes:

@@ -76,7 +76,20 @@ def test_matches_reference(inputs, out_layout):
                          causal=inputs["causal"], out_layout=out_layout))
 
 
-# -- the tensor-core kernel: every head-dim bucket, ragged lengths, both alignments ------------
+# -- the tensor-core kernels: every head-dim bucket, ragged lengths, both alignments -----------
+
+@pytest.fixture(params=["default", "sm80"])
+def family(request, monkeypatch):
+    """Run a test with the dispatcher's choice, and again with ``CUFLASH_FWD=sm80``, which
+    keeps a Hopper GPU on fwd_sm80 (the kernel every other sm_80+ GPU runs). Elsewhere the two
+    are the same kernel, so the second run is skipped."""
+    if request.param == "sm80":
+        import cupy
+        if cupy.cuda.Device().compute_capability != "90":
+            pytest.skip("CUFLASH_FWD=sm80 changes nothing off Hopper")
+        monkeypatch.setenv("CUFLASH_FWD", "sm80")
+    return request.param
+
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d, dv", [(32, 32), (40, 40), (64, 64), (72, 72), (96, 96), (111, 111),
@@ -85,7 +98,7 @@ def test_matches_reference(inputs, out_layout):
 @pytest.mark.parametrize("Lq, Lk, causal", [(113, 203, True), (203, 113, True),
                                             (256, 256, "top_left"), (128, 512, False),
                                             (1, 77, False)])
-def test_tensor_core_buckets(dtype, d, dv, Lq, Lk, causal):
+def test_tensor_core_buckets(dtype, d, dv, Lq, Lk, causal, family):
     rng = numpy.random.default_rng(d * 1000 + Lq)
     q = make_array(rng, (2, 3, Lq, d), dtype)
     k = make_array(rng, (2, 1, Lk, d), dtype)   # broadcast over the head axis (GQA pattern)
@@ -96,7 +109,7 @@ def test_tensor_core_buckets(dtype, d, dv, Lq, Lk, causal):
 @pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)],
                          ids=["f16", "bf16", "f32", "f64"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_full_tiles_many_blocks(dtype, causal):
+def test_full_tiles_many_blocks(dtype, causal, family):
     """Tile-multiple shapes with enough blocks for the large-tile configuration (EVEN path)."""
     rng = numpy.random.default_rng(7)
     q, k, v = (make_array(rng, (8, 16, 512, 128), dtype) for _ in range(3))
@@ -105,7 +118,7 @@ def test_full_tiles_many_blocks(dtype, causal):
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d", [40, 64, 72, 128, 200, 256])
-def test_ragged_many_blocks(dtype, d):
+def test_ragged_many_blocks(dtype, d, family):
     """Ragged lengths with enough blocks for the 128-row tiles (not the small-grid variant)."""
     rng = numpy.random.default_rng(d)
     q = make_array(rng, (4, 40, 300, d), dtype)

@@ -1,0 +1,235 @@
+// cuflash: tensor-core forward for float16 / bfloat16 on Hopper (sm_90a): wgmma.
+//
+// The algorithm is fwd_sm80's (FlashAttention-2, Algorithm 1, one block per (batch item,
+// BLOCK_M query rows), the same online softmax from online_softmax.cuh); what changes is who
+// does the matrix products. A warpgroup (4 warps, 128 threads) owns 64 query rows and issues
+//   S_ij  = Q_i K_j^T  as HEAD_DIM/16 wgmma m64n{BLOCK_N}k16, A = Q and B = K from shared memory;
+//   O_i  += P_ij V_j   as BLOCK_N/16  wgmma m64n{HEAD_DIM}k16, A = P from registers (the S
+//                      accumulators, rescaled and rounded to T) and B = V from shared memory
+//                      read transposed.
+// No ldmatrix: the tensor cores read K and V straight from shared memory, which is what bounds
+// fwd_sm80 (one 512-byte ldmatrix.x4 per two mma.sync's). While one warpgroup is in its
+// softmax, the other warpgroups of the SM keep the tensor cores busy with their own wgmma's.
+//
+// Shared memory: Q_i, and K_j, V_j double-buffered (cp.async, like fwd_sm80), each in
+// Sm90Tile's layout, which is wgmma's 128-byte swizzle. One barrier per key tile.
+//
+// Requirements the launcher (cuflash/_launch.py) guarantees: as fwd_sm80 (rows contiguous and
+// 16-byte aligned, d and dv multiples of 8, at most HEAD_DIM), and HEAD_DIM % 64 == 0.
+#include "common.cuh"
+#include "mma_sm80.cuh"
+#include "online_softmax.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+__device__ __forceinline__ void fence_proxy_async() {  // generic-proxy smem writes -> wgmma reads
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving accesses of wgmma accumulators across the asynchronous
+// wgmma's (an empty asm that "writes" each register).
+template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+#pragma unroll
+  for (int t = 0; t < N; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[t][i])::"memory");
+}
+
+// A ROWS x COLS tile of 2-byte elements in wgmma's 128-byte-swizzle layout: the columns are
+// cut into 64-element (128-byte) column blocks stored one after the other (kBlockBytes apart);
+// inside a block, row r is the 128 bytes at r * 128, and its 16-byte chunk c sits at chunk
+// c ^ (r % 8). The XOR is the hardware's (address bits 4-6 ^= bits 7-9), so a block must start
+// on a 1024-byte boundary. Eight rows (1024 bytes) make one swizzle atom.
+template <int ROWS, int COLS> struct Sm90Tile {
+  static constexpr int kChunks = COLS / 8;        // 16-byte chunks a row
+  static constexpr int kBlockBytes = ROWS * 128;  // one 64-column block
+  static constexpr int kBytes = ROWS * COLS * 2;
+  static_assert(COLS % 64 == 0, "whole 128-byte column blocks");
+  static_assert(ROWS % 8 == 0, "whole 1024-byte swizzle atoms");
+  __device__ static __forceinline__ int chunk_offset(int row, int chunk) {  // in 16-byte units
+    return (chunk / 8) * (kBlockBytes / 16) + row * 8 + ((chunk % 8) ^ (row % 8));
+  }
+  __device__ static __forceinline__ unsigned addr(unsigned base, int row, int chunk) {
+    return base + 16u * static_cast<unsigned>(chunk_offset(row, chunk));
+  }
+};
+
+// Matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
+// byte offsets (all >> 4), swizzle mode 1 = 128-byte. With that swizzle:
+//   K-major operand (Q as A, K as B): rows of the operand are 128-byte rows of one column
+//     block; 8-row groups are SBO = 1024 bytes apart; LBO is unused (1 by convention); the k16
+//     step inside a block moves the start by 32 bytes and the next block by kBlockBytes.
+//   MN-major operand (V as B, .trans): along N (the head dim) 64 elements are contiguous and
+//     the next 64 are LBO = kBlockBytes on; along K (keys) rows are 128 bytes apart, 8-row
+//     groups SBO = 1024 bytes; the k16 step moves the start by 16 rows = 2048 bytes.
+__device__ __forceinline__ unsigned long long make_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>(lbo >> 4) << 16) |
+         (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
+// SM90_TILES in cuflash/_launch.py.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS>
+struct Sm90Traits {
+  static constexpr int kThreads = 128 * WARPGROUPS;
+  static constexpr int kBlockM = 64 * WARPGROUPS;   // 64 rows a warpgroup (the wgmma M)
+  static constexpr int kKSteps = HEAD_DIM / 16;     // wgmma's of S = Q K^T
+  static constexpr int kPVSteps = BLOCK_N / 16;     // wgmma's of O += P V
+  static constexpr int kNTilesS = BLOCK_N / 8;      // 8-column tiles of S in a thread
+  static constexpr int kNTilesO = HEAD_DIM / 8;     // 8-column tiles of O in a thread
+  using QTile = Sm90Tile<kBlockM, HEAD_DIM>;
+  using KVTile = Sm90Tile<BLOCK_N, HEAD_DIM>;
+  // O is staged for the epilogue in fwd_sm80's row-major swizzled layout, over Q's space
+  using OTile = SwizzledTile<kBlockM, HEAD_DIM>;
+  static constexpr int kStages = 2;
+  static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
+  // + 1024: the dynamic shared memory base is aligned up to the 1024-byte swizzle atom
+  static constexpr int kSmemBytes = QTile::kBytes + kStages * kStageBytes + 1024;
+
+  static_assert(sizeof(T) == 2, "wgmma here takes float16 / bfloat16");
+  static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dims in whole 128-byte column blocks");
+  static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N and the k16 steps of P V");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "at most 192 rows a block");
+  static_assert(QTile::kBytes % 1024 == 0 && KVTile::kBytes % 1024 == 0, "atoms stay 1024-aligned");
+  static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
+  static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
+fwd_sm90(const FwdParams p) {
+  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
+  const float kNegInf = -__int_as_float(0x7f800000);
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned sQ = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (sQ - raw);
+  const unsigned sKV = sQ + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
+
+  const int wg = threadIdx.x / 128;                 // warpgroup: rows 64 wg .. 64 wg + 63
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
+  const int b = static_cast<int>(blockIdx.x / p.num_m_blocks);
+  const int m0 = m_block * kBlockM;
+  const BatchOffsets off = batch_offsets(p, b);
+  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
+  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
+  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
+  const float sl2 = static_cast<float>(p.scale_log2);
+
+  int n_end = p.Lk;
+  if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+  const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+
+  auto load_kv = [&](int n0, int stage) {
+    const unsigned sK = sKV + stage * Tr::kStageBytes;
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, n0, p.Lk, p.dv);
+  };
+
+  // -- load Q_i, K_0 and V_0
+  // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
+  // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
+  load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  if (n_blocks > 0) load_kv(0, 0);
+  cp_async_commit();
+
+  // Descriptors of stage 0 at k-step 0 (this warpgroup's 64 rows of Q); a k-step or a stage
+  // adds a compile-time byte offset >> 4 to the start-address field.
+  const unsigned long long desc_q = make_desc(sQ + wg * 64 * 128, 16, 1024);
+  const unsigned long long desc_k = make_desc(sKV, 16, 1024);
+  const unsigned long long desc_v = make_desc(sKV + KVTile::kBytes, KVTile::kBlockBytes, 1024);
+  auto kmajor_step = [](int kblock_bytes, int ks) {   // byte offset of k-step ks, >> 4
+    return static_cast<unsigned long long>(((ks / 4) * kblock_bytes + (ks % 4) * 32) >> 4);
+  };
+
+  float o[Tr::kNTilesO][4];
+#pragma unroll
+  for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
+  const int wg_row_first = m0 + 64 * wg;
+  const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
+  const int col_in_tile = 2 * (lane % 4);
+
+  for (int j = 0; j < n_blocks; ++j) {
+    const int n0 = j * BLOCK_N;
+    const unsigned long long stage_off = static_cast<unsigned long long>(((j & 1) * Tr::kStageBytes) >> 4);
+    cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
+    fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
+    __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)&1
+    // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
+    if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
+    cp_async_commit();
+    // A causal tile wholly past the diagonal of this warpgroup's last row changes nothing for
+    // its rows: skip its math (the warpgroup still takes part in the loads and barriers).
+    if (CAUSAL && n0 > wg_row_first + 63 + p.causal_offset) continue;
+
+    // -- S_ij = Q_i K_j^T
+    float s[Tr::kNTilesS][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
+      Wgmma<T, BLOCK_N>::ss(s, desc_q + kmajor_step(QTile::kBlockBytes, ks),
+                            desc_k + stage_off + kmajor_step(KVTile::kBlockBytes, ks), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset; only tiles that
+    //    cross the end of the keys or this warp's diagonal pay for it.
+    const int warp_row_first = wg_row_first + 16 * warp;
+    const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
+                           (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+    if (need_mask) {
+      int last[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        last[r] = p.Lk - 1;
+        if (CAUSAL) last[r] = min(last[r], row0 + 8 * r + p.causal_offset);
+        last[r] -= n0 + col_in_tile;
+      }
+      mask_scores(s, last);
+    }
+    online_softmax_step(s, m_i, l_i, o, sl2);
+
+    // -- O_i += P_ij V_j, P straight from the S accumulators as the register A operand
+    unsigned pa[Tr::kPVSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
+      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_off + static_cast<unsigned long long>((kk * 16 * 128) >> 4), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  cp_async_wait<0>();   // with no key tile (every row masked) Q's copy is still pending
+  float inv_l[2];
+  finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
+  // Stage O through shared memory (over Q, which other warpgroups may still be reading: hence
+  // the barrier first) so that the global stores are whole 16-byte chunks.
+  __syncthreads();
+  stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
+  __syncthreads();
+  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
+}
+
+}  // namespace sm90
+}  // namespace cuflash
