@@ -76,7 +76,7 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned saddr, unsigned
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
 // SM90_TILES in cuflash/_launch.py.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int STAGES>
 struct Sm90Traits {
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kBlockM = 64 * WARPGROUPS;   // 64 rows a warpgroup (the wgmma M)
@@ -88,7 +88,9 @@ struct Sm90Traits {
   using KVTile = Sm90Tile<BLOCK_N, HEAD_DIM>;
   // O is staged for the epilogue in fwd_sm80's row-major swizzled layout, over Q's space
   using OTile = SwizzledTile<kBlockM, HEAD_DIM>;
-  static constexpr int kStages = 2;
+  // K/V buffers: 2 = compute on one while the next loads; 3 = the intra-warpgroup pipeline,
+  // which needs tile j+1 resident while tile j is still being used (see the kernel)
+  static constexpr int kStages = STAGES;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
   // + 1024: the dynamic shared memory base is aligned up to the 1024-byte swizzle atom
   static constexpr int kSmemBytes = QTile::kBytes + kStages * kStageBytes + 1024;
@@ -97,15 +99,16 @@ struct Sm90Traits {
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dims in whole 128-byte column blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N and the k16 steps of P V");
   static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "at most 192 rows a block");
+  static_assert(STAGES == 2 || STAGES == 3, "double buffering, or the pipelined loop");
   static_assert(QTile::kBytes % 1024 == 0 && KVTile::kBytes % 1024 == 0, "atoms stay 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int STAGES, bool CAUSAL, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const FwdParams p) {
-  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
+  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS, STAGES>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
@@ -128,70 +131,59 @@ fwd_sm90(const FwdParams p) {
   const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
   const float sl2 = static_cast<float>(p.scale_log2);
 
-  int n_end = p.Lk;
-  if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+  // Key tiles of the block: all, or under CAUSAL those up to its last row's diagonal. n_blocks
+  // can be 0 (every row fully masked): O = 0 and lse = -inf. A warpgroup's own rows end earlier:
+  // it computes on tiles [0, n_wg) only (a causal tile wholly past the diagonal of its last row
+  // changes nothing for its rows), and takes part in the loads and barriers of all n_blocks.
+  const int wg_row_first = m0 + 64 * wg;
+  int n_end = p.Lk, n_end_wg = p.Lk;
+  if (CAUSAL) {
+    n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+    n_end_wg = min(n_end_wg, wg_row_first + 64 + p.causal_offset);
+  }
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+  const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
-  auto load_kv = [&](int n0, int stage) {
-    const unsigned sK = sKV + stage * Tr::kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, n0, p.Lk, p.dv);
+  auto load_kv = [&](int j) {   // K_j and V_j into stage j % STAGES
+    const unsigned sK = sKV + (j % STAGES) * Tr::kStageBytes;
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
   };
-
-  // -- load Q_i, K_0 and V_0
-  // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
-  // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
-  load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > 0) load_kv(0, 0);
-  cp_async_commit();
 
   // Descriptors of stage 0 at k-step 0 (this warpgroup's 64 rows of Q); a k-step or a stage
   // adds a compile-time byte offset >> 4 to the start-address field.
   const unsigned long long desc_q = make_desc(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = make_desc(sKV, 16, 1024);
   const unsigned long long desc_v = make_desc(sKV + KVTile::kBytes, KVTile::kBlockBytes, 1024);
-  auto kmajor_step = [](int kblock_bytes, int ks) {   // byte offset of k-step ks, >> 4
-    return static_cast<unsigned long long>(((ks / 4) * kblock_bytes + (ks % 4) * 32) >> 4);
-  };
+  auto stage_of = [](int j) { return static_cast<unsigned long long>(((j % STAGES) * Tr::kStageBytes) >> 4); };
 
-  float o[Tr::kNTilesO][4];
-#pragma unroll
-  for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
-  const int wg_row_first = m0 + 64 * wg;
-  const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
-  const int col_in_tile = 2 * (lane % 4);
-
-  for (int j = 0; j < n_blocks; ++j) {
-    const int n0 = j * BLOCK_N;
-    const unsigned long long stage_off = static_cast<unsigned long long>(((j & 1) * Tr::kStageBytes) >> 4);
-    cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
-    fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
-    __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)&1
-    // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
-    if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
-    cp_async_commit();
-    // A causal tile wholly past the diagonal of this warpgroup's last row changes nothing for
-    // its rows: skip its math (the warpgroup still takes part in the loads and barriers).
-    if (CAUSAL && n0 > wg_row_first + 63 + p.causal_offset) continue;
-
-    // -- S_ij = Q_i K_j^T
-    float s[Tr::kNTilesS][4];
-    wgmma_fence();
+  // -- S = Q_i K_j^T: issue (and commit) the wgmma's; the caller waits
+  auto issue_s = [&](float (&s)[Tr::kNTilesS][4], int j) {
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-      Wgmma<T, BLOCK_N>::ss(s, desc_q + kmajor_step(QTile::kBlockBytes, ks),
-                            desc_k + stage_off + kmajor_step(KVTile::kBlockBytes, ks), ks > 0);
+      const unsigned long long kq = ((ks / 4) * QTile::kBlockBytes + (ks % 4) * 32) >> 4;
+      const unsigned long long kk = ((ks / 4) * KVTile::kBlockBytes + (ks % 4) * 32) >> 4;
+      Wgmma<T, BLOCK_N>::ss(s, desc_q + kq, desc_k + stage_of(j) + kk, ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+  };
+  // -- O_i += P V_j, P (registers) as the A operand; the caller waits
+  auto issue_pv = [&](float (&o)[Tr::kNTilesO][4], const unsigned (&pa)[Tr::kPVSteps][4], int j) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk)
+      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(j) + ((kk * 16 * 128) >> 4), 1);
+    wgmma_commit();
+  };
 
-    // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset; only tiles that
-    //    cross the end of the keys or this warp's diagonal pay for it.
-    const int warp_row_first = wg_row_first + 16 * warp;
+  const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
+  const int col_in_tile = 2 * (lane % 4);
+  // -- mask S_ij (keys past Lk, and under CAUSAL keys j > i + causal_offset: only tiles that
+  //    cross the end of the keys or this warp's diagonal pay for it), then the online softmax
+  //    up to, not including, the rescale of O
+  auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
+    const int n0 = j * BLOCK_N;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+                           (CAUSAL && n0 + BLOCK_N - 1 > wg_row_first + 16 * warp + p.causal_offset);
     if (need_mask) {
       int last[2];
 #pragma unroll
@@ -202,21 +194,99 @@ fwd_sm90(const FwdParams p) {
       }
       mask_scores(s, last);
     }
-    online_softmax_step(s, m_i, l_i, o, sl2);
+    online_softmax_scores(s, m_i, l_i, alpha, sl2);
+  };
 
-    // -- O_i += P_ij V_j, P straight from the S accumulators as the register A operand
-    unsigned pa[Tr::kPVSteps][4];
+  // -- load Q_i and the first STAGES - 1 K/V tiles, one commit group each
+  // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
+  // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
+  load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
 #pragma unroll
-    for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
-    fence_regs(o);
-    wgmma_fence();
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (j < n_blocks) load_kv(j);
+    cp_async_commit();
+  }
+
+  float o[Tr::kNTilesO][4];
 #pragma unroll
-    for (int kk = 0; kk < Tr::kPVSteps; ++kk) {
-      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_off + static_cast<unsigned long long>((kk * 16 * 128) >> 4), 1);
+  for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
+  float s[Tr::kNTilesS][4];
+
+  if constexpr (STAGES == 2) {
+    // Tile j: S_j, softmax, P_j V_j, one after the other; K_{j+1}, V_{j+1} load meanwhile.
+    for (int j = 0; j < n_blocks; ++j) {
+      cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
+      fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
+      __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)%2
+      if (j + 1 < n_blocks) load_kv(j + 1);
+      cp_async_commit();
+      if (j >= n_wg) continue;
+
+      wgmma_fence();
+      issue_s(s, j);
+      wgmma_wait<0>();
+      fence_regs(s);
+      float alpha[2];
+      softmax(s, j, m_i, l_i, alpha);
+      rescale_rows(o, alpha);
+      unsigned pa[Tr::kPVSteps][4];
+#pragma unroll
+      for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+      fence_regs(o);
+      wgmma_fence();
+      issue_pv(o, pa, j);
+      wgmma_wait<0>();
+      fence_regs(o);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(o);
+  } else {
+    // Software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
+    // iteration j issues S_{j+1} = Q K_{j+1}^T and then O += P_j V_j, waits for S_{j+1} only,
+    // and runs the softmax of tile j+1 while P_j V_j is still on the tensor cores; O is
+    // rescaled by tile j+1's alpha once P_j V_j has finished. Tile j+1 must be in shared
+    // memory a whole iteration early, hence three stages: K_{j+2}, V_{j+2} load during
+    // iteration j into the stage of tile j-1, which every warpgroup finished in iteration j-1.
+    unsigned pa[Tr::kPVSteps][4];
+    for (int j = 0; j < n_blocks; ++j) {
+      cp_async_wait<0>();    // K_{j+1}, V_{j+1} (at j = 0 also Q_i, K_0, V_0) have landed ...
+      fence_proxy_async();
+      __syncthreads();       // ... and every warpgroup is done with tile j-1's stage
+      if (j + 2 < n_blocks) load_kv(j + 2);
+      cp_async_commit();
+      if (j >= n_wg) continue;
+
+      if (j == 0) {   // -- prologue: S_0 and its softmax (O is still 0: nothing to rescale)
+        float alpha0[2];
+        wgmma_fence();
+        issue_s(s, 0);
+        wgmma_wait<0>();
+        fence_regs(s);
+        softmax(s, 0, m_i, l_i, alpha0);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+      }
+      if (j + 1 < n_wg) {
+        fence_regs(o);
+        wgmma_fence();
+        issue_s(s, j + 1);              // -- S_{j+1}, committed first ...
+        issue_pv(o, pa, j);             // -- ... then O += P_j V_j
+        wgmma_wait<1>();                // S_{j+1} is done; P_j V_j may still run
+        fence_regs(s);
+        float alpha[2];
+        softmax(s, j + 1, m_i, l_i, alpha);
+        wgmma_wait<0>();                // P_j V_j is done: O and pa are free
+        fence_regs(o);
+        rescale_rows(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+      } else {                          // -- this warpgroup's last tile: O += P_j V_j alone
+        fence_regs(o);
+        wgmma_fence();
+        issue_pv(o, pa, j);
+        wgmma_wait<0>();
+        fence_regs(o);
+      }
+    }
   }
 
   // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)

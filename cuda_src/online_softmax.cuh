@@ -28,12 +28,15 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&last)
     }
 }
 
-// One step of the online softmax for a new score tile S_ij of NT 8-column tiles:
-//   m_new = max(m_i, rowmax(S_ij)), P_ij = exp2(S_ij sl2 - m_new sl2) (in place of S_ij),
-//   l_i = exp2(m_i sl2 - m_new sl2) l_i + rowsum(P_ij), O_i = diag(exp2(m_i sl2 - m_new sl2)) O_i.
-template <int NT, int NO>
-__device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
-                                                    float (&o)[NO][4], float sl2) {
+// One step of the online softmax for a new score tile S_ij of NT 8-column tiles, in two
+// parts so that a caller can rescale O later (fwd_sm90 does, once the wgmma still writing O
+// has finished):
+//   online_softmax_scores: m_new = max(m_i, rowmax(S_ij)), P_ij = exp2(S_ij sl2 - m_new sl2)
+//     in place of S_ij, alpha = exp2(m_i sl2 - m_new sl2), l_i = alpha l_i + rowsum(P_ij);
+//   rescale_rows:          O_i = diag(alpha) O_i.
+template <int NT>
+__device__ __forceinline__ void online_softmax_scores(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
+                                                      float (&alpha)[2], float sl2) {
   const float kNegInf = -__int_as_float(0x7f800000);
   // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
   float m_new[2] = {m_i[0], m_i[1]};
@@ -42,7 +45,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m
     m_new[0] = fmaxf(m_new[0], fmaxf(s[t][0], s[t][1]));
     m_new[1] = fmaxf(m_new[1], fmaxf(s[t][2], s[t][3]));
   }
-  float m_scaled[2], alpha[2];
+  float m_scaled[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
@@ -67,12 +70,25 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m
   }
   l_i[0] = l_i[0] * alpha[0] + rowsum[0];
   l_i[1] = l_i[1] * alpha[1] + rowsum[1];
-  // -- O_i = diag(alpha) O_i
+}
+
+// -- O_i = diag(alpha) O_i
+template <int NO>
+__device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&alpha)[2]) {
 #pragma unroll
   for (int t = 0; t < NO; ++t) {
     o[t][0] *= alpha[0]; o[t][1] *= alpha[0];
     o[t][2] *= alpha[1]; o[t][3] *= alpha[1];
   }
+}
+
+// Both parts at once.
+template <int NT, int NO>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
+                                                    float (&o)[NO][4], float sl2) {
+  float alpha[2];
+  online_softmax_scores(s, m_i, l_i, alpha, sl2);
+  rescale_rows(o, alpha);
 }
 
 // P_ij's k16 slice kk as the A operand of P V (mma.sync m16n8k16 and wgmma register-A share

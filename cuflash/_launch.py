@@ -138,6 +138,7 @@ class Sm90Tiles:
     block_n: int     # keys per K/V tile (the N of the S = Q K^T wgmma)
     warpgroups: int  # 64 query rows each: BLOCK_M = 64 * warpgroups
     min_blocks: int = 1
+    stages: int = 2  # K/V buffers; 3 runs the intra-warpgroup pipeline (see fwd_sm90.cu)
 
     @property
     def block_m(self) -> int:
@@ -149,8 +150,8 @@ class Sm90Tiles:
 
     @property
     def smem_bytes(self) -> int:
-        # Sm90Traits::kSmemBytes: Q + two stages of K and V + 1 KB to align the base
-        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
+        # Sm90Traits::kSmemBytes: Q + the stages of K and V + 1 KB to align the base
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
 
 
 #: Why these tiles (H200: 227 KB of shared memory a block, 64K registers an SM; registers are
@@ -198,8 +199,8 @@ def sm90_tiles(bucket: int, causal: bool, Lk: int | None = None) -> Sm90Tiles:
 
 @functools.lru_cache(maxsize=None)
 def _sm90_override() -> dict[int, Sm90Tiles]:
-    """Tile sweeps: ``CUFLASH_SM90_TILES="128:128:2:1"`` (head_dim:block_n:warpgroups:
-    min_blocks) replaces table entries. For tuning runs only; read once per process."""
+    """Tile sweeps: ``CUFLASH_SM90_TILES="128:64:3:1:3"`` (head_dim:block_n:warpgroups:
+    min_blocks[:stages]) replaces table entries. For tuning runs only; read once per process."""
     import os
     spec = os.environ.get("CUFLASH_SM90_TILES", "")
     entries = [Sm90Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
@@ -208,7 +209,7 @@ def _sm90_override() -> dict[int, Sm90Tiles]:
 
 def sm90_expr(dtype, tiles: Sm90Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::sm90::fwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warpgroups}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warpgroups}, {tiles.min_blocks}, {tiles.stages}, {_bool(causal)}, {_bool(even)}>")
 
 
 def _sm90_grid_tiles(tiles: Sm90Tiles, nbatch: int, Lq: int, num_sms: int) -> Sm90Tiles:
