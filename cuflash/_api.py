@@ -138,10 +138,14 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
       (``batch_shape + (Lq,)``), dq (``batch_shape + (Lq, d)``), and dk, dv per broadcast
       batch item (``batch_shape + (Lk, d)``, ``batch_shape + (Lk, dv)``) before they are summed
       over broadcast dimensions, so grouped-query attention does materialise per-group dk, dv
-      there (summing inside the kernel is future work). ``deterministic=True`` adds a buffer of
-      ``ceil(Lk / BLOCK_N) * prod(batch_shape) * Lq * d`` accumulator values (one partial dq
-      per key tile, summed in key-tile order afterwards), which grows with Lq * Lk: see
-      ``cuflash._launch_bwd``. ``lse`` is copied if it is not C-contiguous (it is small).
+      there (summing inside the kernel is future work). ``deterministic=True``: on the
+      tensor-core kernel (float16/bfloat16, head dims up to 128, sm_80+) one int32 counter per
+      (batch item, 64 query rows), which orders the key tiles' additions to dq; on the generic
+      kernel a buffer of ``ceil(Lk / BLOCK_N) * prod(batch_shape) * Lq * d`` accumulator
+      values (one partial dq per key tile, summed in key-tile order afterwards), which grows
+      with Lq * Lk: see ``cuflash._launch_bwd``. The tensor-core kernel copies q, k, v or do
+      whose rows are not contiguous and 16-byte aligned (as the forward does). ``lse`` is
+      copied if it is not C-contiguous (it is small).
     - The CPU path (NumPy inputs) runs the same blocked algorithm; its extra memory is the
       dq and D buffers plus one pair of tiles.
 

@@ -1,14 +1,26 @@
-"""GPU launcher of the backward pass (``cuda_src/bwd_simt.cu``): tiles, buffers, launches.
+"""GPU launcher of the backward pass: kernel choice, tiles, buffers, launches.
 
-Every dtype runs the generic SIMT backward for now (a tensor-core backward for float16 and
-bfloat16 is future work). Three kernels, in this order on CuPy's current stream:
+Two kernel families compute lines 5-19 of FlashAttention-2's Algorithm 2:
 
-1. ``bwd_dot_do_o<T>``: ``D = rowsum(dO * O)`` into an accumulation-dtype buffer
-   ``batch_shape + (Lq,)`` (line 4 of FlashAttention-2's Algorithm 2);
-2. ``bwd_simt<T, HEAD_DIM, CAUSAL, DETERMINISTIC, BLOCK_M, BLOCK_N, NTHREADS>``: one block per
-   (batch item, key tile); writes dK, dV per batch item and adds dQ (lines 5-19);
-3. ``bwd_sum_dq<Acc>`` (``deterministic=True`` only): sums the per-key-tile partial dQ in
-   key-tile order.
+``bwd_sm80``  (cuda_src/bwd_sm80.cu)  float16 / bfloat16 on compute capability >= 8.0 with
+              ``max(d, dv) <= 128`` (head-dim buckets 32, 64, 96, 128): mma.sync tensor cores,
+              ldmatrix, cp.async, dK_j and dV_j in registers. Also needs the device to grant
+              the block's shared memory (``BWD_SM80_TILES``: up to 145 KB at d = 128; sm_80
+              and sm_90 do, sm_86 / sm_89 grant 99 KB and run bwd_simt above d = 64).
+``bwd_simt``  (cuda_src/bwd_simt.cu)  everything else: float32 and float64 (exact paths),
+              head dims above 128, GPUs older than sm_80.
+
+``CUFLASH_BWD=simt`` in the environment forces bwd_simt for every call (read at each call; to
+compare the two, or to fall back); unset or ``auto`` is the choice above.
+
+Three kernels run, in this order, on CuPy's current stream:
+
+1. ``bwd_dot_do_o<T>`` (bwd_simt.cu): ``D = rowsum(dO * O)`` into an accumulation-dtype buffer
+   ``batch_shape + (Lq,)`` (line 4 of Algorithm 2);
+2. the main kernel, one block per (batch item, key tile): writes dK, dV per batch item and adds
+   dQ (lines 5-19);
+3. ``bwd_sum_dq<Acc>`` (bwd_simt with ``deterministic=True`` only): sums the per-key-tile
+   partial dQ in key-tile order.
 
 Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
 
@@ -22,18 +34,26 @@ Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
   (``_problem.sum_to_shape``) and rounded once to the input dtype. So grouped-query attention
   does materialise per-group dk, dv here, G times the size of the result; summing inside the
   kernel is future work.
-* ``deterministic=True``: instead of atomics, each key tile writes its dQ contribution to its
-  own slice of a buffer ``(num_n_blocks,) + batch_shape + (Lq, d)`` Acc, with
-  ``num_n_blocks = ceil(Lk / BLOCK_N)``, and ``bwd_sum_dq`` adds the slices in key-tile order
-  0, 1, 2, ...: every kernel then does a fixed sequence of floating-point operations, so dq,
+* ``deterministic=True``, bwd_sm80: the same single dq buffer, plus one int32 semaphore per
+  (batch item, query tile of BLOCK_M rows): each key tile adds its dQ contribution with plain
+  loads and stores once the key tiles before it have (FlashAttention-2's deterministic mode;
+  the ordering argument is in cuda_src/bwd_sm80.cu). Extra memory stays
+  ``O(prod(batch_shape) * Lq * d)``; every float operation happens in a fixed order, so dq,
   dk and dv are bitwise reproducible run to run (CuPy's reductions for the broadcast sums are
-  deterministic too). The price is that buffer: ``num_n_blocks * prod(batch_shape) * Lq * d``
-  Acc values, i.e. it grows with Lq * Lk / BLOCK_N (1k x 1k, 32 heads, d = 128, float32:
-  ~0.5 GB at BLOCK_N = 32). A semaphore-ordered accumulation into one dq buffer, as in
-  FlashAttention-2's deterministic mode, would keep it O(B * H * Lq * d); future work.
+  deterministic too). The key tiles of a query tile then add one after another, which costs
+  time: see bench/bwd_deterministic_cost.py.
+* ``deterministic=True``, bwd_simt: instead of atomics, each key tile writes its dQ
+  contribution to its own slice of a buffer ``(num_n_blocks,) + batch_shape + (Lq, d)`` Acc,
+  with ``num_n_blocks = ceil(Lk / BLOCK_N)``, and ``bwd_sum_dq`` adds the slices in key-tile
+  order 0, 1, 2, ...: also bitwise reproducible, but that buffer grows with Lq * Lk / BLOCK_N
+  (1k x 1k, 32 heads, d = 128, float32: ~0.5 GB at BLOCK_N = 32).
 
-Strides: q, k, v, o and dO are read in place with any strides, broadcast (stride 0) included;
-nothing is copied except a non-contiguous ``lse``.
+Strides: bwd_simt reads q, k, v, o and dO in place with any strides, broadcast (stride 0)
+included. bwd_sm80 needs each row of q, k, v and dO contiguous and 16-byte aligned with a
+head dim that is a multiple of 8 (its cp.async loads are 16-byte chunks); an input that is not
+is copied, as the forward does (``_launch._sm80_input``: only its un-broadcast extent, into a
+C-contiguous buffer with the head dim zero-padded to a multiple of 8), and broadcast
+dimensions stay stride 0. ``o`` is only read by ``bwd_dot_do_o`` and is never copied.
 """
 
 from __future__ import annotations
@@ -150,6 +170,108 @@ def all_bwd_specialisations() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The tensor-core backward (cuda_src/bwd_sm80.cu)
+# ---------------------------------------------------------------------------------------------
+
+SM80_SOURCE = "bwd_sm80.cu"
+#: Largest head dim (max(d, dv)) bwd_sm80 takes; above it dK_j and dV_j alone would fill the
+#: registers (HEAD_DIM floats a thread), so larger head dims run bwd_simt.
+SM80_MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdSm80Tiles:
+    """Tiles of ``bwd_sm80`` for one head-dim bucket (template arguments, in this order)."""
+    head_dim: int    # bucket: max(d, dv) rounded up to a multiple of 32, at most 128
+    block_m: int     # query rows per tile Q_i (B_r)
+    sub_m: int       # query rows of S^T, dP^T a warp holds at once (divides block_m)
+    warps: int       # warps per block; each owns 16 keys: B_c = 16 * warps
+    min_blocks: int  # blocks per SM the register budget must allow (__launch_bounds__)
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block; must equal ``BwdSm80Traits::kSmemBytes``:
+        K_j, V_j; two stages of Q_i, dO_i; dS_ij^T (all 2-byte); two stages of L_i, D_i."""
+        hd, m, n = self.head_dim, self.block_m, self.block_n
+        return 2 * n * hd * 2 + 2 * 2 * m * hd * 2 + n * m * 2 + 2 * 2 * m * 4
+
+
+#: Why these tiles (register counts are ptxas's for sm_80 / sm_90a, ``python -m cuflash check``;
+#: none is tuned on a GPU yet, so CUFLASH_BWD_SM80_TILES can replace any entry):
+#: * 8 warps, so B_c = 128 keys a block: Q_i and dO_i cross from L2 once per key tile, and dQ
+#:   receives one atomic addition per key tile, so larger B_c means half the traffic of 64.
+#: * B_r = 64 query rows a tile: the block pays two barriers per tile and L_i, D_i loads;
+#:   64 rows amortise them (FlashAttention-2's 64 x 128 shape).
+#: * sub_m: dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel, S^T and dP^T
+#:   another sub_m while a chunk of sub_m query rows is in flight; smaller chunks re-read this
+#:   warp's K_j, V_j fragments more often (BLOCK_M / sub_m times a tile). d = 64: the whole
+#:   64-row tile fits (238-251 registers, no spill). d = 96: 32-row chunks. d = 128: 32-row
+#:   chunks spill 8-24 bytes in some specialisations at the 255-register cap, 16-row chunks
+#:   none (247-255 registers).
+#: * d = 32: with 16-row chunks the kernel stays under 128 registers, so two blocks (16 warps)
+#:   share an SM (32-row chunks spill 12 bytes at that cap).
+BWD_SM80_TILES: dict[int, BwdSm80Tiles] = {
+    32: BwdSm80Tiles(32, 64, 16, 8, 2),
+    64: BwdSm80Tiles(64, 64, 64, 8, 1),
+    96: BwdSm80Tiles(96, 64, 32, 8, 1),
+    128: BwdSm80Tiles(128, 64, 16, 8, 1),
+}
+
+
+def sm80_bucket(d: int, dv: int) -> int:
+    """The head-dim bucket of bwd_sm80: max(d, dv) rounded up to a multiple of 32 (>= 32)."""
+    return max(32, -(-max(d, dv) // 32) * 32)
+
+
+def sm80_tiles(bucket: int) -> BwdSm80Tiles:
+    """The tiles of ``bwd_sm80`` for one head-dim bucket (or CUFLASH_BWD_SM80_TILES's)."""
+    return _sm80_tile_override().get(bucket, BWD_SM80_TILES[bucket])
+
+
+def _sm80_tile_override() -> dict[int, BwdSm80Tiles]:
+    """Tile sweeps: ``CUFLASH_BWD_SM80_TILES="128:64:32:8:1,64:64:32:8:1"`` (head_dim:block_m:
+    sub_m:warps:min_blocks) replaces table entries. For tuning runs only (the compile gate checks
+    the table, not these)."""
+    import os
+    spec = os.environ.get("CUFLASH_BWD_SM80_TILES", "")
+    entries = [BwdSm80Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
+    return {t.head_dim: t for t in entries}
+
+
+def sm80_expr(dtype, tiles: BwdSm80Tiles, causal: bool, deterministic: bool) -> str:
+    return (f"cuflash::bwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_m}, "
+            f"{tiles.sub_m}, {tiles.warps}, {tiles.min_blocks}, {_b(causal)}, {_b(deterministic)}>")
+
+
+def all_bwd_sm80_specialisations() -> list[str]:
+    """Every name expression in ``bwd_sm80.cu`` the launcher can select (sm_80 and newer)."""
+    import ml_dtypes
+    return [sm80_expr(numpy.dtype(dtype), BWD_SM80_TILES[hd], causal, det)
+            for dtype in (numpy.float16, ml_dtypes.bfloat16)
+            for hd in sorted(BWD_SM80_TILES)
+            for causal in (False, True)
+            for det in (False, True)]
+
+
+def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
+    """Every (source, name expression) of the backward the launcher can select on ``arch``
+    (e.g. ``"sm_90a"``): bwd_simt's everywhere, bwd_sm80's from sm_80 on."""
+    import re
+    out = [(SOURCE, e) for e in all_bwd_specialisations()]
+    if int(re.match(r"sm_(\d+)", arch).group(1)) >= 80:
+        out += [(SM80_SOURCE, e) for e in all_bwd_sm80_specialisations()]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The parameter block (cuflash::BwdParams in cuda_src/common.cuh, field for field)
 # ---------------------------------------------------------------------------------------------
 
@@ -177,32 +299,80 @@ BWD_PARAMS = numpy.dtype([
 @dataclasses.dataclass(frozen=True)
 class BwdLaunch:
     """The kernels and geometry of one backward call."""
+    source: str       # SOURCE (bwd_simt.cu) or SM80_SOURCE (bwd_sm80.cu): the main kernel's
     main: str
-    dot: str
-    dq_sum: str
-    tiles: BwdTiles
+    dot: str          # bwd_dot_do_o, always from bwd_simt.cu
+    dq_sum: str       # bwd_sum_dq (bwd_simt with deterministic=True only)
+    block_m: int
+    block_n: int
+    threads: int
     smem_bytes: int
 
+    @property
+    def sm80(self) -> bool:
+        return self.source == SM80_SOURCE
+
     def num_n_blocks(self, Lk: int) -> int:
-        return -(-int(Lk) // self.tiles.block_n)
+        return -(-int(Lk) // self.block_n)
+
+    def num_m_blocks(self, Lq: int) -> int:
+        return -(-int(Lq) // self.block_m)
 
 
-def choose(prob: AttentionProblem, deterministic: bool) -> BwdLaunch:
-    """The specialisations and tiles of the backward for ``prob``."""
+def kernel_family() -> str:
+    """``CUFLASH_BWD`` from the environment: ``"auto"`` (unset or empty) or ``"simt"``."""
+    import os
+    value = os.environ.get("CUFLASH_BWD", "").strip().lower() or "auto"
+    if value not in ("auto", "simt"):
+        raise ValueError(f"CUFLASH_BWD must be 'simt' or 'auto' (or unset), got {value!r}")
+    return value
+
+
+def uses_sm80(dtype, d: int, dv: int, cc: int, smem_optin: int) -> bool:
+    """Whether the backward of a (dtype, d, dv) problem runs bwd_sm80 on a GPU of compute
+    capability ``cc`` (e.g. 90) that grants ``smem_optin`` bytes of shared memory a block."""
+    import ml_dtypes
+    if kernel_family() == "simt" or cc < 80:
+        return False
+    if numpy.dtype(dtype) not in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16)):
+        return False
+    if max(d, dv) > SM80_MAX_HEAD_DIM:
+        return False
+    return sm80_tiles(sm80_bucket(d, dv)).smem_bytes <= smem_optin
+
+
+def choose(prob: AttentionProblem, deterministic: bool, cc: int = 0,
+           smem_optin: int = 0) -> BwdLaunch:
+    """The specialisations and tiles of the backward for ``prob`` on a GPU of compute
+    capability ``cc`` granting ``smem_optin`` bytes of shared memory a block (the defaults
+    select bwd_simt)."""
+    dot, dq_sum = dot_expr(prob.dtype), sum_expr(prob.dtype)
+    if uses_sm80(prob.dtype, prob.d, prob.dv, cc, smem_optin):
+        t = sm80_tiles(sm80_bucket(prob.d, prob.dv))
+        return BwdLaunch(SM80_SOURCE, sm80_expr(prob.dtype, t, prob.causal, deterministic),
+                         dot, dq_sum, t.block_m, t.block_n, t.threads, t.smem_bytes)
     hd = head_dim_bucket(prob.d, prob.dv)
     acc = _acc_itemsize(prob.dtype)
     tiles = BWD_TILES[(acc, hd)]
-    return BwdLaunch(main=main_expr(prob.dtype, hd, prob.causal, deterministic, tiles),
-                     dot=dot_expr(prob.dtype), dq_sum=sum_expr(prob.dtype), tiles=tiles,
-                     smem_bytes=bwd_smem_bytes(acc, hd, tiles))
+    return BwdLaunch(SOURCE, main_expr(prob.dtype, hd, prob.causal, deterministic, tiles),
+                     dot, dq_sum, tiles.block_m, tiles.block_n, tiles.threads,
+                     bwd_smem_bytes(acc, hd, tiles))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(expr: str, device_id: int, smem_bytes: int):
-    kernel = _jit.get_kernel(SOURCE, expr, device_id)
+def _kernel(source: str, expr: str, device_id: int, smem_bytes: int):
+    kernel = _jit.get_kernel(source, expr, device_id)
     if smem_bytes > STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < smem_bytes:
         kernel.max_dynamic_shared_size_bytes = smem_bytes
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_id: int) -> int:
+    """Bytes of shared memory one block may opt in to on the device."""
+    import cupy
+    rt = cupy.cuda.runtime
+    return int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
 
 
 def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: bool) -> None:
@@ -210,21 +380,30 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
     un-broadcast shapes of q, k, v, dtype ``prob.dtype``) on the inputs' GPU, on CuPy's current
     stream. ``prob.Lq``, ``prob.Lk`` and every batch dimension must be >= 1."""
     import cupy
+    from ._launch import _device_info, _sm80_input
     with cupy.cuda.Device(prob.device_id):
-        launch = choose(prob, deterministic)
+        cc, _ = _device_info(prob.device_id)
+        launch = choose(prob, deterministic, cc, _smem_optin(prob.device_id))
         acc = numpy.dtype(numpy.float64 if _acc_itemsize(prob.dtype) == 8 else numpy.float32)
         nbatch = math.prod(prob.batch_shape)
         num_n_blocks = launch.num_n_blocks(prob.Lk)
+        num_m_blocks = launch.num_m_blocks(prob.Lq)
         Lq, Lk, d, d_v = prob.Lq, prob.Lk, prob.d, prob.dv
 
+        q, k, v = prob.q, prob.k, prob.v
+        if launch.sm80:   # 16-byte rows for cp.async (a copy only where a layout lacks them)
+            q, k, v, do = (_sm80_input(x) for x in (q, k, v, do))
         lse = cupy.ascontiguousarray(lse)
         dpsum = cupy.empty(prob.batch_shape + (Lq,), acc)
-        dq_parts = num_n_blocks if deterministic else 1
+        dq_parts = num_n_blocks if (deterministic and not launch.sm80) else 1
         dq_acc = cupy.zeros((dq_parts,) + prob.batch_shape + (Lq, d), acc)
         dk_acc = cupy.empty(prob.batch_shape + (Lk, d), acc)
         dv_acc = cupy.empty(prob.batch_shape + (Lk, d_v), acc)
+        # bwd_sm80, deterministic: one counter per (batch item, query tile), zeroed
+        semaphore = (cupy.zeros(nbatch * num_m_blocks, numpy.int32)
+                     if deterministic and launch.sm80 else None)
 
-        tensors = (prob.q, prob.k, prob.v, o, do)
+        tensors = (q, k, v, o, do)
         nb = len(prob.batch_shape)
         shape, strides = merge_batch_dims(prob.batch_shape,
                                           [_elem_strides(t)[:nb] for t in tensors])
@@ -240,7 +419,7 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         pad = MAX_BATCH_DIMS - len(inner)
         for name, st in zip(_TENSORS, strides):
             p[f"{name}_batch_stride"] = (0,) * pad + st[len(outer):]
-        p["dq_block_stride"] = nbatch * Lq * d if deterministic else 0
+        p["dq_block_stride"] = nbatch * Lq * d if dq_parts > 1 else 0
         p["scale"] = prob.scale
         p["scale_log2"] = prob.scale * LOG2E
         p["batch_shape"] = (1,) * pad + inner
@@ -249,8 +428,8 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         p["causal_offset"] = prob.causal_offset
         p["num_n_blocks"] = num_n_blocks
 
-        dot = _kernel(launch.dot, prob.device_id, 0)
-        main = _kernel(launch.main, prob.device_id, launch.smem_bytes)
+        dot = _kernel(SOURCE, launch.dot, prob.device_id, 0)
+        main = _kernel(launch.source, launch.main, prob.device_id, launch.smem_bytes)
         for idx in numpy.ndindex(*outer):
             for name, t, st in zip(_TENSORS, tensors, strides):
                 p[name] = t.data.ptr + t.itemsize * sum(i * s for i, s in zip(idx, st))
@@ -263,11 +442,16 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
             # -- 4: D = rowsum(dO o O)
             dot((inner_n * -(-Lq // DOT_ROWS_PER_BLOCK),), (AUX_THREADS,), (p[()],))
             # -- 5-19: one block per (batch item, key tile)
-            main((inner_n * num_n_blocks,), (launch.tiles.threads,), (p[()],),
-                 shared_mem=launch.smem_bytes)
+            grid = (inner_n * num_n_blocks,)
+            if launch.sm80:
+                sem = 0 if semaphore is None else semaphore.data.ptr + 4 * first * num_m_blocks
+                main(grid, (launch.threads,), (p[()], numpy.uint64(sem)),
+                     shared_mem=launch.smem_bytes)
+            else:
+                main(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
 
-        if deterministic:
-            dq_sum = _kernel(launch.dq_sum, prob.device_id, 0)
+        if dq_parts > 1:
+            dq_sum = _kernel(SOURCE, launch.dq_sum, prob.device_id, 0)
             total = dq_acc.size // dq_parts
             summed = cupy.empty(prob.batch_shape + (Lq, d), acc)
             blocks = max(1, min(-(-total // AUX_THREADS), 65535))
