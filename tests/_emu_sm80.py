@@ -1,0 +1,351 @@
+"""Run the sm_80 tensor-core kernels on the CPU: their C++ source, unchanged, compiled with g++
+against a host emulation of the CUDA built-ins they use (tests/emu/, see cuda_host.h there).
+
+The kernels' warp-level instructions (ldmatrix, mma.sync, cp.async) are emulated from the PTX
+ISA's fragment tables; everything else (tiling, swizzled addressing, masks, the query/key
+walk, the semaphore ordering of ``deterministic=True``, every index) is the kernel's own code.
+So this checks a kernel's logic without a GPU; it says nothing about speed, registers or the
+GPU memory model. ``fwd_sm80`` (measured correct on the GPU) also runs here, as a check of the
+emulation itself.
+
+Needs g++ (C++17, ``_Float16``); :func:`available` says whether it is here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy
+
+from cuflash import _launch_bwd, _problem
+from cuflash._launch import MAX_BATCH_DIMS, FWD_PARAMS, LOG2E, _elem_strides, merge_batch_dims
+from cuflash._paths import cuda_src_dir
+
+EMU = Path(__file__).resolve().parent / "emu"
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+#: headers replaced by their host emulation
+_HOST_HEADERS = {"mma_sm80.cuh": "mma_sm80_host.cuh", "sm80_ops.cuh": "sm80_ops_host.cuh"}
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+#: what mma_sm80_host.cuh emulates; every other top-level definition of mma_sm80.cuh is used
+#: verbatim (SwizzledTile, the tile I/O helpers, ...)
+_EMULATED = {"smem_u32", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4",
+             "ldmatrix_x4_trans", "Mma", "pack2", "ex2_approx"}
+_ST_SHARED = re.compile(r'asm volatile\("st\.shared\.b32 \[%0\], %1;\\n" ::"r"\((\w+)\), "r"\((\w+)\)\);')
+
+
+def _top_level_items(body: str) -> list[tuple[str, str]]:
+    """(name, text) of each top-level declaration or definition in a namespace body: a tiny
+    scanner that skips comments and string literals and matches braces."""
+    items, i, n = [], 0, len(body)
+    start, depth, head = None, 0, None
+    while i < n:
+        c = body[i]
+        if body.startswith("//", i):
+            i = body.find("\n", i)
+            i = n if i < 0 else i
+            continue
+        if body.startswith("/*", i):
+            i = body.index("*/", i) + 2
+            continue
+        if c == '"' or c == "'":
+            j = i + 1
+            while body[j] != c:
+                j += 2 if body[j] == "\\" else 1
+            i = j + 1
+            continue
+        if depth == 0 and start is None:
+            if c.isspace():
+                i += 1
+                continue
+            if c == "#":   # preprocessor line at namespace level
+                i = body.find("\n", i)
+                i = n if i < 0 else i
+                continue
+            start = i
+        if c == "{":
+            if depth == 0:
+                head = body[start:i]
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                j = i + 1
+                while j < n and body[j] in " \t":
+                    j += 1
+                if j < n and body[j] == ";":
+                    i = j
+                items.append((_name_of(head), body[start:i + 1]))
+                start, head = None, None
+        elif c == ";" and depth == 0 and start is not None:
+            items.append((_name_of(body[start:i]), body[start:i + 1]))
+            start = None
+        i += 1
+    return items
+
+
+def _name_of(head: str) -> str:
+    head = re.sub(r"^\s*template\s*<[^{;]*?>\s*(?=(struct|class|__device__|__host__|inline|static|constexpr|\w))", "", head)
+    m = re.search(r"\b(?:struct|class)\s+(\w+)", head)
+    if m:
+        return m.group(1)
+    m = re.search(r"(\w+)\s*(?:<[^()]*>)?\s*\(", head)
+    return m.group(1) if m else head.strip()
+
+
+def _splice(header: str) -> str:
+    """mma_sm80.cuh's definitions that the host header does not emulate, verbatim, with the
+    inline-asm shared stores turned into calls of the emulation."""
+    a = header.index("namespace cuflash {") + len("namespace cuflash {")
+    b = header.rindex("}  // namespace cuflash")
+    out = []
+    for name, text in _top_level_items(header[a:b]):
+        if name in _EMULATED:
+            continue
+        text = _ST_SHARED.sub(r"::cuflash::emu_detail::st_shared_b32(\1, \2);", text)
+        if re.search(r"\basm\b", text):
+            # inline asm the emulation does not know: left out, so a kernel that uses it fails
+            # to build here, naming it (add its emulation to tests/emu/mma_sm80_host.cuh)
+            out.append(f"// {name}: inline asm not emulated (tests/emu/mma_sm80_host.cuh)")
+            continue
+        out.append(text)
+    return "\n\n".join(out)
+
+
+def host_source(kernel_text: str, headers: dict[str, str] | None = None) -> str:
+    """The kernel source with its local includes expanded, the sm_80 wrappers replaced by the
+    host emulation. ``headers`` overrides cuda_src/ files by name (e.g. an older version)."""
+    headers = headers or {}
+    read = lambda name: headers.get(name) or (cuda_src_dir() / name).read_text()  # noqa: E731
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def sub(m):
+            name = m.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            if name in _HOST_HEADERS:
+                host = (EMU / _HOST_HEADERS[name]).read_text()
+                if name == "mma_sm80.cuh":
+                    host = host.replace("// @@SPLICE@@", _splice(read(name)))
+                return expand(host)
+            if (EMU / name).exists():   # cuda_host.h
+                return expand((EMU / name).read_text())
+            return expand(read(name))
+        return _INCLUDE.sub(sub, text)
+
+    return expand(kernel_text)
+
+
+_PRELUDE = """#include "cuda_host.h"
+namespace cuflash { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
+"""
+
+
+def _entry_points(kernels: list[tuple[str, str]]) -> str:
+    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'."""
+    cases = []
+    for i, (kind, expr) in enumerate(kernels):
+        if kind == "bwd":
+            call = f"{expr}(*static_cast<const cuflash::BwdParams*>(params), static_cast<int*>(extra));"
+        else:
+            call = f"{expr}(*static_cast<const cuflash::FwdParams*>(params));"
+        cases.append(f"    case {i}: body = [=] {{ {call} }}; break;")
+    return """
+extern "C" int emu_launch(int which, const void* params, void* extra, int grid, int threads,
+                          unsigned smem_bytes) {
+  std::function<void()> body;
+  switch (which) {
+%s
+    default: return 2;
+  }
+  for (int b = 0; b < grid; ++b)
+    if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash::smem, smem_bytes, body)) return 1;
+  return 0;
+}
+extern "C" const char* emu_message() { return ::emu::st().message; }
+extern "C" void emu_readable(const void* lo, unsigned long long n) {
+  ::emu::st().readable.push_back({static_cast<const char*>(lo), static_cast<const char*>(lo) + n});
+}
+extern "C" void emu_clear_readable() { ::emu::st().readable.clear(); }
+""" % "\n".join(cases)
+
+
+class Library:
+    """One g++-built shared library holding some kernel specialisations."""
+
+    def __init__(self, path: Path, kernels: list[tuple[str, str]]):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int, ctypes.c_int, ctypes.c_uint]
+        self.lib.emu_message.restype = ctypes.c_char_p
+        self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+        self.index = {k: i for i, k in enumerate(kernels)}
+
+    def launch(self, kind: str, expr: str, params: numpy.ndarray, extra: int, grid: int,
+               threads: int, smem_bytes: int, readable=()) -> None:
+        self.lib.emu_clear_readable()
+        for a in readable:
+            lo, hi = _span(a)
+            self.lib.emu_readable(lo, hi - lo)
+        buf = numpy.ascontiguousarray(params).view(numpy.uint8)
+        rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, extra, grid, threads,
+                                 smem_bytes)
+        if rc:
+            raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
+
+
+def _span(a: numpy.ndarray) -> tuple[int, int]:
+    """Byte range of the allocation under ``a`` (a padded copy's padding included)."""
+    while isinstance(a.base, numpy.ndarray):
+        a = a.base
+    lo = a.ctypes.data + sum(min(0, s * (n - 1)) for n, s in zip(a.shape, a.strides))
+    hi = a.ctypes.data + sum(max(0, s * (n - 1)) for n, s in zip(a.shape, a.strides)) + a.itemsize
+    return lo, hi
+
+
+def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | None = None,
+          headers: dict[str, str] | None = None) -> Library:
+    """Compile ``kernels`` of ``cuda_src/<source_name>`` (or ``kernel_text``) for the host;
+    cached on disk by the source text."""
+    text = kernel_text if kernel_text is not None else (cuda_src_dir() / source_name).read_text()
+    src = host_source(_PRELUDE + text, headers) + _entry_points(kernels)
+    key = hashlib.sha256(src.encode()).hexdigest()[:20]
+    cache = Path(tempfile.gettempdir()) / "cuflash-emu"
+    cache.mkdir(exist_ok=True)
+    so = cache / f"{key}.so"
+    if not so.exists():
+        cpp = cache / f"{key}.cpp"
+        cpp.write_text(src)
+        cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-w",
+               f"-I{EMU / 'include'}", str(cpp), "-o", str(so) + ".tmp"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"g++ failed on {source_name}:\n{run.stderr[:5000]}")
+        Path(str(so) + ".tmp").rename(so)
+    return Library(so, kernels)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward, launched as cuflash._launch_bwd.backward launches it
+# ---------------------------------------------------------------------------------------------
+
+def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
+    """``x``, or (as ``_launch._sm80_input`` does on the GPU) a contiguous copy of its
+    un-broadcast extent with the head dim zero-padded to a multiple of 8, broadcast back."""
+    st = _elem_strides(x)
+    d = x.shape[-1]
+    if not (d % 8 or st[-1] != 1 or x.ctypes.data % 16
+            or any(s % 8 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)):
+        return x
+    core = x[tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None)
+                   for n, s in zip(x.shape[:-2], x.strides[:-2]))]
+    d8 = -(-d // 8) * 8
+    buf = numpy.zeros(core.shape[:-1] + (d8,), dtype=x.dtype)
+    buf[..., :d] = core
+    return numpy.broadcast_to(buf[..., :d], x.shape)
+
+
+def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
+             deterministic=False, tiles: _launch_bwd.BwdSm80Tiles | None = None):
+    """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
+    dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
+    them. ``o`` and ``lse`` are the forward's (any source)."""
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    shapes = (q.shape, k.shape, v.shape)
+    bucket = _launch_bwd.sm80_bucket(prob.d, prob.dv)
+    tiles = tiles or _launch_bwd.BWD_SM80_TILES[bucket]
+    expr = _launch_bwd.sm80_expr(prob.dtype, tiles, prob.causal, deterministic)
+    Lq, Lk, d, dv = prob.Lq, prob.Lk, prob.d, prob.dv
+    nbatch = math.prod(prob.batch_shape)
+    num_n_blocks = -(-Lk // tiles.block_n)
+    num_m_blocks = -(-Lq // tiles.block_m)
+
+    q, k, v, do = (sm80_ready(numpy.broadcast_to(x, x.shape)) for x in (prob.q, prob.k, prob.v, do))
+    lse = numpy.ascontiguousarray(numpy.broadcast_to(lse, prob.batch_shape + (Lq,)), numpy.float32)
+    # line 4 (bwd_dot_do_o): D = rowsum(dO o O) in float32, 0 for a dead row
+    D = (do.astype(numpy.float32) * o.astype(numpy.float32)).sum(-1, dtype=numpy.float32)
+    D = numpy.ascontiguousarray(numpy.where(lse == -numpy.inf, 0, D), numpy.float32)
+    dq_acc = numpy.zeros(prob.batch_shape + (Lq, d), numpy.float32)
+    dk_acc = numpy.full(prob.batch_shape + (Lk, d), numpy.nan, numpy.float32)   # poisoned:
+    dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
+    semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
+
+    tensors = (q, k, v, o, do)
+    nb = len(prob.batch_shape)
+    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
+    if len(shape) > MAX_BATCH_DIMS:
+        raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
+    pad = MAX_BATCH_DIMS - len(shape)
+    p = numpy.zeros((), dtype=_launch_bwd.BWD_PARAMS)
+    for name, t, st in zip(_launch_bwd._TENSORS, tensors, strides):
+        p[name] = t.ctypes.data
+        est = _elem_strides(t)
+        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
+        p[f"{name}_batch_stride"] = (0,) * pad + st
+    p["lse"], p["dpsum"] = lse.ctypes.data, D.ctypes.data
+    p["dq_acc"], p["dk_acc"], p["dv_acc"] = dq_acc.ctypes.data, dk_acc.ctypes.data, dv_acc.ctypes.data
+    p["scale"], p["scale_log2"] = prob.scale, prob.scale * LOG2E
+    p["batch_shape"] = (1,) * pad + shape
+    p["nbatch"] = nbatch
+    p["Lq"], p["Lk"], p["d"], p["dv"] = Lq, Lk, d, dv
+    p["causal_offset"] = prob.causal_offset
+    p["num_n_blocks"] = num_n_blocks
+    lib.launch("bwd", expr, p, semaphore.ctypes.data if deterministic else 0,
+               nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes, readable=(q, k, v, do))
+    if deterministic:   # each query tile's counter: one increment per key tile visiting it
+        visits = numpy.zeros(num_m_blocks, numpy.int32)
+        for n in range(num_n_blocks):
+            first = max(0, n * tiles.block_n - prob.causal_offset) // tiles.block_m if prob.causal else 0
+            visits[first:] += 1
+        counts = semaphore.reshape(nbatch, num_m_blocks)
+        assert (counts == visits).all(), (counts, visits)
+    return tuple(_problem.sum_to_shape(x, shape, prob.dtype)
+                 for x, shape in zip((dq_acc, dk_acc, dv_acc), shapes))
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward (the emulation's own check: fwd_sm80 is measured correct on the GPU)
+# ---------------------------------------------------------------------------------------------
+
+def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
+             causal=False):
+    """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0)."""
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
+    lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
+    tensors = (prob.q, prob.k, prob.v, o)
+    nb = len(prob.batch_shape)
+    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
+    pad = MAX_BATCH_DIMS - len(shape)
+    p = numpy.zeros((), dtype=FWD_PARAMS)
+    for name, t, st in zip("qkvo", tensors, strides):
+        p[name] = t.ctypes.data
+        est = _elem_strides(t)
+        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
+        p[f"{name}_batch_stride"] = (0,) * pad + st
+    p["lse"] = lse.ctypes.data
+    p["scale_log2"] = prob.scale * LOG2E
+    p["batch_shape"] = (1,) * pad + shape
+    nbatch = math.prod(prob.batch_shape)
+    p["nbatch"] = nbatch
+    p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
+    p["causal_offset"] = prob.causal_offset
+    num_m_blocks = -(-prob.Lq // block_m)
+    p["num_m_blocks"] = num_m_blocks
+    lib.launch("fwd", expr, p, 0, nbatch * num_m_blocks, threads, smem_bytes,
+               readable=(prob.q, prob.k, prob.v))
+    return o, lse

@@ -1,0 +1,154 @@
+"""bwd_sm80 (cuda_src/bwd_sm80.cu) on the CPU: the kernel's C++, unchanged, run in the host
+emulation of tests/_emu_sm80.py, against the float64 reference gradients with the tolerance of
+tests/_tolerance_bwd.py. No GPU needed (g++ is); ``slow``: the first run compiles the kernels
+with g++ (about a minute; cached in the temp directory after that).
+
+What this proves: the kernel's tiling, fragment layouts (by the PTX ISA's tables), swizzled
+addressing, masks, dead rows, the query/key walk and the semaphore order of
+``deterministic=True``. What it cannot: speed, registers, races the GPU memory model allows
+(blocks run one after another here). The forward kernel, which is measured correct on the
+GPU, runs through the same emulation first, as a check of the emulation itself.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+
+import cuflash
+from cuflash import _launch, _launch_bwd, _problem
+from _inputs import make_array
+from _tolerance import assert_attention_close
+from _tolerance_bwd import assert_gradients_close
+
+import _emu_sm80 as emu
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not emu.available(), reason="g++ is needed for the emulation")]
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+F16 = numpy.dtype(numpy.float16)
+DTYPES = [F16, BF16]
+IDS = ["f16", "bf16"]
+
+#: (q shape, k shape, v shape, causal, deterministic, layouts of q, k, v): every head-dim
+#: bucket, d != dv, d not a multiple of 8 (padded copies), ragged lengths, both causal
+#: alignments, rows with no visible key (bottom-right with Lq > Lk), GQA broadcasting,
+#: transposed and strided layouts (copied), and full tiles (256 = 2 key tiles x 4 query tiles).
+CASES = {
+    "gqa-ragged-causal-d40": ((2, 2, 113, 40), (2, 1, 203, 40), (2, 1, 203, 40), True, False, "ccc"),
+    "dead-rows-det-d72": ((2, 203, 72), (2, 113, 72), (2, 113, 72), True, True, "ccc"),
+    "top-left-d111": ((130, 111), (70, 111), (70, 111), "top_left", False, "ccc"),
+    "d32-det": ((2, 64, 32), (2, 129, 32), (2, 129, 32), False, True, "ccc"),
+    "d24-dv128-causal": ((100, 24), (150, 24), (150, 128), True, False, "ccc"),
+    "d64-dv32-layouts": ((3, 129, 64), (3, 64, 64), (1, 64, 32), False, False, "tsr"),
+    "full-tiles-d128-det": ((1, 256, 128), (1, 256, 128), (1, 256, 128), True, True, "ccc"),
+}
+_LAYOUT = {"c": "c", "t": "transposed", "s": "strided", "r": "reversed"}
+
+
+def _expr(dtype, q, k, v, causal, det) -> str:
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    tiles = _launch_bwd.BWD_SM80_TILES[_launch_bwd.sm80_bucket(prob.d, prob.dv)]
+    return _launch_bwd.sm80_expr(dtype, tiles, prob.causal, det)
+
+
+def _arrays(dtype, case, seed=0):
+    qs, ks, vs, causal, det, layouts = CASES[case]
+    rng = numpy.random.default_rng(seed)
+    q, k, v = (make_array(rng, s, dtype, _LAYOUT[lay]) for s, lay in zip((qs, ks, vs), layouts))
+    return q, k, v, causal, det
+
+
+@pytest.fixture(scope="module")
+def bwd_lib():
+    kernels = sorted({("bwd", _expr(dtype, *_arrays(dtype, case)))
+                      for dtype in DTYPES for case in CASES})
+    return emu.build("bwd_sm80.cu", kernels)
+
+
+def _forward(q, k, v, causal):
+    """o (in the inputs' dtype) and lse (float32) as the GPU forward returns them."""
+    o, lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    return o.astype(q.dtype), lse.astype(numpy.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(bwd_lib, dtype, case):
+    q, k, v, causal, det = _arrays(dtype, case)
+    o, lse = _forward(q, k, v, causal)
+    do = make_array(numpy.random.default_rng(1), o.shape, dtype)
+    grads = emu.bwd_sm80(bwd_lib, do, q, k, v, o, lse, causal=causal, deterministic=det)
+    ref = cuflash.reference.attention_backward(do, q, k, v, causal=causal)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
+    assert all(numpy.abs(g.astype(numpy.float32)).max() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rows_without_keys_ignore_nan(bwd_lib, dtype):
+    """Rows that see no key (bottom-right causal, Lq > Lk) with NaN in their q and dO rows: the
+    gradients are those of the same problem with finite values there (those rows contribute
+    nothing), dq of those rows exactly 0."""
+    q, k, v, causal, det = _arrays(dtype, "dead-rows-det-d72")
+    o, lse = _forward(q, k, v, causal)
+    do = make_array(numpy.random.default_rng(1), o.shape, dtype)
+    dead = q.shape[-2] - k.shape[-2]
+    q_nan, do_nan = q.copy(), do.copy()
+    q_nan[..., :dead, :] = numpy.nan
+    do_nan[..., :dead, :] = numpy.nan
+    grads = emu.bwd_sm80(bwd_lib, do_nan, q_nan, k, v, o, lse, causal=causal, deterministic=det)
+    assert (grads[0][..., :dead, :] == 0).all()
+    ref = cuflash.reference.attention_backward(do, q, k, v, causal=causal)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_deterministic_is_bitwise_reproducible(bwd_lib, dtype):
+    q, k, v, causal, det = _arrays(dtype, "full-tiles-d128-det")
+    o, lse = _forward(q, k, v, causal)
+    do = make_array(numpy.random.default_rng(1), o.shape, dtype)
+    first = emu.bwd_sm80(bwd_lib, do, q, k, v, o, lse, causal=causal, deterministic=True)
+    again = emu.bwd_sm80(bwd_lib, do, q, k, v, o, lse, causal=causal, deterministic=True)
+    for a, b in zip(first, again):
+        assert (a.view(numpy.uint16) == b.view(numpy.uint16)).all()
+
+
+# -- the emulation itself: the GPU-verified forward kernel runs through it correctly ------------
+
+@pytest.mark.parametrize("dtype, d, Lq, Lk, causal", [(BF16, 64, 113, 203, True),
+                                                     (F16, 128, 200, 77, False),
+                                                     (BF16, 96, 130, 70, "top_left")])
+def test_emulation_runs_the_forward_kernel(dtype, d, Lq, Lk, causal):
+    rng = numpy.random.default_rng(d)
+    q, k, v = (make_array(rng, (2, L, d), dtype) for L in (Lq, Lk, Lk))
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    tiles = _launch.sm80_tiles(d, prob.causal)
+    expr = _launch.sm80_expr(dtype, tiles, prob.causal, False)
+    lib = emu.build("fwd_sm80.cu", [("fwd", expr)])
+    o, lse = emu.fwd_sm80(lib, expr, q, k, v, block_m=tiles.block_m, threads=tiles.threads,
+                          smem_bytes=tiles.smem_bytes, causal=causal)
+    o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_attention_close(prob, o, lse, o_ref, lse_ref)
+
+
+def test_emulation_catches_a_wrong_fragment_layout():
+    """The same backward with the dS A-fragment addressed like a K fragment must fail: the
+    emulation really exercises the layouts."""
+    text = (emu.cuda_src_dir() / "bwd_sm80.cu").read_text()
+    good = "ds_at(sdS, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1)"
+    assert good in text
+    bad = text.replace(good, "ds_at(sdS, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4)")
+    q, k, v, causal, det = _arrays(BF16, "d32-det")
+    expr = _expr(BF16, q, k, v, causal, det)
+    lib = emu.build("bwd_sm80.cu", [("bwd", expr)], kernel_text=bad)
+    o, lse = _forward(q, k, v, causal)
+    do = make_array(numpy.random.default_rng(1), o.shape, BF16)
+    grads = emu.bwd_sm80(lib, do, q, k, v, o, lse, causal=causal, deterministic=det)
+    ref = cuflash.reference.attention_backward(do, q, k, v, causal=causal)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    with pytest.raises(AssertionError, match="dq: max abs error"):
+        assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
