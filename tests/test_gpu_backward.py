@@ -1,5 +1,7 @@
-"""The GPU backward (cuda_src/bwd_simt.cu) against the float64 reference gradients (``gpu``
-marker: skipped without a device).
+"""The GPU backward (cuda_src/bwd_sm80.cu for float16/bfloat16 with head dims up to 128 on
+sm_80+, cuda_src/bwd_simt.cu for the rest) against the float64 reference gradients (``gpu``
+marker: skipped without a device). The tests of the tensor-core kernel check which kernel ran
+(``launched``), so a dispatch that silently falls back to bwd_simt cannot pass them.
 
 Inputs keep the memory layout Hypothesis drew for them (strided views keep their NaN-filled
 gaps on the device too, so a kernel that reads outside a view gets NaN in its result). The
@@ -67,7 +69,8 @@ def test_matches_reference(inputs, do_layout):
 
 # -- head dims (every bucket, padded ones), ragged lengths, GQA, both alignments -----------------
 
-HEAD_DIMS = [(40, 40), (64, 64), (111, 111), (16, 16), (128, 128), (256, 256), (64, 32), (24, 128)]
+HEAD_DIMS = [(40, 40), (64, 64), (72, 72), (96, 96), (111, 111), (16, 16), (128, 128), (256, 256),
+             (64, 32), (24, 128)]
 LENGTHS = [(113, 203, True), (203, 113, True), (130, 70, "top_left"), (64, 129, False)]
 # Each head-dim pair with two of the length configurations (in turn), every dtype: every head-dim
 # bucket sees every configuration, at a quarter of the full product's kernel launches.
@@ -193,4 +196,140 @@ def test_extra_memory_does_not_grow_with_l_squared(dtype):
     grown = pool.total_bytes() - before
     one = L * d * 4   # one float32 L x d buffer
     assert grown <= 12 * one, (grown, one, L * L * 4)
+    del grads
+
+
+# -- the tensor-core backward (bwd_sm80): it really runs, and agrees with bwd_simt ---------------
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The source of the main kernel of every backward call (``_launch_bwd.choose``'s pick)."""
+    from cuflash import _launch_bwd
+    seen = []
+    choose = _launch_bwd.choose
+
+    def spy(*args, **kwargs):
+        launch = choose(*args, **kwargs)
+        seen.append(launch.source)
+        return launch
+
+    monkeypatch.setattr(_launch_bwd, "choose", spy)
+    monkeypatch.delenv("CUFLASH_BWD", raising=False)
+    monkeypatch.delenv("CUFLASH_BWD_SM80_TILES", raising=False)
+    return seen
+
+
+def _sm80_or_skip():
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    if cc < 80:
+        pytest.skip(f"bwd_sm80 needs compute capability >= 8.0, this GPU has {cc / 10}")
+    from cuflash import _launch_bwd
+    return _launch_bwd._smem_optin(cupy.cuda.Device().id)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d, dv, Lq, Lk, causal", [
+    (40, 40, 113, 203, True), (64, 64, 203, 113, True), (72, 72, 130, 70, "top_left"),
+    (96, 96, 113, 203, False), (111, 111, 150, 61, True), (128, 128, 256, 256, True),
+    (32, 32, 64, 129, False), (24, 128, 100, 150, True)])
+def test_tensor_core_backward_runs(launched, dtype, d, dv, Lq, Lk, causal):
+    """Every head-dim bucket of bwd_sm80 (32, 64, 96, 128; d not a multiple of 8 is padded),
+    ragged lengths, both alignments, rows without keys, GQA; deterministic and not."""
+    from cuflash import _launch_bwd
+    optin = _sm80_or_skip()
+    bucket = _launch_bwd.sm80_bucket(d, dv)
+    if _launch_bwd.sm80_tiles(bucket).smem_bytes > optin:
+        pytest.skip(f"this GPU grants {optin} bytes of shared memory a block: bwd_simt at d={d}")
+    rng = numpy.random.default_rng(d + Lq)
+    q = make_array(rng, (2, 2, 2, Lq, d), dtype)
+    k = make_array(rng, (2, 2, 1, Lk, d), dtype)
+    v = make_array(rng, (2, 2, 1, Lk, dv), dtype)
+    for det in (False, True):
+        run_and_check(q, k, v, causal=causal, deterministic=det)
+    assert launched == ["bwd_sm80.cu"] * 2
+
+
+@pytest.mark.parametrize("dtype, d", [(F16, 160), (BF16, 256), (F32, 64)])
+def test_other_problems_run_the_generic_backward(launched, dtype, d):
+    rng = numpy.random.default_rng(d)
+    q, k, v = (make_array(rng, (2, 70, d), dtype) for _ in range(3))
+    run_and_check(q, k, v, causal=True)
+    assert launched == ["bwd_simt.cu"]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_simt_override_agrees_with_the_tensor_cores(launched, monkeypatch, dtype, causal):
+    """CUFLASH_BWD=simt forces bwd_simt; both kernels pass the reference on the same inputs,
+    and their results differ by no more than the two tolerances allow."""
+    import cupy
+    _sm80_or_skip()
+    rng = numpy.random.default_rng(11)
+    q = make_array(rng, (2, 4, 300, 64), dtype)
+    k, v = (make_array(rng, (2, 1, 257, 64), dtype) for _ in range(2))
+    qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
+    o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
+    do_host = make_array(rng, o.shape, dtype)
+    do = cupy.asarray(do_host)
+    prob = _problem.make_problem(qd, kd, vd, scale=None, causal=causal)
+    ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
+    shapes = (q.shape, k.shape, v.shape)
+    tc = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
+    monkeypatch.setenv("CUFLASH_BWD", "simt")
+    simt = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
+    assert launched == ["bwd_sm80.cu", "bwd_simt.cu"]
+    assert_gradients_close(prob, do, tc, ref, shapes)
+    assert_gradients_close(prob, do, simt, ref, shapes)
+    for a, b, r in zip(tc, simt, ref):
+        a, b = (cupy.asnumpy(x).astype(numpy.float64) for x in (a, b))
+        assert numpy.abs(a - b).max() <= 2 * max(numpy.abs(a - r).max(), numpy.abs(b - r).max()) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_semaphore_under_contention(launched, dtype, causal):
+    """16 key tiles adding to each of 8 query tiles of 8 heads: the ordered accumulation is
+    bitwise reproducible and agrees with the atomics path within the reference tolerance."""
+    import cupy
+    _sm80_or_skip()
+    rng = numpy.random.default_rng(12)
+    q = make_array(rng, (1, 8, 512, 64), dtype)
+    k, v = (make_array(rng, (1, 8, 2048, 64), dtype) for _ in range(2))
+    qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
+    o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
+    do_host = make_array(rng, o.shape, dtype)
+    do = cupy.asarray(do_host)
+    runs = [cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal, deterministic=True)
+            for _ in range(3)]
+    for again in runs[1:]:
+        for a, b in zip(runs[0], again):
+            assert (a.view(numpy.uint16) == b.view(numpy.uint16)).all()
+    assert all(float(cupy.abs(g.astype(numpy.float32)).max()) > 0 for g in runs[0])
+    prob = _problem.make_problem(qd, kd, vd, scale=None, causal=causal)
+    ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
+    assert_gradients_close(prob, do, runs[0], ref, (q.shape, k.shape, v.shape))
+    assert set(launched) == {"bwd_sm80.cu"}
+
+
+def test_deterministic_memory_is_linear_in_sequence_length(launched):
+    """bwd_sm80's deterministic=True adds one semaphore per query tile, not a partial dQ per
+    key tile (bwd_simt's would be 8192 / 32 x L x d float32 here: 512 MB)."""
+    import cupy
+    _sm80_or_skip()
+    L, d = 8192, 64
+    rng = numpy.random.default_rng(13)
+    q, k, v, do = (cupy.asarray(make_array(rng, (1, 1, L, d), BF16)) for _ in range(4))
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True)   # compile, warm up
+    cupy.cuda.Device().synchronize()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True)
+    cupy.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    one = L * d * 4
+    assert grown <= 12 * one, (grown, one)
+    assert set(launched) == {"bwd_sm80.cu"}
     del grads
