@@ -14,7 +14,6 @@ Needs g++ (C++17, ``_Float16``); :func:`available` says whether it is here.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import math
 import re
