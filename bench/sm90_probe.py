@@ -18,16 +18,21 @@ import sys
 import ml_dtypes
 import numpy
 
-VARIANTS = {
-    64: ["64:128:3:1:2", "64:128:3:1:3", "64:128:2:1:3", "64:128:1:3:2"],
-    128: ["128:64:3:1:2", "128:64:3:1:3", "128:64:2:1:3", "128:128:2:1:3"],
-    256: ["256:64:2:1:2"],
+VARIANTS = {   # CUFLASH_SM90_TILES entry, optionally "@" and a CUFLASH_GRID_ORDER
+    64: ["64:128:1:3", "64:64:2:2", "64:64:1:4", "64:128:3:1"],
+    128: ["128:64:3:1", "128:64:2:1"],
+    256: ["256:64:2:1"],
 }
 
 
 def set_sm90_tiles(spec: str) -> None:
     from cuflash import _launch
+    spec, _, order = spec.partition("@")
     os.environ["CUFLASH_SM90_TILES"] = spec
+    if order:
+        os.environ["CUFLASH_GRID_ORDER"] = order
+    else:
+        os.environ.pop("CUFLASH_GRID_ORDER", None)
     _launch._sm90_override.cache_clear()
 
 
@@ -126,6 +131,10 @@ def part_b(Ls, quick):
                     r["sdpa_flash"] = fl / med(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=c)) / 1e9
                 os.environ["CUFLASH_FWD"] = "sm80"
                 r["sm80"] = fl / med(lambda: cuflash.attention(q, k, v, causal=c)) / 1e9
+                if c:
+                    os.environ["CUFLASH_GRID_ORDER"] = "0"
+                    r["sm80@0"] = fl / med(lambda: cuflash.attention(q, k, v, causal=c)) / 1e9
+                    os.environ.pop("CUFLASH_GRID_ORDER")
                 o80 = cuflash.attention(q, k, v, causal=c).astype(numpy.float32)
                 os.environ["CUFLASH_FWD"] = "auto"
                 for spec in (VARIANTS[d][:1] if quick else VARIANTS[d]) + [""]:

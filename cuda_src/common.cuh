@@ -34,8 +34,25 @@ struct FwdParams {
   int Lq, Lk, d, dv;
   int causal_offset;   // under CAUSAL, key j is visible to query i iff j <= i + causal_offset
   int num_m_blocks;    // ceil(Lq / BLOCK_M) of the launched kernel
-  int pad_;
+  int grid_order;      // how blockIdx.x maps to (batch item, Q tile): see block_tile()
 };
+
+// The (batch item, Q tile) of this block; grid.x = nbatch * num_m_blocks. Both orders start
+// with the heaviest Q tiles (under CAUSAL the last Q tile sees the most keys):
+//   grid_order 0: batch-major: the Q tiles of one batch item are adjacent, so blocks that run
+//                 together share that item's K and V in L2;
+//   grid_order 1: tile-major: the heaviest Q tile of every batch item first, then the next,
+//                 so the last wave of a causal grid holds the lightest tiles (longest-
+//                 processing-time-first scheduling) instead of whole batch items.
+struct BlockTile { int b, m_block; };
+
+__device__ __forceinline__ BlockTile block_tile(const FwdParams& p) {
+  const unsigned bid = blockIdx.x;
+  if (p.grid_order == 1) {
+    return {static_cast<int>(bid % unsigned(p.nbatch)), p.num_m_blocks - 1 - static_cast<int>(bid / unsigned(p.nbatch))};
+  }
+  return {static_cast<int>(bid / unsigned(p.num_m_blocks)), p.num_m_blocks - 1 - static_cast<int>(bid % unsigned(p.num_m_blocks))};
+}
 
 // Element offsets of batch item `b` (C order over batch_shape) in each tensor.
 struct BatchOffsets { long long q, k, v, o; };

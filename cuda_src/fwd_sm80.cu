@@ -72,10 +72,9 @@ fwd_sm80(const FwdParams p) {
   constexpr unsigned kStageBytes = 2 * KVTile::kBytes;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Heaviest causal tiles first: they have the most key tiles to walk.
-  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
-  const int b = static_cast<int>(blockIdx.x / p.num_m_blocks);
-  const int m0 = m_block * kBlockM;
+  const BlockTile tile = block_tile(p);
+  const int b = tile.b;
+  const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
   const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
   const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;

@@ -76,7 +76,7 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned saddr, unsigned
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
 // SM90_TILES in cuflash/_launch.py.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS>
 struct Sm90Traits {
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kBlockM = 64 * WARPGROUPS;   // 64 rows a warpgroup (the wgmma M)
@@ -88,9 +88,9 @@ struct Sm90Traits {
   using KVTile = Sm90Tile<BLOCK_N, HEAD_DIM>;
   // O is staged for the epilogue in fwd_sm80's row-major swizzled layout, over Q's space
   using OTile = SwizzledTile<kBlockM, HEAD_DIM>;
-  // K/V buffers: 2 = compute on one while the next loads; 3 = the intra-warpgroup pipeline,
-  // which needs tile j+1 resident while tile j is still being used (see the kernel)
-  static constexpr int kStages = STAGES;
+  // K/V buffers: compute on one while the next loads. (A third stage for FlashAttention-3's
+  // intra-warpgroup pipeline measured slower with this barrier-per-tile loop: bench/NOTES.md.)
+  static constexpr int kStages = 2;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
   // + 1024: the dynamic shared memory base is aligned up to the 1024-byte swizzle atom
   static constexpr int kSmemBytes = QTile::kBytes + kStages * kStageBytes + 1024;
@@ -99,16 +99,15 @@ struct Sm90Traits {
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dims in whole 128-byte column blocks");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N and the k16 steps of P V");
   static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 3, "at most 192 rows a block");
-  static_assert(STAGES == 2 || STAGES == 3, "double buffering, or the pipelined loop");
   static_assert(QTile::kBytes % 1024 == 0 && KVTile::kBytes % 1024 == 0, "atoms stay 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int STAGES, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const FwdParams p) {
-  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS, STAGES>;
+  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
@@ -122,9 +121,9 @@ fwd_sm90(const FwdParams p) {
 
   const int wg = threadIdx.x / 128;                 // warpgroup: rows 64 wg .. 64 wg + 63
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x % p.num_m_blocks);
-  const int b = static_cast<int>(blockIdx.x / p.num_m_blocks);
-  const int m0 = m_block * kBlockM;
+  const BlockTile tile = block_tile(p);
+  const int b = tile.b;
+  const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
   const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
   const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
@@ -144,8 +143,8 @@ fwd_sm90(const FwdParams p) {
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
-  auto load_kv = [&](int j) {   // K_j and V_j into stage j % STAGES
-    const unsigned sK = sKV + (j % STAGES) * Tr::kStageBytes;
+  auto load_kv = [&](int j) {   // K_j and V_j into stage j % Tr::kStages
+    const unsigned sK = sKV + (j % Tr::kStages) * Tr::kStageBytes;
     load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
     load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
   };
@@ -155,7 +154,7 @@ fwd_sm90(const FwdParams p) {
   const unsigned long long desc_q = make_desc(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = make_desc(sKV, 16, 1024);
   const unsigned long long desc_v = make_desc(sKV + KVTile::kBytes, KVTile::kBlockBytes, 1024);
-  auto stage_of = [](int j) { return static_cast<unsigned long long>(((j % STAGES) * Tr::kStageBytes) >> 4); };
+  auto stage_of = [](int j) { return static_cast<unsigned long long>(((j % Tr::kStages) * Tr::kStageBytes) >> 4); };
 
   // -- S = Q_i K_j^T: issue (and commit) the wgmma's; the caller waits
   auto issue_s = [&](float (&s)[Tr::kNTilesS][4], int j) {
@@ -197,15 +196,12 @@ fwd_sm90(const FwdParams p) {
     online_softmax_scores(s, m_i, l_i, alpha, sl2);
   };
 
-  // -- load Q_i and the first STAGES - 1 K/V tiles, one commit group each
+  // -- load Q_i, K_0 and V_0
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
   load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
-#pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) {
-    if (j < n_blocks) load_kv(j);
-    cp_async_commit();
-  }
+  if (n_blocks > 0) load_kv(0);
+  cp_async_commit();
 
   float o[Tr::kNTilesO][4];
 #pragma unroll
@@ -213,80 +209,30 @@ fwd_sm90(const FwdParams p) {
   float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
   float s[Tr::kNTilesS][4];
 
-  if constexpr (STAGES == 2) {
-    // Tile j: S_j, softmax, P_j V_j, one after the other; K_{j+1}, V_{j+1} load meanwhile.
-    for (int j = 0; j < n_blocks; ++j) {
-      cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
-      fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
-      __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)%2
-      if (j + 1 < n_blocks) load_kv(j + 1);
-      cp_async_commit();
-      if (j >= n_wg) continue;
+  // Tile j: S_j, softmax, P_j V_j, one after the other; K_{j+1}, V_{j+1} load meanwhile.
+  for (int j = 0; j < n_blocks; ++j) {
+    cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
+    fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
+    __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)%2
+    if (j + 1 < n_blocks) load_kv(j + 1);
+    cp_async_commit();
+    if (j >= n_wg) continue;
 
-      wgmma_fence();
-      issue_s(s, j);
-      wgmma_wait<0>();
-      fence_regs(s);
-      float alpha[2];
-      softmax(s, j, m_i, l_i, alpha);
-      rescale_rows(o, alpha);
-      unsigned pa[Tr::kPVSteps][4];
-#pragma unroll
-      for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
-      fence_regs(o);
-      wgmma_fence();
-      issue_pv(o, pa, j);
-      wgmma_wait<0>();
-      fence_regs(o);
-    }
-  } else {
-    // Software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
-    // iteration j issues S_{j+1} = Q K_{j+1}^T and then O += P_j V_j, waits for S_{j+1} only,
-    // and runs the softmax of tile j+1 while P_j V_j is still on the tensor cores; O is
-    // rescaled by tile j+1's alpha once P_j V_j has finished. Tile j+1 must be in shared
-    // memory a whole iteration early, hence three stages: K_{j+2}, V_{j+2} load during
-    // iteration j into the stage of tile j-1, which every warpgroup finished in iteration j-1.
+    wgmma_fence();
+    issue_s(s, j);
+    wgmma_wait<0>();
+    fence_regs(s);
+    float alpha[2];
+    softmax(s, j, m_i, l_i, alpha);
+    rescale_rows(o, alpha);
     unsigned pa[Tr::kPVSteps][4];
-    for (int j = 0; j < n_blocks; ++j) {
-      cp_async_wait<0>();    // K_{j+1}, V_{j+1} (at j = 0 also Q_i, K_0, V_0) have landed ...
-      fence_proxy_async();
-      __syncthreads();       // ... and every warpgroup is done with tile j-1's stage
-      if (j + 2 < n_blocks) load_kv(j + 2);
-      cp_async_commit();
-      if (j >= n_wg) continue;
-
-      if (j == 0) {   // -- prologue: S_0 and its softmax (O is still 0: nothing to rescale)
-        float alpha0[2];
-        wgmma_fence();
-        issue_s(s, 0);
-        wgmma_wait<0>();
-        fence_regs(s);
-        softmax(s, 0, m_i, l_i, alpha0);
 #pragma unroll
-        for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
-      }
-      if (j + 1 < n_wg) {
-        fence_regs(o);
-        wgmma_fence();
-        issue_s(s, j + 1);              // -- S_{j+1}, committed first ...
-        issue_pv(o, pa, j);             // -- ... then O += P_j V_j
-        wgmma_wait<1>();                // S_{j+1} is done; P_j V_j may still run
-        fence_regs(s);
-        float alpha[2];
-        softmax(s, j + 1, m_i, l_i, alpha);
-        wgmma_wait<0>();                // P_j V_j is done: O and pa are free
-        fence_regs(o);
-        rescale_rows(o, alpha);
-#pragma unroll
-        for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
-      } else {                          // -- this warpgroup's last tile: O += P_j V_j alone
-        fence_regs(o);
-        wgmma_fence();
-        issue_pv(o, pa, j);
-        wgmma_wait<0>();
-        fence_regs(o);
-      }
-    }
+    for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+    fence_regs(o);
+    wgmma_fence();
+    issue_pv(o, pa, j);
+    wgmma_wait<0>();
+    fence_regs(o);
   }
 
   // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)

@@ -138,7 +138,6 @@ class Sm90Tiles:
     block_n: int     # keys per K/V tile (the N of the S = Q K^T wgmma)
     warpgroups: int  # 64 query rows each: BLOCK_M = 64 * warpgroups
     min_blocks: int = 1
-    stages: int = 2  # K/V buffers; 3 runs the intra-warpgroup pipeline (see fwd_sm90.cu)
 
     @property
     def block_m(self) -> int:
@@ -150,48 +149,40 @@ class Sm90Tiles:
 
     @property
     def smem_bytes(self) -> int:
-        # Sm90Traits::kSmemBytes: Q + the stages of K and V + 1 KB to align the base
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 1024
+        # Sm90Traits::kSmemBytes: Q + two stages of K and V + 1 KB to align the base
+        return (self.block_m + 4 * self.block_n) * self.head_dim * 2 + 1024
 
 
 #: Why these tiles (H200: 227 KB of shared memory a block, 64K registers an SM; registers are
-#: ptxas's, `python -m cuflash check`; timings in bench/NOTES.md):
+#: ptxas's, `python -m cuflash check`; ratios are to SDPA flash in the same run, bench/NOTES.md):
 #: * A warpgroup owns 64 rows (wgmma's M). While one warpgroup is in its softmax the others'
-#:   wgmma's keep the tensor cores busy, so a block should hold as many warpgroups as the
-#:   registers allow: O takes d/2 registers a thread, S BLOCK_N/2, P BLOCK_N/4.
-#: * d <= 128: 128-key tiles (S = 64 registers) halve the softmax bookkeeping per key of a
-#:   64-key tile; with 3 warpgroups (384 threads) the cap is 168 registers, which fits.
+#:   wgmma's keep the tensor cores busy, so an SM should hold several warpgroups: O takes d/2
+#:   registers a thread, S BLOCK_N/2, P BLOCK_N/4.
+#: * Independent blocks beat one large block: the warpgroups of a block meet at a barrier every
+#:   key tile, those of different blocks never do. d = 64: 2 warpgroups a block, 64-key tiles,
+#:   <= 128 registers so that two blocks share an SM (1.19-1.27x at L = 1k-4k, against
+#:   0.87-1.10x for one 3-warpgroup block with 128-key tiles).
+#: * d = 128: O is 64 registers, so two blocks an SM do not fit; 3 warpgroups (168-register
+#:   cap) with 64-key tiles (1.04-1.40x; 128-key tiles cap the block at 2 warpgroups and were
+#:   slower, 0.89-1.10x).
 #: * d = 192, 256: O alone is 96-128 registers, so 64-key tiles and 2 warpgroups
 #:   (shared memory: Q 64 KB + 2 x (K + V) 128 KB at d = 256).
 SM90_TILES: dict[int, Sm90Tiles] = {
-    64: Sm90Tiles(64, 128, 3),
+    64: Sm90Tiles(64, 64, 2, 2),
     128: Sm90Tiles(128, 64, 3),
     192: Sm90Tiles(192, 64, 2),
     256: Sm90Tiles(256, 64, 2),
 }
 #: Entries that differ under the causal mask (none at present; sm90_tiles() looks here first).
 SM90_TILES_CAUSAL: dict[int, Sm90Tiles] = {}
-#: Short rows (Lk <= SM90_SHORT_LK): a block walks few key tiles, so the part of its time that
-#: nothing overlaps (loading Q and the first K/V tile, the epilogue) and the lockstep of its
-#: warpgroups at each tile's barrier weigh more. At d = 64 three independent 1-warpgroup blocks
-#: an SM (168 registers, 73 KB of shared memory each) hide one block's prologue behind the
-#: others' work: 1.04x / 1.07x SDPA flash at L = 1k (non-causal / causal) against 0.99x / 0.89x
-#: for the 3-warpgroup block, which wins from 4k on (1.13x against 1.06x); bench/NOTES.md.
-SM90_TILES_SHORT: dict[int, Sm90Tiles] = {
-    64: Sm90Tiles(64, 128, 1, 3),
-}
-SM90_SHORT_LK = 2048
 #: fwd_sm90 takes head dims above this; at d <= 32 the 64-column blocks would be half padding.
 SM90_MIN_HEAD_DIM = 33
 
 
-def sm90_tiles(bucket: int, causal: bool, Lk: int | None = None) -> Sm90Tiles:
-    """The tiles of ``fwd_sm90`` for one head-dim bucket, with or without the causal mask, for
-    rows of ``Lk`` keys (None: long rows)."""
+def sm90_tiles(bucket: int, causal: bool) -> Sm90Tiles:
+    """The tiles of ``fwd_sm90`` for one head-dim bucket, with or without the causal mask."""
     if bucket in _sm90_override():
         return _sm90_override()[bucket]
-    if Lk is not None and Lk <= SM90_SHORT_LK and bucket in SM90_TILES_SHORT:
-        return SM90_TILES_SHORT[bucket]
     if causal and bucket in SM90_TILES_CAUSAL:
         return SM90_TILES_CAUSAL[bucket]
     return SM90_TILES[bucket]
@@ -199,8 +190,8 @@ def sm90_tiles(bucket: int, causal: bool, Lk: int | None = None) -> Sm90Tiles:
 
 @functools.lru_cache(maxsize=None)
 def _sm90_override() -> dict[int, Sm90Tiles]:
-    """Tile sweeps: ``CUFLASH_SM90_TILES="128:64:3:1:3"`` (head_dim:block_n:warpgroups:
-    min_blocks[:stages]) replaces table entries. For tuning runs only; read once per process."""
+    """Tile sweeps: ``CUFLASH_SM90_TILES="128:64:3:1"`` (head_dim:block_n:warpgroups:
+    min_blocks) replaces table entries. For tuning runs only; read once per process."""
     import os
     spec = os.environ.get("CUFLASH_SM90_TILES", "")
     entries = [Sm90Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
@@ -209,12 +200,12 @@ def _sm90_override() -> dict[int, Sm90Tiles]:
 
 def sm90_expr(dtype, tiles: Sm90Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::sm90::fwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warpgroups}, {tiles.min_blocks}, {tiles.stages}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warpgroups}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
 
 
 def _sm90_grid_tiles(tiles: Sm90Tiles, nbatch: int, Lq: int, num_sms: int) -> Sm90Tiles:
     """Fewer warpgroups a block when the grid would leave SMs idle (short Lq, few heads)."""
-    while tiles.warpgroups > 1 and nbatch * -(-Lq // tiles.block_m) < num_sms:
+    while tiles.warpgroups > 1 and nbatch * -(-Lq // tiles.block_m) < tiles.min_blocks * num_sms:
         tiles = dataclasses.replace(tiles, warpgroups=tiles.warpgroups - 1)
     return tiles
 
@@ -262,10 +253,9 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
         for dtype in (numpy.float16, ml_dtypes.bfloat16):
             for causal in (False, True):
                 for bucket in SM90_TILES:
-                    variants = set()
-                    for tiles in (sm90_tiles(bucket, causal), sm90_tiles(bucket, causal, 1)):
-                        variants |= {dataclasses.replace(tiles, warpgroups=w)
-                                     for w in range(1, tiles.warpgroups + 1)}
+                    tiles = sm90_tiles(bucket, causal)
+                    variants = {dataclasses.replace(tiles, warpgroups=w)
+                                for w in range(1, tiles.warpgroups + 1)}
                     for t in sorted(variants, key=lambda t: (t.warpgroups, t.min_blocks)):
                         for even in (False, True):
                             out.append(("fwd_sm90.cu", sm90_expr(dtype, t, causal, even)))
@@ -288,7 +278,7 @@ FWD_PARAMS = numpy.dtype([
     ("scale_log2", "<f8"),
     ("batch_shape", "<i4", (_B,)),
     ("nbatch", "<i4"), ("Lq", "<i4"), ("Lk", "<i4"), ("d", "<i4"), ("dv", "<i4"),
-    ("causal_offset", "<i4"), ("num_m_blocks", "<i4"), ("pad_", "<i4"),
+    ("causal_offset", "<i4"), ("num_m_blocks", "<i4"), ("grid_order", "<i4"),
 ], align=True)
 
 
@@ -399,7 +389,7 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
     dmax = max(prob.d, prob.dv)
     if prob.dtype in half_types and cc == 90 and dmax >= SM90_MIN_HEAD_DIM and _family() == "auto":
         bucket = -(-dmax // 64) * 64
-        tiles = _sm90_grid_tiles(sm90_tiles(bucket, prob.causal, prob.Lk), nbatch, prob.Lq, num_sms)
+        tiles = _sm90_grid_tiles(sm90_tiles(bucket, prob.causal), nbatch, prob.Lq, num_sms)
         # EVEN: whole key tiles and no padded columns (Q rows are always predicated)
         even = prob.Lk % tiles.block_n == 0 and prob.d == bucket and prob.dv == bucket
         return Launch("fwd_sm90.cu", sm90_expr(prob.dtype, tiles, prob.causal, even),
@@ -416,6 +406,23 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
     from ._simt_config import simt_launch
     sl = simt_launch(prob.dtype, prob.d, prob.dv, prob.causal)
     return Launch("fwd_simt.cu", sl.expr, sl.block_m, sl.threads, sl.smem_bytes)
+
+
+#: block_tile() in cuda_src/common.cuh: 0 = batch-major, 1 = tile-major (heaviest Q tiles of
+#: every batch item first). The tensor-core kernels take 1 under the causal mask.
+CAUSAL_GRID_ORDER = 1
+
+
+def grid_order(launch: "Launch", causal: bool) -> int:
+    """How the kernel maps blockIdx.x to (batch item, Q tile); ``CUFLASH_GRID_ORDER`` overrides
+    it for A/B runs. fwd_simt always uses batch-major order."""
+    import os
+    if launch.source == "fwd_simt.cu":
+        return 0
+    env = os.environ.get("CUFLASH_GRID_ORDER")
+    if env is not None:
+        return int(env)
+    return CAUSAL_GRID_ORDER if causal else 0
 
 
 def forward(prob: AttentionProblem, o, lse) -> None:
@@ -452,6 +459,7 @@ def forward(prob: AttentionProblem, o, lse) -> None:
         p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
         p["causal_offset"] = prob.causal_offset
         p["num_m_blocks"] = num_m_blocks
+        p["grid_order"] = grid_order(launch, prob.causal)
         pad = MAX_BATCH_DIMS - len(inner)
         for name, st in zip("qkvo", strides):
             p[f"{name}_batch_stride"] = (0,) * pad + st[len(outer):]

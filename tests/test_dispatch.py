@@ -36,7 +36,7 @@ def test_hopper_takes_wgmma_kernel(dtype, d, bucket):
     launch = _choose((4, 16, 1024), (4, 16, 1024), dtype, d=d)
     assert launch.source == "fwd_sm90.cu"
     assert f"fwd_sm90<{_launch._ctype(dtype)}, {bucket}," in launch.expr
-    tiles = _launch.sm90_tiles(bucket, False, 1024)
+    tiles = _launch.sm90_tiles(bucket, False)
     assert launch.block_m == tiles.block_m and launch.threads == tiles.threads
     assert launch.smem_bytes == tiles.smem_bytes <= 227 * 1024
 
@@ -78,21 +78,25 @@ def test_small_grids_use_fewer_warpgroups():
     assert 2 * -(-1024 // small.block_m) >= 2 * -(-1024 // big.block_m)
 
 
-def test_short_rows_use_their_own_tiles():
-    for bucket, t in _launch.SM90_TILES_SHORT.items():
-        short = _choose((16, 32, 1024), (16, 32, 1024), d=bucket)
-        long = _choose((4, 32, 4096), (4, 32, 4096), d=bucket)
-        assert f", {t.block_n}, {t.warpgroups}, {t.min_blocks}," in short.expr
-        assert short.expr != long.expr
-
-
 def test_every_table_entry_is_compiled_by_the_gate():
     exprs = {e for s, e in _launch.all_specialisations("sm_90a") if s == "fwd_sm90.cu"}
     for bucket in _launch.SM90_TILES:
-        for causal, Lk in [(c, L) for c in (False, True) for L in (None, 1024)]:
-            t = _launch.sm90_tiles(bucket, causal, Lk)
+        for causal in (False, True):
+            t = _launch.sm90_tiles(bucket, causal)
             for w in range(1, t.warpgroups + 1):
                 for even in (False, True):
                     import dataclasses
                     expr = _launch.sm90_expr(BF16, dataclasses.replace(t, warpgroups=w), causal, even)
                     assert expr in exprs
+
+
+def test_grid_order(monkeypatch):
+    """Tile-major (heaviest Q tiles of every batch item first) for causal tensor-core grids."""
+    causal = _choose((4, 16, 1024), (4, 16, 1024), causal=True)
+    plain = _choose((4, 16, 1024), (4, 16, 1024))
+    simt = _choose((4, 16, 256), (4, 16, 256), numpy.dtype(numpy.float32), causal=True)
+    assert _launch.grid_order(causal, True) == _launch.CAUSAL_GRID_ORDER == 1
+    assert _launch.grid_order(plain, False) == 0
+    assert _launch.grid_order(simt, True) == 0       # fwd_simt maps blocks its own way
+    monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")
+    assert _launch.grid_order(causal, True) == 0
