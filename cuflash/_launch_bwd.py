@@ -213,11 +213,13 @@ class BwdSm80Tiles:
 #: * sub_m: dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel, S^T and dP^T
 #:   another sub_m while a chunk of sub_m query rows is in flight; smaller chunks re-read this
 #:   warp's K_j, V_j fragments more often (BLOCK_M / sub_m times a tile). d = 64: the whole
-#:   64-row tile fits (238-251 registers, no spill). d = 96: 32-row chunks. d = 128: 32-row
-#:   chunks spill 8-24 bytes in some specialisations at the 255-register cap, 16-row chunks
-#:   none (247-255 registers).
-#: * d = 32: with 16-row chunks the kernel stays under 128 registers, so two blocks (16 warps)
-#:   share an SM (32-row chunks spill 12 bytes at that cap).
+#:   64-row tile fits (233-255 registers, no spill). d = 96: 32-row chunks (242-247).
+#:   d = 128: 32-row chunks spill 8-24 bytes in some specialisations at the 255-register cap,
+#:   16-row chunks none (247-255 registers).
+#: * d = 32: with 16-row chunks the kernel stays under 128 registers (122-127), so two blocks
+#:   (16 warps) share an SM (32-row chunks spill 12 bytes at that cap).
+#: Several specialisations sit at 255 registers with no spill: a new ptxas may tip them over;
+#: the compile gate (tests/test_compile_gate_bwd.py) says so.
 BWD_SM80_TILES: dict[int, BwdSm80Tiles] = {
     32: BwdSm80Tiles(32, 64, 16, 8, 2),
     64: BwdSm80Tiles(64, 64, 64, 8, 1),
