@@ -235,9 +235,10 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
     """Every (source, name expression) the dispatcher can select on ``arch``."""
     from ._simt_config import all_simt_specialisations
     out = [("fwd_simt.cu", e) for e in all_simt_specialisations()]
-    # -- the backward (cuflash/_launch_bwd.py): the generic kernel, every arch
-    from ._launch_bwd import SOURCE as BWD_SOURCE, all_bwd_specialisations
-    out += [(BWD_SOURCE, e) for e in all_bwd_specialisations()]
+    # -- the backward (cuflash/_launch_bwd.py): the generic kernel on every arch, bwd_sm80 from
+    #    sm_80 on
+    from ._launch_bwd import bwd_specialisations
+    out += bwd_specialisations(arch)
     cc = int(re.match(r"sm_(\d+)", arch).group(1))
     if cc >= 80:
         import ml_dtypes

@@ -27,9 +27,10 @@ def reports() -> dict[str, list[_jit.CompileReport]]:
 
 def test_dispatcher_lists_every_family() -> None:
     sources = {s for s, _ in _launch.all_specialisations("sm_90a")}
-    assert {"fwd_simt.cu", "fwd_sm80.cu", "fwd_sm90.cu"} <= sources
-    # sm_70 gets the generic kernel only: mma.sync m16n8k16 needs sm_80, wgmma sm_90a
-    assert {s for s, _ in _launch.all_specialisations("sm_70")} == sources - {"fwd_sm80.cu", "fwd_sm90.cu"}
+    assert {"fwd_simt.cu", "fwd_sm80.cu", "fwd_sm90.cu", "bwd_simt.cu", "bwd_sm80.cu"} <= sources
+    # sm_70 gets the generic kernels only: mma.sync m16n8k16 needs sm_80, wgmma sm_90a
+    assert ({s for s, _ in _launch.all_specialisations("sm_70")}
+            == sources - {"fwd_sm80.cu", "fwd_sm90.cu", "bwd_sm80.cu"})
     assert "fwd_sm90.cu" not in {s for s, _ in _launch.all_specialisations("sm_80")}
 
 
@@ -58,7 +59,7 @@ def test_compiles_without_spills(reports, arch: str) -> None:
 def test_tensor_core_kernels_use_tensor_cores(reports, arch: str) -> None:
     for r in reports[arch]:
         assert r.hmma is not None, "nvdisasm is needed to read the SASS"
-        if r.source == "fwd_sm80.cu":
+        if r.source in ("fwd_sm80.cu", "bwd_sm80.cu"):
             assert r.hmma > 0, f"{r.expr} has no HMMA on {arch}"
         elif r.source == "fwd_sm90.cu":
             assert r.hgmma > 0, f"{r.expr} has no HGMMA on {arch}"
