@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The evidence run on the lent H200, in two parts (each fits one 10-minute device call):
 #   bash bench/gpu_final.sh tests   GPU tests (Hypothesis profile gpu), the demo, compute-sanitizer
+#   bash bench/gpu_final.sh racecheck   racecheck alone, with a longer limit (the float64
+#                                   generic backward is slow under it)
 #   bash bench/gpu_final.sh bench   forward benchmark against the peers (cuflash = the dispatcher's
 #                                   choice, cuflash_sm80 = the mma.sync kernel), float32 against
 #                                   naive CuPy, memory mode, and fwd+bwd against the peers
@@ -26,6 +28,10 @@ if [ "$part" = tests ]; then
     echo "exit $?" >> "$S"
   done
   grep -E "passed|failed|exit" "$T"; grep -E "^==|exit|ERROR SUMMARY|hazard" "$S"
+elif [ "$part" = racecheck ]; then
+  S="$OUT/racecheck.txt"
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 bench/sanitize_smoke.py > "$S" 2>&1
+  echo "exit $?" >> "$S"; tail -n 5 "$S"
 else
   L="$OUT/bench.txt"
   B="--mode fwd --budget 0.25"
