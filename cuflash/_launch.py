@@ -173,19 +173,14 @@ SM90_TILES: dict[int, Sm90Tiles] = {
     192: Sm90Tiles(192, 64, 2),
     256: Sm90Tiles(256, 64, 2),
 }
-#: Entries that differ under the causal mask (none at present; sm90_tiles() looks here first).
-SM90_TILES_CAUSAL: dict[int, Sm90Tiles] = {}
 #: fwd_sm90 takes head dims above this; at d <= 32 the 64-column blocks would be half padding.
 SM90_MIN_HEAD_DIM = 33
 
 
-def sm90_tiles(bucket: int, causal: bool) -> Sm90Tiles:
-    """The tiles of ``fwd_sm90`` for one head-dim bucket, with or without the causal mask."""
-    if bucket in _sm90_override():
-        return _sm90_override()[bucket]
-    if causal and bucket in SM90_TILES_CAUSAL:
-        return SM90_TILES_CAUSAL[bucket]
-    return SM90_TILES[bucket]
+def sm90_tiles(bucket: int) -> Sm90Tiles:
+    """The tiles of ``fwd_sm90`` for one head-dim bucket (the same with and without the causal
+    mask, unlike fwd_sm80's)."""
+    return _sm90_override().get(bucket, SM90_TILES[bucket])
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,7 +249,7 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
         for dtype in (numpy.float16, ml_dtypes.bfloat16):
             for causal in (False, True):
                 for bucket in SM90_TILES:
-                    tiles = sm90_tiles(bucket, causal)
+                    tiles = sm90_tiles(bucket)
                     variants = {dataclasses.replace(tiles, warpgroups=w)
                                 for w in range(1, tiles.warpgroups + 1)}
                     for t in sorted(variants, key=lambda t: (t.warpgroups, t.min_blocks)):
@@ -390,7 +385,7 @@ def choose(prob: AttentionProblem, nbatch: int, cc: int, num_sms: int) -> Launch
     dmax = max(prob.d, prob.dv)
     if prob.dtype in half_types and cc == 90 and dmax >= SM90_MIN_HEAD_DIM and _family() == "auto":
         bucket = -(-dmax // 64) * 64
-        tiles = _sm90_grid_tiles(sm90_tiles(bucket, prob.causal), nbatch, prob.Lq, num_sms)
+        tiles = _sm90_grid_tiles(sm90_tiles(bucket), nbatch, prob.Lq, num_sms)
         # EVEN: whole key tiles and no padded columns (Q rows are always predicated)
         even = prob.Lk % tiles.block_n == 0 and prob.d == bucket and prob.dv == bucket
         return Launch("fwd_sm90.cu", sm90_expr(prob.dtype, tiles, prob.causal, even),

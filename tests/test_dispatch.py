@@ -36,7 +36,7 @@ def test_hopper_takes_wgmma_kernel(dtype, d, bucket):
     launch = _choose((4, 16, 1024), (4, 16, 1024), dtype, d=d)
     assert launch.source == "fwd_sm90.cu"
     assert f"fwd_sm90<{_launch._ctype(dtype)}, {bucket}," in launch.expr
-    tiles = _launch.sm90_tiles(bucket, False)
+    tiles = _launch.sm90_tiles(bucket)
     assert launch.block_m == tiles.block_m and launch.threads == tiles.threads
     assert launch.smem_bytes == tiles.smem_bytes <= 227 * 1024
 
@@ -82,7 +82,7 @@ def test_every_table_entry_is_compiled_by_the_gate():
     exprs = {e for s, e in _launch.all_specialisations("sm_90a") if s == "fwd_sm90.cu"}
     for bucket in _launch.SM90_TILES:
         for causal in (False, True):
-            t = _launch.sm90_tiles(bucket, causal)
+            t = _launch.sm90_tiles(bucket)
             for w in range(1, t.warpgroups + 1):
                 for even in (False, True):
                     import dataclasses
