@@ -38,6 +38,7 @@
 #include "common.cuh"
 #include "mma_sm80.cuh"
 #include "sm80_ops.cuh"
+#include "bwd_io.cuh"
 
 namespace cuflash {
 
@@ -115,70 +116,6 @@ struct BwdSm80Traits {
   static_assert(kOffDS % 128 == 0 && kOffStats % 128 == 0, "swizzled tiles start on 128 bytes");
 };
 
-namespace bwd80 {
-
-// Rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global matrix (unit column
-// stride, 16-byte aligned rows) into a swizzled shared tile by cp.async. Rows >= nrows and the
-// 16-byte chunks at or past `cols` land as zeros (src-size 0: nothing is read there).
-template <typename Tile, int ROWS, int THREADS, typename T>
-__device__ __forceinline__ void cp_async_rows(unsigned sbase, const T* g, long long row_stride,
-                                              int row0, int nrows, int cols) {
-  constexpr int kChunks = Tile::kChunks;
-  constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
-  if constexpr (THREADS % kChunks == 0) {
-    // Each thread copies one chunk column c of rows r0, r0 + kRowStep, ...: one source pointer
-    // that steps by kRowStep rows (few registers live across the query loop).
-    constexpr int kRowStep = THREADS / kChunks;
-    const int c = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
-    const bool col_ok = c * 8 < cols;
-    const T* src = g + (row0 + r0) * row_stride + c * 8;
-    const long long step = kRowStep * row_stride;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int r = r0 + it * kRowStep;
-      if ((ROWS % kRowStep == 0) || r < ROWS) {
-        const bool ok = col_ok && row0 + r < nrows;
-        cp_async_16(Tile::addr(sbase, r, c), ok ? src : g, ok ? 16 : 0);
-      }
-      src += step;
-    }
-  } else {
-#pragma unroll 4
-    for (int it = 0; it < kIters; ++it) {
-      const int idx = int(threadIdx.x) + it * THREADS;
-      if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
-        const int r = idx / kChunks, c = idx % kChunks;
-        const bool ok = row0 + r < nrows && c * 8 < cols;
-        const T* src = ok ? g + (row0 + r) * row_stride + c * 8 : g;
-        cp_async_16(Tile::addr(sbase, r, c), src, ok ? 16 : 0);
-      }
-    }
-  }
-}
-
-// Zero the rows r of a swizzled shared tile for which dead[r] holds (the dead query rows).
-template <typename Tile, int ROWS, int THREADS, typename Dead>
-__device__ __forceinline__ void zero_rows(unsigned sbase, Dead dead) {
-  constexpr int kChunks = Tile::kChunks;
-  for (int idx = int(threadIdx.x); idx < ROWS * kChunks; idx += THREADS) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    if (dead(r)) st_shared_zero16(Tile::addr(sbase, r, c));
-  }
-}
-
-// Two adjacent float32 values (columns col, col + 1 of a row of n) to global memory: one 8-byte
-// store when both exist and n is even (then col is even and the address 8-byte aligned).
-__device__ __forceinline__ void store2(float* row, int col, int n, float x, float y) {
-  if ((n & 1) == 0 && col + 1 < n) {
-    *reinterpret_cast<float2*>(row + col) = make_float2(x, y);
-  } else {
-    if (col < n) row[col] = x;
-    if (col + 1 < n) row[col + 1] = y;
-  }
-}
-
-}  // namespace bwd80
-
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks; block = (batch item b, key tile
 // n_block), n_block = blockIdx.x % num_n_blocks, so a batch item's key tiles are consecutive
 // blocks in key-tile order: the heaviest causal tile (key tile 0, seen by every query tile)
@@ -236,8 +173,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
-  bwd80::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
-  bwd80::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gv, p.v_row_stride, n0, p.Lk, p.dv);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gv, p.v_row_stride, n0, p.Lk, p.dv);
 
   // Q_i, dO_i of the tile at m0 into stage `stage` (cp.async), and its L_i, D_i into registers
   // of the threads tid < BLOCK_M (one row each): they reach shared memory at the top of the
@@ -245,8 +182,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   float lse_next = 0.f, d_next = 0.f;
   auto load_q_tile = [&](int m0, int stage) {
     const unsigned sq = sQ + stage * Tr::kStageBytes;
-    bwd80::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, gq, p.q_row_stride, m0, p.Lq, p.d);
-    bwd80::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, gdo, p.dout_row_stride, m0, p.Lq, p.dv);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, gq, p.q_row_stride, m0, p.Lq, p.d);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, gdo, p.dout_row_stride, m0, p.Lq, p.dv);
     if (tid < BLOCK_M && m0 + tid < p.Lq) {
       lse_next = __ldg(glse + m0 + tid);
       d_next = __ldg(gD + m0 + tid);
@@ -308,8 +245,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
     // Lq > Lk) are zeroed, with one more barrier.
     if (__syncthreads_or(dead)) {
       const auto is_dead = [&](int r) { return m0 + r < p.Lq && sL2[r] == kInf; };
-      bwd80::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, is_dead);
-      bwd80::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off + kDOOff, is_dead);
+      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, is_dead);
+      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off + kDOOff, is_dead);
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
@@ -521,8 +458,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 #pragma unroll
       for (int t = 0; t < Tr::kDTiles; ++t) {
         const int col = 8 * t + 2 * t4;
-        bwd80::store2(gdk + (long long)key * p.d, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
-        bwd80::store2(gdv + (long long)key * p.dv, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
+        bwd_io::store2(gdk + (long long)key * p.d, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
+        bwd_io::store2(gdv + (long long)key * p.dv, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
       }
     }
   }

@@ -1,6 +1,11 @@
 """GPU launcher of the backward pass: kernel choice, tiles, buffers, launches.
 
-Two kernel families compute lines 5-19 of FlashAttention-2's Algorithm 2:
+Three kernel families compute lines 5-19 of FlashAttention-2's Algorithm 2:
+
+``bwd_sm90``  (cuda_src/bwd_sm90.cu)  float16 / bfloat16 on Hopper (compute capability 9.0)
+              with ``33 <= max(d, dv) <= 128`` (head-dim buckets 64, 128) and
+              ``deterministic=False``: wgmma, the operands read by the tensor cores straight
+              from shared memory (``BWD_SM90_TILES``).
 
 ``bwd_sm80``  (cuda_src/bwd_sm80.cu)  float16 / bfloat16 on compute capability >= 8.0 with
               ``max(d, dv) <= 128`` (head-dim buckets 32, 64, 96, 128): mma.sync tensor cores,
@@ -10,8 +15,11 @@ Two kernel families compute lines 5-19 of FlashAttention-2's Algorithm 2:
 ``bwd_simt``  (cuda_src/bwd_simt.cu)  everything else: float32 and float64 (exact paths),
               head dims above 128, GPUs older than sm_80.
 
-``CUFLASH_BWD=simt`` in the environment forces bwd_simt for every call (read at each call; to
-compare the two, or to fall back); unset or ``auto`` is the choice above.
+``CUFLASH_BWD=simt`` in the environment forces bwd_simt for every call, ``CUFLASH_BWD=sm80``
+keeps Hopper on bwd_sm80 (read at each call; to compare them, or to fall back); unset or
+``auto`` is the choice above. ``_launch.use_family("sm80")`` (the benchmark's cuflash_sm80)
+keeps Hopper on bwd_sm80 too. ``deterministic=True`` runs bwd_sm80 where bwd_sm90 would run:
+the ordered dQ accumulation exists there only.
 
 Three kernels run, in this order, on CuPy's current stream:
 
@@ -34,7 +42,7 @@ Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
   (``_problem.sum_to_shape``) and rounded once to the input dtype. So grouped-query attention
   does materialise per-group dk, dv here, G times the size of the result; summing inside the
   kernel is future work.
-* ``deterministic=True``, bwd_sm80: the same single dq buffer, plus one int32 semaphore per
+* ``deterministic=True``, bwd_sm80 (also on Hopper): the same single dq buffer, plus one int32 semaphore per
   (batch item, query tile of BLOCK_M rows): each key tile adds its dQ contribution with plain
   loads and stores once the key tiles before it have (FlashAttention-2's deterministic mode;
   the ordering argument is in cuda_src/bwd_sm80.cu). Extra memory stays
@@ -51,7 +59,7 @@ Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
 Strides: bwd_simt reads q, k, v, o and dO in place with any strides, broadcast (stride 0)
 included. bwd_sm80 needs each row of q, k, v and dO contiguous and 16-byte aligned with a
 head dim that is a multiple of 8 (its cp.async loads are 16-byte chunks); an input that is not
-is copied, as the forward does (``_launch._sm80_input``: only its un-broadcast extent, into a
+is copied, as the forward does (bwd_sm90 the same) (``_launch._sm80_input``: only its un-broadcast extent, into a
 C-contiguous buffer with the head dim zero-padded to a multiple of 8), and broadcast
 dimensions stay stride 0. ``o`` is only read by ``bwd_dot_do_o`` and is never copied.
 """
@@ -263,13 +271,92 @@ def all_bwd_sm80_specialisations() -> list[str]:
             for det in (False, True)]
 
 
+# ---------------------------------------------------------------------------------------------
+# The Hopper backward (cuda_src/bwd_sm90.cu)
+# ---------------------------------------------------------------------------------------------
+
+SM90_SOURCE = "bwd_sm90.cu"
+#: Head dims bwd_sm90 takes: from 33 (below, the 64-wide bucket would waste half the products;
+#: bwd_sm80 runs them, as fwd_sm80 does in the forward) to 128 (dK_j, dV_j fill the registers).
+SM90_MIN_HEAD_DIM, SM90_MAX_HEAD_DIM = 33, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdSm90Tiles:
+    """Tiles of ``bwd_sm90`` for one head-dim bucket (template arguments, in this order)."""
+    head_dim: int     # bucket: 64 or 128
+    block_m: int      # query rows per tile Q_i (B_r); a multiple of 64
+    warpgroups: int   # each owns 64 keys: B_c = 64 * warpgroups
+    min_blocks: int   # blocks per SM the register budget must allow (__launch_bounds__)
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block; must equal ``BwdSm90Traits::kSmemBytes``:
+        K_j, V_j; two stages of Q_i, dO_i; dS_ij^T (all 2-byte); two stages of L_i, D_i; and
+        1024 bytes to align the base to a swizzle atom."""
+        hd, m, n = self.head_dim, self.block_m, self.block_n
+        return 2 * n * hd * 2 + 2 * 2 * m * hd * 2 + n * m * 2 + 2 * 2 * m * 4 + 1024
+
+
+#: Why these tiles (register counts are ptxas's for sm_90a, ``python -m cuflash check``):
+#: * 2 warpgroups, so B_c = 128 keys a block, as bwd_sm80: Q_i and dO_i cross from L2 once
+#:   per 128 keys, and dQ receives one atomic addition per 128 keys.
+#: * B_r = 64 query rows: dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel,
+#:   S^T and dP^T another B_r. d = 128: 248-253 registers, no spill. d = 64: 200-208; B_r =
+#:   128 there would halve the barriers per query row but spills in the causal build.
+#: * One block of 256 threads per SM: the registers allow no more (at d = 64, 208 x 256).
+#: CUFLASH_BWD_SM90_TILES can replace any entry for a tuning run.
+BWD_SM90_TILES: dict[int, BwdSm90Tiles] = {
+    64: BwdSm90Tiles(64, 64, 2, 1),
+    128: BwdSm90Tiles(128, 64, 2, 1),
+}
+
+
+def sm90_bucket(d: int, dv: int) -> int:
+    """The head-dim bucket of bwd_sm90: max(d, dv) rounded up to a multiple of 64."""
+    return -(-max(d, dv) // 64) * 64
+
+
+def sm90_tiles(bucket: int) -> BwdSm90Tiles:
+    """The tiles of ``bwd_sm90`` for one head-dim bucket (or CUFLASH_BWD_SM90_TILES's)."""
+    import os
+    spec = os.environ.get("CUFLASH_BWD_SM90_TILES", "")
+    entries = [BwdSm90Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
+    return {t.head_dim: t for t in entries}.get(bucket, BWD_SM90_TILES[bucket])
+
+
+def sm90_expr(dtype, tiles: BwdSm90Tiles, causal: bool) -> str:
+    return (f"cuflash::sm90::bwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_m}, "
+            f"{tiles.warpgroups}, {tiles.min_blocks}, {_b(causal)}>")
+
+
+def all_bwd_sm90_specialisations() -> list[str]:
+    """Every name expression in ``bwd_sm90.cu`` the launcher can select (sm_90a)."""
+    import ml_dtypes
+    return [sm90_expr(numpy.dtype(dtype), BWD_SM90_TILES[hd], causal)
+            for dtype in (numpy.float16, ml_dtypes.bfloat16)
+            for hd in sorted(BWD_SM90_TILES)
+            for causal in (False, True)]
+
+
 def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
     """Every (source, name expression) of the backward the launcher can select on ``arch``
-    (e.g. ``"sm_90a"``): bwd_simt's everywhere, bwd_sm80's from sm_80 on."""
+    (e.g. ``"sm_90a"``): bwd_simt's everywhere, bwd_sm80's from sm_80 on, bwd_sm90's on
+    sm_90a."""
     import re
     out = [(SOURCE, e) for e in all_bwd_specialisations()]
     if int(re.match(r"sm_(\d+)", arch).group(1)) >= 80:
         out += [(SM80_SOURCE, e) for e in all_bwd_sm80_specialisations()]
+    if arch == "sm_90a":
+        out += [(SM90_SOURCE, e) for e in all_bwd_sm90_specialisations()]
     return out
 
 
@@ -301,7 +388,7 @@ BWD_PARAMS = numpy.dtype([
 @dataclasses.dataclass(frozen=True)
 class BwdLaunch:
     """The kernels and geometry of one backward call."""
-    source: str       # SOURCE (bwd_simt.cu) or SM80_SOURCE (bwd_sm80.cu): the main kernel's
+    source: str       # SOURCE (bwd_simt.cu), SM80_SOURCE or SM90_SOURCE: the main kernel's
     main: str
     dot: str          # bwd_dot_do_o, always from bwd_simt.cu
     dq_sum: str       # bwd_sum_dq (bwd_simt with deterministic=True only)
@@ -314,6 +401,11 @@ class BwdLaunch:
     def sm80(self) -> bool:
         return self.source == SM80_SOURCE
 
+    @property
+    def tensor_cores(self) -> bool:
+        """bwd_sm80 or bwd_sm90: cp.async loads, 16-byte rows (see the module docstring)."""
+        return self.source in (SM80_SOURCE, SM90_SOURCE)
+
     def num_n_blocks(self, Lk: int) -> int:
         return -(-int(Lk) // self.block_n)
 
@@ -322,25 +414,41 @@ class BwdLaunch:
 
 
 def kernel_family() -> str:
-    """``CUFLASH_BWD`` from the environment: ``"auto"`` (unset or empty) or ``"simt"``."""
+    """``CUFLASH_BWD`` from the environment: ``"auto"`` (unset or empty), ``"sm80"`` or
+    ``"simt"``; ``"sm80"`` also inside ``_launch.use_family("sm80")``."""
     import os
+    from . import _launch
     value = os.environ.get("CUFLASH_BWD", "").strip().lower() or "auto"
-    if value not in ("auto", "simt"):
-        raise ValueError(f"CUFLASH_BWD must be 'simt' or 'auto' (or unset), got {value!r}")
+    if value not in ("auto", "sm80", "simt"):
+        raise ValueError(f"CUFLASH_BWD must be 'auto', 'sm80' or 'simt' (or unset), got {value!r}")
+    if value == "auto" and _launch._family_override == "sm80":
+        return "sm80"
     return value
 
 
-def uses_sm80(dtype, d: int, dv: int, cc: int, smem_optin: int) -> bool:
-    """Whether the backward of a (dtype, d, dv) problem runs bwd_sm80 on a GPU of compute
-    capability ``cc`` (e.g. 90) that grants ``smem_optin`` bytes of shared memory a block."""
+def _half(dtype) -> bool:
     import ml_dtypes
-    if kernel_family() == "simt" or cc < 80:
-        return False
-    if numpy.dtype(dtype) not in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16)):
+    return numpy.dtype(dtype) in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
+
+
+def uses_sm80(dtype, d: int, dv: int, cc: int, smem_optin: int) -> bool:
+    """Whether the backward of a (dtype, d, dv) problem can run bwd_sm80 on a GPU of compute
+    capability ``cc`` (e.g. 90) that grants ``smem_optin`` bytes of shared memory a block."""
+    if kernel_family() == "simt" or cc < 80 or not _half(dtype):
         return False
     if max(d, dv) > SM80_MAX_HEAD_DIM:
         return False
     return sm80_tiles(sm80_bucket(d, dv)).smem_bytes <= smem_optin
+
+
+def uses_sm90(dtype, d: int, dv: int, cc: int, smem_optin: int, deterministic: bool) -> bool:
+    """Whether the backward runs bwd_sm90 (Hopper, fp16/bf16, 33 <= max(d, dv) <= 128,
+    atomics for dQ)."""
+    if kernel_family() != "auto" or cc != 90 or not _half(dtype) or deterministic:
+        return False
+    if not SM90_MIN_HEAD_DIM <= max(d, dv) <= SM90_MAX_HEAD_DIM:
+        return False
+    return sm90_tiles(sm90_bucket(d, dv)).smem_bytes <= smem_optin
 
 
 def choose(prob: AttentionProblem, deterministic: bool, cc: int = 0,
@@ -349,6 +457,10 @@ def choose(prob: AttentionProblem, deterministic: bool, cc: int = 0,
     capability ``cc`` granting ``smem_optin`` bytes of shared memory a block (the defaults
     select bwd_simt)."""
     dot, dq_sum = dot_expr(prob.dtype), sum_expr(prob.dtype)
+    if uses_sm90(prob.dtype, prob.d, prob.dv, cc, smem_optin, deterministic):
+        t = sm90_tiles(sm90_bucket(prob.d, prob.dv))
+        return BwdLaunch(SM90_SOURCE, sm90_expr(prob.dtype, t, prob.causal),
+                         dot, dq_sum, t.block_m, t.block_n, t.threads, t.smem_bytes)
     if uses_sm80(prob.dtype, prob.d, prob.dv, cc, smem_optin):
         t = sm80_tiles(sm80_bucket(prob.d, prob.dv))
         return BwdLaunch(SM80_SOURCE, sm80_expr(prob.dtype, t, prob.causal, deterministic),
@@ -393,11 +505,11 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         Lq, Lk, d, d_v = prob.Lq, prob.Lk, prob.d, prob.dv
 
         q, k, v = prob.q, prob.k, prob.v
-        if launch.sm80:   # 16-byte rows for cp.async (a copy only where a layout lacks them)
+        if launch.tensor_cores:   # 16-byte rows for cp.async (a copy only where a layout lacks them)
             q, k, v, do = (_sm80_input(x) for x in (q, k, v, do))
         lse = cupy.ascontiguousarray(lse)
         dpsum = cupy.empty(prob.batch_shape + (Lq,), acc)
-        dq_parts = num_n_blocks if (deterministic and not launch.sm80) else 1
+        dq_parts = num_n_blocks if (deterministic and not launch.tensor_cores) else 1
         dq_acc = cupy.zeros((dq_parts,) + prob.batch_shape + (Lq, d), acc)
         dk_acc = cupy.empty(prob.batch_shape + (Lk, d), acc)
         dv_acc = cupy.empty(prob.batch_shape + (Lk, d_v), acc)
@@ -449,7 +561,7 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
                 sem = 0 if semaphore is None else semaphore.data.ptr + 4 * first * num_m_blocks
                 main(grid, (launch.threads,), (p[()], numpy.uint64(sem)),
                      shared_mem=launch.smem_bytes)
-            else:
+            else:   # bwd_sm90, bwd_simt
                 main(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
 
         if dq_parts > 1:

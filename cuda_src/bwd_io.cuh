@@ -1,0 +1,73 @@
+// cuflash: tile I/O of the tensor-core backward kernels (bwd_sm80.cu, bwd_sm90.cu): rows of
+// a global matrix into a swizzled shared tile by cp.async, zeroing the dead query rows of a
+// tile, and float32 pairs to global memory. `Tile` is any layout with kChunks (16-byte chunks
+// a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh) or Sm90Tile (sm90_ops.cuh).
+#pragma once
+
+namespace cuflash {
+
+namespace bwd_io {
+
+// Rows [row0, row0 + ROWS) x columns [0, cols) of a row-major global matrix (unit column
+// stride, 16-byte aligned rows) into a swizzled shared tile by cp.async. Rows >= nrows and the
+// 16-byte chunks at or past `cols` land as zeros (src-size 0: nothing is read there).
+template <typename Tile, int ROWS, int THREADS, typename T>
+__device__ __forceinline__ void cp_async_rows(unsigned sbase, const T* g, long long row_stride,
+                                              int row0, int nrows, int cols) {
+  constexpr int kChunks = Tile::kChunks;
+  constexpr int kIters = (ROWS * kChunks + THREADS - 1) / THREADS;
+  if constexpr (THREADS % kChunks == 0) {
+    // Each thread copies one chunk column c of rows r0, r0 + kRowStep, ...: one source pointer
+    // that steps by kRowStep rows (few registers live across the query loop).
+    constexpr int kRowStep = THREADS / kChunks;
+    const int c = int(threadIdx.x) % kChunks, r0 = int(threadIdx.x) / kChunks;
+    const bool col_ok = c * 8 < cols;
+    const T* src = g + (row0 + r0) * row_stride + c * 8;
+    const long long step = kRowStep * row_stride;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = r0 + it * kRowStep;
+      if ((ROWS % kRowStep == 0) || r < ROWS) {
+        const bool ok = col_ok && row0 + r < nrows;
+        cp_async_16(Tile::addr(sbase, r, c), ok ? src : g, ok ? 16 : 0);
+      }
+      src += step;
+    }
+  } else {
+#pragma unroll 4
+    for (int it = 0; it < kIters; ++it) {
+      const int idx = int(threadIdx.x) + it * THREADS;
+      if ((ROWS * kChunks) % THREADS == 0 || idx < ROWS * kChunks) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        const bool ok = row0 + r < nrows && c * 8 < cols;
+        const T* src = ok ? g + (row0 + r) * row_stride + c * 8 : g;
+        cp_async_16(Tile::addr(sbase, r, c), src, ok ? 16 : 0);
+      }
+    }
+  }
+}
+
+// Zero the rows r of a swizzled shared tile for which dead[r] holds (the dead query rows).
+template <typename Tile, int ROWS, int THREADS, typename Dead>
+__device__ __forceinline__ void zero_rows(unsigned sbase, Dead dead) {
+  constexpr int kChunks = Tile::kChunks;
+  for (int idx = int(threadIdx.x); idx < ROWS * kChunks; idx += THREADS) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    if (dead(r)) st_shared_zero16(Tile::addr(sbase, r, c));
+  }
+}
+
+// Two adjacent float32 values (columns col, col + 1 of a row of n) to global memory: one 8-byte
+// store when both exist and n is even (then col is even and the address 8-byte aligned).
+__device__ __forceinline__ void store2(float* row, int col, int n, float x, float y) {
+  if ((n & 1) == 0 && col + 1 < n) {
+    *reinterpret_cast<float2*>(row + col) = make_float2(x, y);
+  } else {
+    if (col < n) row[col] = x;
+    if (col + 1 < n) row[col + 1] = y;
+  }
+}
+
+}  // namespace bwd_io
+
+}  // namespace cuflash

@@ -1,0 +1,382 @@
+// cuflash: tensor-core backward for float16 / bfloat16 on Hopper (sm_90a): wgmma.
+//
+// The algorithm and its data flow are bwd_sm80's (FlashAttention-2, Algorithm 2, lines 5-19;
+// read that file's header first): one thread block per (batch item, key tile K_j, V_j), K_j and
+// V_j loaded once, the block walking the query tiles Q_i that can see K_j with Q_i, dO_i
+// double-buffered by cp.async, dK_j and dV_j held in registers for the whole walk, dQ added to
+// a float32 buffer in HBM with atomics. What changes is who does the five products. A
+// warpgroup (4 warps, 128 threads) owns 64 keys of K_j, V_j and issues, per query tile:
+//   S_ij^T  = K_j Q_i^T    HEAD_DIM/16 wgmma m64n{BLOCK_M}k16; A = K, B = Q, both from shared
+//   dP_ij^T = V_j dO_i^T   memory, K-major (as Q and K in fwd_sm90);
+//   dV_j   += P_ij^T dO_i  BLOCK_M/16 wgmma m64n{HEAD_DIM}k16; A = P^T from registers (the S^T
+//   dK_j   += dS_ij^T Q_i  accumulators turned into A fragments, as P in fwd_sm90), B = dO, Q
+//                          read MN-major (as V in fwd_sm90);
+//   dQ_i   += dS_ij K_j    BLOCK_N/16 wgmma m64n{kDqCols}k16; A = dS^T, which the warpgroups
+//                          write to shared memory once (the block's only exchange) and the
+//                          tensor cores read MN-major; B = K read MN-major. The warpgroups
+//                          split dQ_i's BLOCK_M x HEAD_DIM into 64 x kDqCols slices.
+// No ldmatrix: that traffic is what bounds bwd_sm80 on Hopper (bench/NOTES.md). Transposed
+// products (S^T, dP^T, keys as the M dimension) put P^T and dS^T in registers in exactly the
+// layout dV and dK need as their A operand.
+//
+// Per query tile: one barrier when Q_i, dO_i have landed (the other stage is then free for
+// Q_{i+1}, dO_{i+1}), one when dS^T is complete in shared memory. Inside a warpgroup the
+// products run one after the other; the two warpgroups of the SM overlap each other's
+// softmax-like element-wise work with their wgmma's.
+//
+// deterministic=True runs bwd_sm80 (its semaphore-ordered dQ); this kernel has only atomics.
+//
+// Requirements the launcher (cuflash/_launch_bwd.py) guarantees: as bwd_sm80 (rows of q, k, v,
+// dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
+// HEAD_DIM, HEAD_DIM in {64, 128}.
+//
+// Numerics: exactly bwd_sm80's (dead rows get L = +inf, D = 0 and zeroed Q, dO rows; keys past
+// Lk and causally masked pairs get P = dS = 0 by selection; exp2 is ex2.approx.ftz), and the
+// same float32 accumulation of every product.
+#include "common.cuh"
+#include "mma_sm80.cuh"
+#include "sm80_ops.cuh"
+#include "bwd_io.cuh"
+#include "online_softmax.cuh"
+#include "sm90_ops.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+// Every tile constant of bwd_sm90. The free ones (HEAD_DIM bucket, BLOCK_M, WARPGROUPS) are
+// template arguments chosen in cuflash/_launch_bwd.py (BWD_SM90_TILES, with the reasons and
+// register counts); the rest follow, and the rules are static_asserts.
+//   * BLOCK_N = 64 * WARPGROUPS: the wgmma M of S^T is 64 keys; each warpgroup owns its keys'
+//     rows of dK_j, dV_j, so they need no reduction across warpgroups.
+//   * Registers: dK_j and dV_j hold HEAD_DIM floats a thread for the whole kernel (64 x
+//     HEAD_DIM each over 128 threads), S^T and dP^T another BLOCK_M while a tile is in flight;
+//     with the A fragments and addresses that must stay under the 255 a thread may have.
+//   * dQ_i: BLOCK_M / 64 row groups of 64 queries (a wgmma M) times WARPGROUPS / (BLOCK_M / 64)
+//     column slices of kDqCols features. A 32-column slice starts 64 bytes into K_j's 128-byte
+//     swizzle rows: the tensor cores apply the swizzle to the address they compute (bits 4-6
+//     ^= bits 7-9), so a start inside a row is read correctly as long as the slice does not
+//     cross into the next row (as the 32-byte k16 steps of a K-major operand do).
+//   * MIN_BLOCKS: blocks per SM the register budget must allow (__launch_bounds__).
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS>
+struct BwdSm90Traits {
+  static constexpr int kThreads = 128 * WARPGROUPS;
+  static constexpr int kBlockN = 64 * WARPGROUPS;    // B_c: keys of K_j, 64 per warpgroup
+  static constexpr int kBlockM = BLOCK_M;            // B_r: query rows of Q_i
+  static constexpr int kKSteps = HEAD_DIM / 16;      // wgmma's of S^T and of dP^T
+  static constexpr int kQSteps = BLOCK_M / 16;       // wgmma's of dV and of dK (k = query)
+  static constexpr int kNTilesS = BLOCK_M / 8;       // 8-column tiles of S^T, dP^T in a thread
+  static constexpr int kNTilesD = HEAD_DIM / 8;      // ... of dK_j, dV_j
+  static constexpr int kDqRowGroups = BLOCK_M / 64;
+  static constexpr int kDqColSplit = WARPGROUPS / kDqRowGroups;
+  static constexpr int kDqCols = HEAD_DIM / kDqColSplit;
+  static constexpr int kDqKSteps = kBlockN / 16;     // wgmma's of dQ (k = key)
+  static constexpr int kNTilesDq = kDqCols / 8;
+
+  using KVTile = Sm90Tile<kBlockN, HEAD_DIM>;   // K_j, V_j
+  using QTile = Sm90Tile<BLOCK_M, HEAD_DIM>;    // Q_i, dO_i (two stages each)
+  using DSTile = Sm90Tile<kBlockN, BLOCK_M>;    // dS_ij^T [key][query]
+  static constexpr int kStages = 2;
+  // Shared memory, bytes from the 1024-aligned base: K | V | (Q, dO) x 2 stages | dS^T |
+  // (L_i log2(e), D_i) x 2 stages; + 1024 for aligning the dynamic base up to a swizzle atom.
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = KVTile::kBytes;
+  static constexpr int kOffQ = 2 * KVTile::kBytes;
+  static constexpr int kStageBytes = 2 * QTile::kBytes;   // dO_i follows Q_i in a stage
+  static constexpr int kOffDS = kOffQ + kStages * kStageBytes;
+  static constexpr int kOffStats = kOffDS + DSTile::kBytes;
+  static constexpr int kStatStage = 2 * BLOCK_M;          // floats: L_i log2(e), then D_i
+  static constexpr int kSmemBytes = kOffStats + kStages * kStatStage * 4 + 1024;
+
+  static_assert(sizeof(T) == 2, "wgmma here takes float16 / bfloat16");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head-dim buckets 64 and 128");
+  static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "query tiles of whole 64-column blocks (dS^T's)");
+  static_assert(WARPGROUPS >= 1 && WARPGROUPS <= 2, "at most 256 threads: registers");
+  static_assert(kDqRowGroups <= WARPGROUPS && WARPGROUPS % kDqRowGroups == 0,
+                "every warpgroup takes one 64-row group of dQ_i and one column slice");
+  static_assert(kDqCols % 32 == 0 && (kDqCols >= 64 || 64 % kDqCols == 0),
+                "dQ column slices inside one 128-byte swizzle row, or of whole ones");
+  static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
+  static_assert(BLOCK_M <= kThreads, "one thread per query row stages L_i and D_i");
+  static_assert(HEAD_DIM + BLOCK_M <= 192, "accumulators would crowd out fragments and addresses");
+  static_assert(kOffV % 1024 == 0 && kOffQ % 1024 == 0 && kStageBytes % 1024 == 0 && kOffDS % 1024 == 0,
+                "swizzled tiles start on 1024-byte atoms");
+  static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
+};
+
+// Two float32 values (columns col, col + 1 of a row of n) added to global memory with
+// atomics: one 8-byte vector red (sm_90) when both exist and n is even (then the address is
+// 8-byte aligned), else one each.
+__device__ __forceinline__ void red_add2(float* row, int col, int n, float x, float y) {
+  if ((n & 1) == 0 && col + 1 < n) {
+    atomicAdd(reinterpret_cast<float2*>(row + col), make_float2(x, y));
+  } else {
+    if (col < n) atomicAdd(row + col, x);
+    if (col + 1 < n) atomicAdd(row + col + 1, y);
+  }
+}
+
+// Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, block = (batch item b, key tile
+// n_block), n_block = blockIdx.x % num_n_blocks: as bwd_sm80 (the heaviest causal key tile of
+// a batch item first).
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL>
+__global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
+bwd_sm90(const BwdParams p) {
+  using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M, WARPGROUPS, MIN_BLOCKS>;
+  using KVTile = typename Tr::KVTile;
+  using QTile = typename Tr::QTile;
+  using DSTile = typename Tr::DSTile;
+  constexpr int kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
+  const float kInf = __int_as_float(0x7f800000);
+  const float kLog2e = 1.4426950408889634f;
+
+  // The launcher computes kSmemBytes with the same formula (cuflash/_launch_bwd.py).
+  if (dynamic_smem_size() < unsigned(Tr::kSmemBytes)) __trap();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned sbase = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (sbase - raw);
+  const unsigned sK = sbase + Tr::kOffK, sV = sbase + Tr::kOffV;
+  const unsigned sQ = sbase + Tr::kOffQ;       // stage s: Q at sQ + s * kStageBytes, dO after it
+  const unsigned sdS = sbase + Tr::kOffDS;
+  float* const sStats = reinterpret_cast<float*>(smem + Tr::kOffStats);
+
+  const int tid = int(threadIdx.x), wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const int n_block = int(blockIdx.x % unsigned(p.num_n_blocks));
+  const int b = int(blockIdx.x / unsigned(p.num_n_blocks));
+  const int n0 = n_block * kBlockN;
+  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
+  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
+  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
+  const float sl2 = float(p.scale_log2);   // tau * log2(e)
+  const float scale = float(p.scale);      // tau
+
+  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
+  // holding row n0 - causal_offset.
+  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+
+  // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gv, p.v_row_stride, n0, p.Lk, p.dv);
+
+  // Q_i, dO_i of the tile at m0 into stage `stage` (cp.async), its L_i, D_i into registers of
+  // the threads tid < BLOCK_M (one row each), stored to shared memory at the top of the
+  // iteration that uses them (as bwd_sm80).
+  float lse_next = 0.f, d_next = 0.f;
+  // (The pointers are recomputed from p at each call rather than kept: registers are the
+  // scarce resource here, see the traits.)
+  auto load_q_tile = [&](int m0, int stage) {
+    const BwdBatchOffsets o = bwd_batch_offsets(p, b);
+    const unsigned sq = sQ + stage * Tr::kStageBytes;
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, reinterpret_cast<const T*>(p.q) + o.q, p.q_row_stride, m0, p.Lq, p.d);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, reinterpret_cast<const T*>(p.dout) + o.dout, p.dout_row_stride, m0, p.Lq, p.dv);
+    if (tid < BLOCK_M && m0 + tid < p.Lq) {
+      const long long row = (long long)b * p.Lq + m0 + tid;
+      lse_next = __ldg(reinterpret_cast<const float*>(p.lse) + row);
+      d_next = __ldg(reinterpret_cast<const float*>(p.dpsum) + row);
+    }
+  };
+  if (m_first < p.Lq) load_q_tile(m_first, 0);
+  cp_async_commit();
+
+  // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (wgmma accumulators: rows = this warpgroup's
+  //       keys, warp w of it rows 16w.., columns = features; tau is applied to dK_j at the end)
+  float acc_dk[Tr::kNTilesD][4], acc_dv[Tr::kNTilesD][4];
+#pragma unroll
+  for (int t = 0; t < Tr::kNTilesD; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[t][e] = acc_dv[t][e] = 0.f;
+
+  // Descriptors at stage 0, k-step 0 (sm90_ops.cuh: make_desc); a k-step or a stage adds a
+  // byte offset >> 4 to the start-address field.
+  //   A of S^T, dP^T: this warpgroup's 64 rows of K_j, V_j (K-major, k = feature)
+  const unsigned long long desc_k = make_desc(sK + wg * 64 * 128, 16, 1024);
+  const unsigned long long desc_v = make_desc(sV + wg * 64 * 128, 16, 1024);
+  //   B of S^T, dP^T: Q_i, dO_i (K-major, n = query, k = feature)
+  const unsigned long long desc_q = make_desc(sQ, 16, 1024);
+  const unsigned long long desc_do = make_desc(sQ + QTile::kBytes, 16, 1024);
+  //   B of dK += dS^T Q, dV += P^T dO: Q_i, dO_i read MN-major (k = query, n = feature)
+  const unsigned long long desc_qt = make_desc(sQ, QTile::kBlockBytes, 1024);
+  const unsigned long long desc_dot = make_desc(sQ + QTile::kBytes, QTile::kBlockBytes, 1024);
+  //   dQ_i slice of this warpgroup: query rows 64 dq_rg.., features dq_c0..
+  const int dq_rg = wg / Tr::kDqColSplit, dq_c0 = (wg % Tr::kDqColSplit) * Tr::kDqCols;
+  //   A of dQ: dS^T's 64-query column block dq_rg read MN-major (m = query, k = key)
+  const unsigned long long desc_ds = make_desc(sdS + dq_rg * DSTile::kBlockBytes, DSTile::kBlockBytes, 1024);
+  //   B of dQ: K_j read MN-major (k = key, n = feature), from feature dq_c0 (column block
+  //   dq_c0 / 64, 2 (dq_c0 % 64) bytes into its rows)
+  const unsigned long long desc_kt =
+      make_desc(sK + (dq_c0 / 64) * KVTile::kBlockBytes + (dq_c0 % 64) * 2, KVTile::kBlockBytes, 1024);
+  constexpr unsigned long long kRows16 = (16 * 128) >> 4;   // k16 step of an MN-major operand
+  auto kstep = [](int ks, int block_bytes) {                 // k16 step of a K-major operand
+    return static_cast<unsigned long long>(((ks / 4) * block_bytes + (ks % 4) * 32) >> 4);
+  };
+
+  const int kw0 = n0 + 64 * wg + 16 * warp;    // this warp's first key
+  const int g = lane / 4, t4 = lane % 4;       // accumulator fragment coordinates
+
+  // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
+  int stage = 0;
+  for (int m0 = m_first; m0 < p.Lq; m0 += BLOCK_M, stage ^= 1) {
+    const unsigned stage_off = stage * Tr::kStageBytes;
+    const unsigned long long sdesc = stage_off >> 4;
+    float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
+    float* const sDi = sL2 + BLOCK_M;                    // D_i
+
+    // -- 9: Load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM (issued one tile ahead). A dead
+    //       row (L_i = -inf) or a row past Lq gets L = +inf and D = 0 (see bwd_sm80.cu).
+    bool dead = false;
+    if (tid < BLOCK_M) {
+      const bool in = m0 + tid < p.Lq;
+      dead = in && lse_next == -kInf;
+      sL2[tid] = (in && !dead) ? lse_next * kLog2e : kInf;
+      sDi[tid] = (in && !dead) ? d_next : 0.f;
+    }
+    cp_async_wait<0>();    // this thread's copies of Q_i, dO_i (and K_j, V_j) have landed ...
+    fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
+    // ... for every thread, and every warpgroup is done with the previous tile (the other
+    // stage, dS^T). Dead rows of Q_i, dO_i are zeroed, with one more barrier.
+    if (__syncthreads_or(dead)) {
+      const auto is_dead = [&](int r) { return m0 + r < p.Lq && sL2[r] == kInf; };
+      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, is_dead);
+      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off + QTile::kBytes, is_dead);
+      fence_proxy_async();
+      __syncthreads();
+    }
+    // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
+    if (m0 + BLOCK_M < p.Lq) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    cp_async_commit();
+
+    // -- 10: S_ij^T = K_j Q_i^T;  13: dP_ij^T = V_j dO_i^T  (this warpgroup's 64 keys x BLOCK_M
+    //        queries; a thread holds keys kw0 + g (+8) x queries 8t + 2 t4 (+1)), two commit
+    //        groups so that P can start while dP^T is still in the tensor cores
+    float s[Tr::kNTilesS][4], dp[Tr::kNTilesS][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<T, BLOCK_M>::ss(s, desc_k + kstep(ks, KVTile::kBlockBytes),
+                            desc_q + sdesc + kstep(ks, QTile::kBlockBytes), ks > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<T, BLOCK_M>::ss(dp, desc_v + kstep(ks, KVTile::kBlockBytes),
+                            desc_do + sdesc + kstep(ks, QTile::kBlockBytes), ks > 0);
+    wgmma_commit();
+
+    // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected to
+    // P = dS = 0; only warps whose 16 keys cross the end of the keys or the diagonal of the
+    // tile's first row evaluate the mask. first[h]: this thread's first visible query column,
+    // relative to its column 2 t4, for its key rows g (h = 0) and g + 8 (h = 1).
+    const bool need_mask = kw0 + 16 > p.Lk || (CAUSAL && kw0 + 15 > m0 + p.causal_offset);
+    int first[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = kw0 + g + 8 * h;
+      first[h] = key >= p.Lk ? (1 << 30) : CAUSAL ? key - p.causal_offset - m0 - 2 * t4 : -(1 << 30);
+    }
+
+    // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
+    wgmma_wait<1>();
+    fence_regs(s);
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesS; ++t) {
+      const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pij = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
+        const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
+        s[t][e] = visible ? pij : 0.f;
+      }
+    }
+    unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+
+    // -- 14: dS_ij = P_ij o (dP_ij - D_i)  (0 where P was selected to 0: dP - D can be NaN
+    //        there, from a NaN in a dO row that does not see the key)
+    wgmma_wait<0>();
+    fence_regs(dp);
+#pragma unroll
+    for (int t = 0; t < Tr::kNTilesS; ++t) {
+      const float2 di = *reinterpret_cast<const float2*>(sDi + 8 * t + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
+        dp[t][e] = visible ? s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x)) : 0.f;
+      }
+    }
+    unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
+
+    // dS^T to shared memory for line 15: this thread's keys g, g + 8 of warp `warp`, query
+    // columns 16 kk + 2 t4 (+1) and 16 kk + 8 + 2 t4 (+1), the same rounded values as dsa
+    // (stored before the wgmma's below read dsa: a register a wgmma in flight reads must not
+    // be touched, not even read, until it is waited for).
+    const int ds_row = 64 * wg + 16 * warp + g;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk) {
+      st_shared_b32(DSTile::addr(sdS, ds_row, 2 * kk) + 4 * t4, dsa[kk][0]);
+      st_shared_b32(DSTile::addr(sdS, ds_row + 8, 2 * kk) + 4 * t4, dsa[kk][1]);
+      st_shared_b32(DSTile::addr(sdS, ds_row, 2 * kk + 1) + 4 * t4, dsa[kk][2]);
+      st_shared_b32(DSTile::addr(sdS, ds_row + 8, 2 * kk + 1) + 4 * t4, dsa[kk][3]);
+    }
+    // -- 12: dV_j += P_ij^T dO_i;  16: dK_j += dS_ij^T Q_i  (contraction over the queries)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk)
+      Wgmma<T, HEAD_DIM>::rs_t(acc_dv, pa[kk], desc_dot + sdesc + kk * kRows16, 1);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk)
+      Wgmma<T, HEAD_DIM>::rs_t(acc_dk, dsa[kk], desc_qt + sdesc + kk * kRows16, 1);
+    wgmma_commit();
+
+    fence_proxy_async();   // generic-proxy stores -> the tensor cores' reads
+    __syncthreads();       // dS_ij^T complete in shared memory
+
+    // -- 15: dQ_i += tau dS_ij K_j (contraction over all BLOCK_N keys; this warpgroup's slice),
+    //        added to dQ_i in HBM with float atomics (the order in which the key tiles'
+    //        additions land varies run to run). Dead rows and rows past Lq are skipped: their
+    //        dQ stays exactly 0.
+    float acc_dq[Tr::kNTilesDq][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Tr::kDqKSteps; ++ks)
+      Wgmma<T, Tr::kDqCols>::template ss<1, 1>(acc_dq, desc_ds + ks * kRows16, desc_kt + ks * kRows16, ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc_dq);
+    fence_regs(acc_dv);
+    fence_regs(acc_dk);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 64 * dq_rg + 16 * warp + g + 8 * h;
+      if (m0 + r < p.Lq && sL2[r] != kInf) {
+        float* const dst = reinterpret_cast<float*>(p.dq_acc) + ((long long)b * p.Lq + m0 + r) * p.d;
+#pragma unroll
+        for (int t = 0; t < Tr::kNTilesDq; ++t)
+          red_add2(dst, dq_c0 + 8 * t + 2 * t4, p.d, scale * acc_dq[t][2 * h], scale * acc_dq[t][2 * h + 1]);
+      }
+    }
+  }  // -- 17: end for
+  cp_async_wait<0>();  // nothing left in flight (no query tile at all: K_j, V_j were loaded)
+
+  // -- 18: Write dK_j = tau dK_j and dV_j to HBM (float32, one slice per batch item; the
+  //        launcher sums them over broadcast dimensions). Every key of K_j is written.
+  float* const gdk = reinterpret_cast<float*>(p.dk_acc) + (long long)b * p.Lk * p.d;
+  float* const gdv = reinterpret_cast<float*>(p.dv_acc) + (long long)b * p.Lk * p.dv;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = kw0 + g + 8 * h;
+    if (key < p.Lk) {
+#pragma unroll
+      for (int t = 0; t < Tr::kNTilesD; ++t) {
+        const int col = 8 * t + 2 * t4;
+        bwd_io::store2(gdk + (long long)key * p.d, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
+        bwd_io::store2(gdv + (long long)key * p.dv, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace cuflash
