@@ -4,11 +4,13 @@
 
 1. Correctness: bench/bwd_sm80_smoke.py's cases (ragged, GQA, rows without keys, d not a
    multiple of 8, deterministic) plus d = 64 / 128 cases that cross several key and query
-   tiles, each against the float64 reference with the GPU tests' tolerance; the kernel that
+   tiles, each against the float64 reference with the GPU tests' tolerance (GQA cases take
+   the float32 dk, dv buffers, the others bwd_sm90's direct bf16/fp16 output); the kernel that
    ran must be bwd_sm90 where the dispatcher should pick it (else bwd_sm80). Every tile
    variant of --variants is checked on the d = 64 / 128 cases too.
 2. Timing, bf16 on random normal inputs: backward alone (o and lse from one forward) and
-   forward + backward, for bwd_sm90 with each tile variant (CUFLASH_BWD_SM90_TILES), bwd_sm80
+   forward + backward, for bwd_sm90 with the table's tiles and each tile variant
+   (CUFLASH_BWD_SM90_TILES), bwd_sm80
    (CUFLASH_BWD=sm80) and PyTorch SDPA flash in the same process; CUDA-event medians.
    B*L = 16k tokens and H*d = 2048 at L = 1k and 4k, B = 1 at 16k. TFLOP/s: backward 2.5x,
    forward + backward 3.5x the forward's 4 B H L^2 d, halved under causal.
@@ -112,8 +114,12 @@ def timing(variants, reps: int, lengths) -> list[dict]:
             for causal in (False, True):
                 f = 4 * B * H * L * L * d / (2 if causal else 1)
                 o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-                impls = {f"sm90 {s}": {"CUFLASH_BWD": None, "CUFLASH_BWD_SM90_TILES": s}
-                         for s in variants if int(s.split(":")[0]) == d}
+                impls = {"sm90": {"CUFLASH_BWD": None, "CUFLASH_BWD_SM90_TILES": None}}
+                impls.update({f"sm90 {s}": {"CUFLASH_BWD": None, "CUFLASH_BWD_SM90_TILES": s}
+                              for s in variants if int(s.split(":")[0]) == d})
+                if causal:   # batch-major instead of the default tile-major order
+                    impls["sm90 order0"] = {"CUFLASH_BWD": None, "CUFLASH_BWD_SM90_TILES": None,
+                                            "CUFLASH_GRID_ORDER": "0"}
                 impls["sm80"] = {"CUFLASH_BWD": "sm80", "CUFLASH_BWD_SM90_TILES": None}
                 row = {"d": d, "L": L, "causal": causal, "B": B, "H": H}
                 for name, env in impls.items():
@@ -144,7 +150,7 @@ def timing(variants, reps: int, lengths) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="64:64:2:1,128:64:2:1")
+    ap.add_argument("--variants", default="", help="tile overrides to time besides the table's")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--no-timing", action="store_true")

@@ -68,6 +68,26 @@ __device__ __forceinline__ void store2(float* row, int col, int n, float x, floa
   }
 }
 
+// Columns col, col + 1 of row `row` (of n columns) of dK_j or dV_j at the end of a key tile:
+// into the float32 buffer, or, AS_T (kBwdDkOut / kBwdDvOut, see BwdParams::out_flags),
+// straight into the gradient in T, rounded once (as the launcher's cast of the buffer
+// would): one 4-byte store of the pair where the row length is even.
+template <typename T>
+__device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, long long row, int col,
+                                            int n, float x, float y) {
+  if (!as_t) {
+    store2(reinterpret_cast<float*>(base) + row * n, col, n, x, y);
+  } else {
+    T* const dst = reinterpret_cast<T*>(base) + row * n;
+    if ((n & 1) == 0 && col + 1 < n) {
+      *reinterpret_cast<unsigned*>(dst + col) = pack2<T>(x, y);
+    } else {
+      if (col < n) dst[col] = from_acc<T, float>(x);
+      if (col + 1 < n) dst[col + 1] = from_acc<T, float>(y);
+    }
+  }
+}
+
 }  // namespace bwd_io
 
 }  // namespace cuflash

@@ -104,6 +104,17 @@ struct BwdSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
 };
 
+// x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
+// 8t + (e & 1) is visible from first[e >> 1] on (relative columns; see the kernel).
+// Selection, not arithmetic: x may hold Inf or NaN there.
+template <int NT>
+__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[t][e] = 8 * t + (e & 1) >= first[e >> 1] ? x[t][e] : 0.f;
+}
+
 // Two float32 values (columns col, col + 1 of a row of n) added to global memory with
 // atomics: one 8-byte vector red (sm_90) when both exist and n is even (then the address is
 // 8-byte aligned), else one each.
@@ -116,9 +127,9 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
   }
 }
 
-// Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, block = (batch item b, key tile
-// n_block), n_block = blockIdx.x % num_n_blocks: as bwd_sm80 (the heaviest causal key tile of
-// a batch item first).
+// Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, one block per (batch item b, key
+// tile n_block) in p.grid_order's order (common.cuh: bwd_block_tile; the launcher picks
+// tile-major under a causal mask).
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 bwd_sm90(const BwdParams p) {
@@ -142,8 +153,8 @@ bwd_sm90(const BwdParams p) {
   float* const sStats = reinterpret_cast<float*>(smem + Tr::kOffStats);
 
   const int tid = int(threadIdx.x), wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const int n_block = int(blockIdx.x % unsigned(p.num_n_blocks));
-  const int b = int(blockIdx.x / unsigned(p.num_n_blocks));
+  const BwdBlockTile tile = bwd_block_tile(p);
+  const int n_block = tile.n_block, b = tile.b;
   const int n0 = n_block * kBlockN;
   const BwdBatchOffsets off = bwd_batch_offsets(p, b);
   const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
@@ -282,11 +293,10 @@ bwd_sm90(const BwdParams p) {
       const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pij = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
-        const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
-        s[t][e] = visible ? pij : 0.f;
+        s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
       }
     }
+    if (need_mask) select_visible(s, first);
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
@@ -299,11 +309,9 @@ bwd_sm90(const BwdParams p) {
     for (int t = 0; t < Tr::kNTilesS; ++t) {
       const float2 di = *reinterpret_cast<const float2*>(sDi + 8 * t + 2 * t4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
-        dp[t][e] = visible ? s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x)) : 0.f;
-      }
+      for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
     }
+    if (need_mask) select_visible(dp, first);
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
@@ -360,10 +368,11 @@ bwd_sm90(const BwdParams p) {
   }  // -- 17: end for
   cp_async_wait<0>();  // nothing left in flight (no query tile at all: K_j, V_j were loaded)
 
-  // -- 18: Write dK_j = tau dK_j and dV_j to HBM (float32, one slice per batch item; the
-  //        launcher sums them over broadcast dimensions). Every key of K_j is written.
-  float* const gdk = reinterpret_cast<float*>(p.dk_acc) + (long long)b * p.Lk * p.d;
-  float* const gdv = reinterpret_cast<float*>(p.dv_acc) + (long long)b * p.Lk * p.dv;
+  // -- 18: Write dK_j = tau dK_j and dV_j to HBM: float32, one slice per batch item, which
+  //        the launcher sums over broadcast dimensions, or, where there are none, straight to
+  //        dK, dV in T (out_flags). Every key of K_j is written.
+  const bool dk_t = p.out_flags & kBwdDkOut, dv_t = p.out_flags & kBwdDvOut;
+  const long long row0 = (long long)b * p.Lk;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = kw0 + g + 8 * h;
@@ -371,8 +380,8 @@ bwd_sm90(const BwdParams p) {
 #pragma unroll
       for (int t = 0; t < Tr::kNTilesD; ++t) {
         const int col = 8 * t + 2 * t4;
-        bwd_io::store2(gdk + (long long)key * p.d, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
-        bwd_io::store2(gdv + (long long)key * p.dv, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
+        bwd_io::store2_grad<T>(p.dk_acc, dk_t, row0 + key, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
+        bwd_io::store2_grad<T>(p.dv_acc, dv_t, row0 + key, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
       }
     }
   }

@@ -101,7 +101,8 @@ struct BwdParams {
   // -- device pointers: the inputs q, k, v, the forward's o and lse, the gradient dout = dO;
   //    dpsum = D = rowsum(dO o O) and the accumulation-dtype gradient buffers (C-contiguous:
   //    dq_acc batch x Lq x d (times num_n_blocks in deterministic mode), dk_acc batch x Lk x d,
-  //    dv_acc batch x Lk x dv; lse and dpsum batch x Lq)
+  //    dv_acc batch x Lk x dv, or dk, dv themselves in T: see out_flags; lse and dpsum
+  //    batch x Lq)
   unsigned long long q, k, v, o, dout, lse, dpsum, dq_acc, dk_acc, dv_acc;
   // -- element strides of each batch dimension (0 where a tensor is broadcast)
   long long q_batch_stride[kMaxBatchDims];
@@ -125,8 +126,31 @@ struct BwdParams {
   int Lq, Lk, d, dv;
   int causal_offset;   // under CAUSAL, key j is visible to query i iff j <= i + causal_offset
   int num_n_blocks;    // ceil(Lk / BLOCK_N) of the launched kernel
+  // -- kBwdDkOut | kBwdDvOut (tensor-core kernels only): dk_acc / dv_acc is the gradient
+  //    itself, in the input dtype T (no broadcast dimension to sum over), written directly
+  //    instead of through a float32 buffer
+  int out_flags;
+  // -- how blockIdx.x maps to (batch item, key tile): see bwd_block_tile() (bwd_sm90 only;
+  //    the other kernels are batch-major)
+  int grid_order;
   int pad_;
 };
+constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
+
+// The (batch item, key tile) of this block; grid.x = nbatch * num_n_blocks.
+//   grid_order 0: batch-major: the key tiles of one batch item are adjacent blocks, in key-tile
+//     order (under a causal mask the heaviest, key tile 0, first), so blocks that run at the
+//     same time share their batch item's Q and dO in L2.
+//   grid_order 1: tile-major: key tile 0 of every batch item first, then key tile 1, ...: under
+//     a causal mask the blocks run heaviest first over the whole grid, so the last wave holds
+//     the lightest tiles (longest-processing-time-first), as the forward's grid_order 1.
+struct BwdBlockTile { int b, n_block; };
+
+__device__ __forceinline__ BwdBlockTile bwd_block_tile(const BwdParams& p) {
+  const unsigned i = blockIdx.x;
+  if (p.grid_order == 1) return {int(i % unsigned(p.nbatch)), int(i / unsigned(p.nbatch))};
+  return {int(i / unsigned(p.num_n_blocks)), int(i % unsigned(p.num_n_blocks))};
+}
 
 // Element offsets of batch item `b` (C order over batch_shape) in each strided tensor.
 struct BwdBatchOffsets { long long q, k, v, o, dout; };

@@ -39,9 +39,11 @@ Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
   change from run to run.
 * ``dk``, ``dv``: ``batch_shape + (Lk, d)`` and ``batch_shape + (Lk, dv)`` Acc, one slice per
   *broadcast* batch item, summed afterwards with CuPy over the dimensions broadcasting added
-  (``_problem.sum_to_shape``) and rounded once to the input dtype. So grouped-query attention
-  does materialise per-group dk, dv here, G times the size of the result; summing inside the
-  kernel is future work.
+  and rounded once to the input dtype. So grouped-query attention does materialise
+  per-group dk, dv here, G times the size of the result; summing inside the kernel is future
+  work. Where k (or v) is not broadcast, bwd_sm80 and bwd_sm90 write dk (dv) straight into
+  the result in the input dtype instead (``BwdParams::out_flags``): no buffer, no extra pass.
+* dq is rounded into the result by one CuPy copy (after the broadcast sum, if any).
 * ``deterministic=True``, bwd_sm80 (also on Hopper): the same single dq buffer, plus one int32 semaphore per
   (batch item, query tile of BLOCK_M rows): each key tile adds its dQ contribution with plain
   loads and stores once the key tiles before it have (FlashAttention-2's deterministic mode;
@@ -74,7 +76,7 @@ import numpy
 
 from . import _jit
 from ._launch import MAX_BATCH_DIMS, LOG2E, _ctype, _elem_strides, merge_batch_dims
-from ._problem import AttentionProblem, sum_to_shape
+from ._problem import AttentionProblem, broadcast_axes
 from ._simt_config import HEAD_DIM_BUCKETS, head_dim_bucket
 
 SOURCE = "bwd_simt.cu"
@@ -306,17 +308,23 @@ class BwdSm90Tiles:
         return 2 * n * hd * 2 + 2 * 2 * m * hd * 2 + n * m * 2 + 2 * 2 * m * 4 + 1024
 
 
-#: Why these tiles (register counts are ptxas's for sm_90a, ``python -m cuflash check``):
+#: Keyed by (head-dim bucket, causal). Why these tiles (register counts are ptxas's for
+#: sm_90a, ``python -m cuflash check``; timings bench/results/*-s3-bwd_sm90-probe*.json):
 #: * 2 warpgroups, so B_c = 128 keys a block, as bwd_sm80: Q_i and dO_i cross from L2 once
-#:   per 128 keys, and dQ receives one atomic addition per 128 keys.
-#: * B_r = 64 query rows: dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel,
-#:   S^T and dP^T another B_r. d = 128: 248-253 registers, no spill. d = 64: 200-208; B_r =
-#:   128 there would halve the barriers per query row but spills in the causal build.
-#: * One block of 256 threads per SM: the registers allow no more (at d = 64, 208 x 256).
-#: CUFLASH_BWD_SM90_TILES can replace any entry for a tuning run.
-BWD_SM90_TILES: dict[int, BwdSm90Tiles] = {
-    64: BwdSm90Tiles(64, 64, 2, 1),
-    128: BwdSm90Tiles(128, 64, 2, 1),
+#:   per 128 keys, and dQ receives one atomic addition per 128 keys. (One warpgroup of 64 keys
+#:   with two blocks an SM measured no faster at d = 64.)
+#: * B_r: dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel, S^T and dP^T
+#:   another B_r. d = 128: B_r = 64 (255 registers, no spill). d = 64: B_r = 128 halves the
+#:   barriers and the L_i, D_i loads per query row and doubles the wgmma N of S^T, dP^T
+#:   (probe 1: 8-14% faster than 64 at L >= 4k; 255 registers, no spill, since the causal
+#:   mask became a separate selection pass: bench/NOTES.md).
+#: * One block of 256 threads per SM: the registers allow no more.
+#: CUFLASH_BWD_SM90_TILES can replace the entries of a bucket for a tuning run.
+BWD_SM90_TILES: dict[tuple[int, bool], BwdSm90Tiles] = {
+    (64, False): BwdSm90Tiles(64, 128, 2, 1),
+    (64, True): BwdSm90Tiles(64, 128, 2, 1),
+    (128, False): BwdSm90Tiles(128, 64, 2, 1),
+    (128, True): BwdSm90Tiles(128, 64, 2, 1),
 }
 
 
@@ -325,12 +333,14 @@ def sm90_bucket(d: int, dv: int) -> int:
     return -(-max(d, dv) // 64) * 64
 
 
-def sm90_tiles(bucket: int) -> BwdSm90Tiles:
-    """The tiles of ``bwd_sm90`` for one head-dim bucket (or CUFLASH_BWD_SM90_TILES's)."""
+def sm90_tiles(bucket: int, causal: bool) -> BwdSm90Tiles:
+    """The tiles of ``bwd_sm90`` for one head-dim bucket (or CUFLASH_BWD_SM90_TILES's:
+    ``"64:128:2:1,128:64:2:1"``, head_dim:block_m:warpgroups:min_blocks, for both causal
+    values; tuning runs only, the compile gate checks the table)."""
     import os
     spec = os.environ.get("CUFLASH_BWD_SM90_TILES", "")
     entries = [BwdSm90Tiles(*map(int, item.split(":"))) for item in spec.split(",") if item]
-    return {t.head_dim: t for t in entries}.get(bucket, BWD_SM90_TILES[bucket])
+    return {t.head_dim: t for t in entries}.get(bucket, BWD_SM90_TILES[(bucket, bool(causal))])
 
 
 def sm90_expr(dtype, tiles: BwdSm90Tiles, causal: bool) -> str:
@@ -341,10 +351,9 @@ def sm90_expr(dtype, tiles: BwdSm90Tiles, causal: bool) -> str:
 def all_bwd_sm90_specialisations() -> list[str]:
     """Every name expression in ``bwd_sm90.cu`` the launcher can select (sm_90a)."""
     import ml_dtypes
-    return [sm90_expr(numpy.dtype(dtype), BWD_SM90_TILES[hd], causal)
+    return [sm90_expr(numpy.dtype(dtype), BWD_SM90_TILES[key], key[1])
             for dtype in (numpy.float16, ml_dtypes.bfloat16)
-            for hd in sorted(BWD_SM90_TILES)
-            for causal in (False, True)]
+            for key in sorted(BWD_SM90_TILES)]
 
 
 def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
@@ -366,6 +375,7 @@ def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
 
 _B = MAX_BATCH_DIMS
 _TENSORS = ("q", "k", "v", "o", "dout")   # the strided tensors, in BwdParams order
+DK_OUT, DV_OUT = 1, 2                      # BwdParams::out_flags (kBwdDkOut, kBwdDvOut)
 BWD_PARAMS = numpy.dtype([
     ("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("o", "<u8"), ("dout", "<u8"), ("lse", "<u8"),
     ("dpsum", "<u8"), ("dq_acc", "<u8"), ("dk_acc", "<u8"), ("dv_acc", "<u8"),
@@ -381,7 +391,7 @@ BWD_PARAMS = numpy.dtype([
     ("scale", "<f8"), ("scale_log2", "<f8"),
     ("batch_shape", "<i4", (_B,)),
     ("nbatch", "<i4"), ("Lq", "<i4"), ("Lk", "<i4"), ("d", "<i4"), ("dv", "<i4"),
-    ("causal_offset", "<i4"), ("num_n_blocks", "<i4"), ("pad_", "<i4"),
+    ("causal_offset", "<i4"), ("num_n_blocks", "<i4"), ("out_flags", "<i4"), ("grid_order", "<i4"), ("pad_", "<i4"),
 ], align=True)
 
 
@@ -448,7 +458,7 @@ def uses_sm90(dtype, d: int, dv: int, cc: int, smem_optin: int, deterministic: b
         return False
     if not SM90_MIN_HEAD_DIM <= max(d, dv) <= SM90_MAX_HEAD_DIM:
         return False
-    return sm90_tiles(sm90_bucket(d, dv)).smem_bytes <= smem_optin
+    return max(sm90_tiles(sm90_bucket(d, dv), c).smem_bytes for c in (False, True)) <= smem_optin
 
 
 def choose(prob: AttentionProblem, deterministic: bool, cc: int = 0,
@@ -458,7 +468,7 @@ def choose(prob: AttentionProblem, deterministic: bool, cc: int = 0,
     select bwd_simt)."""
     dot, dq_sum = dot_expr(prob.dtype), sum_expr(prob.dtype)
     if uses_sm90(prob.dtype, prob.d, prob.dv, cc, smem_optin, deterministic):
-        t = sm90_tiles(sm90_bucket(prob.d, prob.dv))
+        t = sm90_tiles(sm90_bucket(prob.d, prob.dv), prob.causal)
         return BwdLaunch(SM90_SOURCE, sm90_expr(prob.dtype, t, prob.causal),
                          dot, dq_sum, t.block_m, t.block_n, t.threads, t.smem_bytes)
     if uses_sm80(prob.dtype, prob.d, prob.dv, cc, smem_optin):
@@ -511,8 +521,12 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         dpsum = cupy.empty(prob.batch_shape + (Lq,), acc)
         dq_parts = num_n_blocks if (deterministic and not launch.tensor_cores) else 1
         dq_acc = cupy.zeros((dq_parts,) + prob.batch_shape + (Lq, d), acc)
-        dk_acc = cupy.empty(prob.batch_shape + (Lk, d), acc)
-        dv_acc = cupy.empty(prob.batch_shape + (Lk, d_v), acc)
+        # The tensor-core kernels write dk, dv straight into the result where no broadcast
+        # dimension needs summing (the result then has every batch item, C-contiguous)
+        dk_direct = launch.tensor_cores and dk.size == nbatch * Lk * d
+        dv_direct = launch.tensor_cores and dv.size == nbatch * Lk * d_v
+        dk_acc = dk if dk_direct else cupy.empty(prob.batch_shape + (Lk, d), acc)
+        dv_acc = dv if dv_direct else cupy.empty(prob.batch_shape + (Lk, d_v), acc)
         # bwd_sm80, deterministic: one counter per (batch item, query tile), zeroed
         semaphore = (cupy.zeros(nbatch * num_m_blocks, numpy.int32)
                      if deterministic and launch.sm80 else None)
@@ -541,6 +555,8 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         p["Lq"], p["Lk"], p["d"], p["dv"] = Lq, Lk, d, d_v
         p["causal_offset"] = prob.causal_offset
         p["num_n_blocks"] = num_n_blocks
+        p["out_flags"] = (DK_OUT if dk_direct else 0) | (DV_OUT if dv_direct else 0)
+        p["grid_order"] = grid_order(launch, prob.causal)
 
         dot = _kernel(SOURCE, launch.dot, prob.device_id, 0)
         main = _kernel(launch.source, launch.main, prob.device_id, launch.smem_bytes)
@@ -573,6 +589,33 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
                    (dq_acc, summed, numpy.int64(total), numpy.int32(num_n_blocks)))
         else:
             summed = dq_acc[0]
-        dq[...] = sum_to_shape(summed, dq.shape, prob.dtype)
-        dk[...] = sum_to_shape(dk_acc, dk.shape, prob.dtype)
-        dv[...] = sum_to_shape(dv_acc, dv.shape, prob.dtype)
+        _sum_into(dq, summed)
+        if not dk_direct:
+            _sum_into(dk, dk_acc)
+        if not dv_direct:
+            _sum_into(dv, dv_acc)
+
+
+def grid_order(launch: BwdLaunch, causal: bool) -> int:
+    """How bwd_sm90 maps blockIdx.x to (batch item, key tile) (common.cuh: bwd_block_tile):
+    tile-major (1) under a causal mask, so that the heaviest key tiles of all batch items run
+    first, else batch-major (0); ``CUFLASH_GRID_ORDER`` overrides it for A/B runs, as in the
+    forward. The other kernels are always batch-major (bwd_sm80's deterministic ordering
+    argument is written for that order)."""
+    import os
+    if launch.source != SM90_SOURCE:
+        return 0
+    env = os.environ.get("CUFLASH_GRID_ORDER")
+    if env is not None:
+        return int(env)
+    return 1 if causal else 0
+
+
+def _sum_into(out, acc) -> None:
+    """``out[...] = acc`` summed over the dimensions broadcasting added to ``out.shape``, in
+    acc's dtype, rounded once to out's dtype by the copy (one pass over acc where nothing is
+    summed)."""
+    axes = broadcast_axes(tuple(out.shape), tuple(acc.shape))
+    if axes:
+        acc = acc.sum(axis=axes, keepdims=True)
+    out[...] = acc.reshape(out.shape)
