@@ -3,8 +3,10 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/sanitize_smoke.py
 
 Small ragged shapes: partial Q and K tiles, d not a multiple of 8 (padded copy path), causal
-both ways, broadcast K/V. 16-bit cases run twice on Hopper: with the dispatcher's choice
-(fwd_sm90) and kept on fwd_sm80. Exits non-zero if a result is not finite where it should be.
+both ways, broadcast K/V; the backward with deterministic=False and True. 16-bit cases run
+twice on Hopper: with the dispatcher's choice (fwd_sm90, bwd_sm90; bwd_sm80 when
+deterministic) and kept on fwd_sm80, bwd_sm80. Exits non-zero if a result is not finite where
+it should be.
 """
 import sys
 
@@ -33,16 +35,17 @@ def main() -> int:
         k = cupy.asarray(rng.standard_normal(kvs + (d,)).astype(dtype))
         v = cupy.asarray(rng.standard_normal(kvs + (dv,)).astype(dtype))
         o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
+        for det in (False, True):
+            grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal,
+                                               deterministic=det)
+            bad += sum(int(not bool(cupy.isfinite(g.astype(numpy.float32)).all())) for g in grads)
         if numpy.dtype(dtype).itemsize == 2:
-            with _launch.use_family("sm80"):
-                o80 = cuflash.attention(q, k, v, causal=causal)
+            with _launch.use_family("sm80"):   # fwd_sm80 and bwd_sm80 (atomics) on Hopper too
+                o80, lse80 = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+                grads = cuflash.attention_backward(do, q, k, v, o80, lse80, causal=causal)
             bad += int(not bool(cupy.isfinite(o80.astype(numpy.float32)).all()))
-        if hasattr(cuflash, "attention_backward"):
-            do = cupy.asarray(rng.standard_normal(o.shape).astype(dtype))
-            for det in (False, True):
-                grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal,
-                                                   deterministic=det)
-                bad += sum(int(not bool(cupy.isfinite(g.astype(numpy.float32)).all())) for g in grads)
+            bad += sum(int(not bool(cupy.isfinite(g.astype(numpy.float32)).all())) for g in grads)
         cupy.cuda.Device().synchronize()
         finite = bool(cupy.isfinite(o.astype(numpy.float32)).all())
         print(f"{numpy.dtype(dtype).name:8s} q{qs + (d,)} kv{kvs + (dv,)} causal={causal}: "

@@ -27,11 +27,12 @@ def reports() -> dict[str, list[_jit.CompileReport]]:
 
 def test_dispatcher_lists_every_family() -> None:
     sources = {s for s, _ in _launch.all_specialisations("sm_90a")}
-    assert {"fwd_simt.cu", "fwd_sm80.cu", "fwd_sm90.cu", "bwd_simt.cu", "bwd_sm80.cu"} <= sources
+    assert {"fwd_simt.cu", "fwd_sm80.cu", "fwd_sm90.cu", "bwd_simt.cu", "bwd_sm80.cu",
+            "bwd_sm90.cu"} <= sources
     # sm_70 gets the generic kernels only: mma.sync m16n8k16 needs sm_80, wgmma sm_90a
     assert ({s for s, _ in _launch.all_specialisations("sm_70")}
-            == sources - {"fwd_sm80.cu", "fwd_sm90.cu", "bwd_sm80.cu"})
-    assert "fwd_sm90.cu" not in {s for s, _ in _launch.all_specialisations("sm_80")}
+            == sources - {"fwd_sm80.cu", "fwd_sm90.cu", "bwd_sm80.cu", "bwd_sm90.cu"})
+    assert not {"fwd_sm90.cu", "bwd_sm90.cu"} & {s for s, _ in _launch.all_specialisations("sm_80")}
 
 
 def test_wgmma_header_is_generated() -> None:
@@ -61,7 +62,7 @@ def test_tensor_core_kernels_use_tensor_cores(reports, arch: str) -> None:
         assert r.hmma is not None, "nvdisasm is needed to read the SASS"
         if r.source in ("fwd_sm80.cu", "bwd_sm80.cu"):
             assert r.hmma > 0, f"{r.expr} has no HMMA on {arch}"
-        elif r.source == "fwd_sm90.cu":
+        elif r.source in ("fwd_sm90.cu", "bwd_sm90.cu"):
             assert r.hgmma > 0, f"{r.expr} has no HGMMA on {arch}"
             assert not [n for n in r.notes if "serializ" in n], f"{r.expr}: {r.notes}"
         elif r.source == "fwd_simt.cu":

@@ -1,6 +1,7 @@
-"""The GPU backward (cuda_src/bwd_sm80.cu for float16/bfloat16 with head dims up to 128 on
-sm_80+, cuda_src/bwd_simt.cu for the rest) against the float64 reference gradients (``gpu``
-marker: skipped without a device). The tests of the tensor-core kernel check which kernel ran
+"""The GPU backward (cuda_src/bwd_sm90.cu for float16/bfloat16 with 33 <= d <= 128 on Hopper,
+cuda_src/bwd_sm80.cu for the other float16/bfloat16 problems with head dims up to 128 on
+sm_80+ and for deterministic=True, cuda_src/bwd_simt.cu for the rest) against the float64
+reference gradients (``gpu`` marker: skipped without a device). The tests of the tensor-core kernel check which kernel ran
 (``launched``), so a dispatch that silently falls back to bwd_simt cannot pass them.
 
 Inputs keep the memory layout Hypothesis drew for them (strided views keep their NaN-filled
@@ -214,8 +215,8 @@ def launched(monkeypatch):
         return launch
 
     monkeypatch.setattr(_launch_bwd, "choose", spy)
-    monkeypatch.delenv("CUFLASH_BWD", raising=False)
-    monkeypatch.delenv("CUFLASH_BWD_SM80_TILES", raising=False)
+    for name in ("CUFLASH_BWD", "CUFLASH_BWD_SM80_TILES", "CUFLASH_BWD_SM90_TILES", "CUFLASH_GRID_ORDER"):
+        monkeypatch.delenv(name, raising=False)
     return seen
 
 
@@ -228,16 +229,35 @@ def _sm80_or_skip():
     return _launch_bwd._smem_optin(cupy.cuda.Device().id)
 
 
+def _hopper_or_skip():
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    if cc != 90:
+        pytest.skip(f"bwd_sm90 needs compute capability 9.0 (wgmma, sm_90a), this GPU has {cc / 10}")
+
+
+def _atomic_kernel(d: int, dv: int) -> str:
+    """The tensor-core kernel the dispatcher picks for deterministic=False (no override)."""
+    import cupy
+    hopper = int(cupy.cuda.Device().compute_capability) == 90
+    return "bwd_sm90.cu" if hopper and 33 <= max(d, dv) <= 128 else "bwd_sm80.cu"
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d, dv, Lq, Lk, causal", [
     (40, 40, 113, 203, True), (64, 64, 203, 113, True), (72, 72, 130, 70, "top_left"),
     (96, 96, 113, 203, False), (111, 111, 150, 61, True), (128, 128, 256, 256, True),
     (32, 32, 64, 129, False), (24, 128, 100, 150, True)])
-def test_tensor_core_backward_runs(launched, dtype, d, dv, Lq, Lk, causal):
-    """Every head-dim bucket of bwd_sm80 (32, 64, 96, 128; d not a multiple of 8 is padded),
-    ragged lengths, both alignments, rows without keys, GQA; deterministic and not."""
+def test_tensor_core_backward_runs(launched, monkeypatch, family, dtype, d, dv, Lq, Lk, causal):
+    """Every head-dim bucket of bwd_sm80 (32, 64, 96, 128; d not a multiple of 8 is padded) and
+    of bwd_sm90 (64, 128; family "auto" on Hopper), ragged lengths, both alignments, rows
+    without keys, GQA; deterministic (always bwd_sm80) and not. Family "sm80"
+    (CUFLASH_BWD=sm80) keeps Hopper on bwd_sm80."""
     from cuflash import _launch_bwd
     optin = _sm80_or_skip()
+    if family == "sm80":
+        monkeypatch.setenv("CUFLASH_BWD", "sm80")
     bucket = _launch_bwd.sm80_bucket(d, dv)
     if _launch_bwd.sm80_tiles(bucket).smem_bytes > optin:
         pytest.skip(f"this GPU grants {optin} bytes of shared memory a block: bwd_simt at d={d}")
@@ -247,7 +267,8 @@ def test_tensor_core_backward_runs(launched, dtype, d, dv, Lq, Lk, causal):
     v = make_array(rng, (2, 2, 1, Lk, dv), dtype)
     for det in (False, True):
         run_and_check(q, k, v, causal=causal, deterministic=det)
-    assert launched == ["bwd_sm80.cu"] * 2
+    atomic = _atomic_kernel(d, dv) if family == "auto" else "bwd_sm80.cu"
+    assert launched == [atomic, "bwd_sm80.cu"]
 
 
 @pytest.mark.parametrize("dtype, d", [(F16, 160), (BF16, 256), (F32, 64)])
@@ -278,7 +299,7 @@ def test_simt_override_agrees_with_the_tensor_cores(launched, monkeypatch, dtype
     tc = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
     monkeypatch.setenv("CUFLASH_BWD", "simt")
     simt = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
-    assert launched == ["bwd_sm80.cu", "bwd_simt.cu"]
+    assert launched == [_atomic_kernel(64, 64), "bwd_simt.cu"]
     assert_gradients_close(prob, do, tc, ref, shapes)
     assert_gradients_close(prob, do, simt, ref, shapes)
     for a, b, r in zip(tc, simt, ref):
@@ -333,3 +354,35 @@ def test_deterministic_memory_is_linear_in_sequence_length(launched):
     assert grown <= 12 * one, (grown, one)
     assert set(launched) == {"bwd_sm80.cu"}
     del grads
+
+
+# -- the Hopper backward (bwd_sm90): both ways of writing dk, dv; both grid orders -------------
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (111, 72), (33, 48)])
+def test_hopper_direct_and_buffered_gradients(launched, dtype, d, dv):
+    """k not broadcast and v broadcast over the heads: bwd_sm90 writes dk straight into the
+    result in the input dtype (out_flags) and dv through the float32 buffer and CuPy's sum;
+    then the other way round. Odd head dims take the element-wise stores."""
+    _hopper_or_skip()
+    rng = numpy.random.default_rng(d + dv)
+    q = make_array(rng, (2, 3, 200, d), dtype)
+    k_full, k_bc = make_array(rng, (2, 3, 333, d), dtype), make_array(rng, (2, 1, 333, d), dtype)
+    v_full, v_bc = make_array(rng, (2, 3, 333, dv), dtype), make_array(rng, (2, 1, 333, dv), dtype)
+    run_and_check(q, k_full, v_bc, causal=False)
+    run_and_check(q, k_bc, v_full, causal=True)
+    run_and_check(q, k_full, v_full, causal=True)
+    assert launched == ["bwd_sm90.cu"] * 3
+
+
+@pytest.mark.parametrize("order", ["0", "1"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_grid_orders(launched, monkeypatch, order, d):
+    """Batch-major and tile-major block order (CUFLASH_GRID_ORDER) over many key tiles and batch
+    items, causal (its default is tile-major), with a last key tile that is not whole."""
+    _hopper_or_skip()
+    monkeypatch.setenv("CUFLASH_GRID_ORDER", order)
+    rng = numpy.random.default_rng(21)
+    q, k, v = (make_array(rng, (3, 5, 700, d), BF16) for _ in range(3))
+    run_and_check(q, k, v, causal=True)
+    assert launched == ["bwd_sm90.cu"]
