@@ -44,6 +44,9 @@ EXTRA = [
     ("bf16 d64 GQA causal", BF16, (1, 2, 4, 600, 64), (1, 2, 1, 600, 64), (1, 2, 1, 600, 64), True, False),
     ("bf16 d100 dv128 ragged", BF16, (2, 2, 390, 100), (2, 2, 270, 100), (2, 2, 270, 128), True, False),
     ("fp16 d48 Lq<Lk top_left", F16, (2, 2, 130, 48), (2, 2, 450, 48), (2, 2, 450, 48), "top_left", False),
+    ("bf16 d64 324 tiles top_left", BF16, (4, 9, 200, 64), (4, 9, 1100, 64), (4, 9, 1100, 64), "top_left", False),
+    ("fp16 d64 216 tiles causal", F16, (4, 9, 700, 64), (4, 9, 700, 64), (4, 9, 700, 64), True, False),
+    ("bf16 d128 216 tiles causal", BF16, (4, 9, 700, 128), (4, 9, 700, 128), (4, 9, 700, 128), True, False),
 ]
 
 
@@ -161,7 +164,7 @@ def main() -> int:
     ok = correctness(SM80_CASES + EXTRA)
     for s in variants:
         print(f"-- tiles {s}")
-        ok &= _with_env({"CUFLASH_BWD_SM90_TILES": s}, lambda: correctness(EXTRA[:3] + SM80_CASES[:2]))
+        ok &= _with_env({"CUFLASH_BWD_SM90_TILES": s}, lambda: correctness(EXTRA[:3] + EXTRA[-3:] + SM80_CASES[:2]))
     print(f"correctness: {'all PASS' if ok else 'FAILURES'} ({time.time() - start:.0f} s)", flush=True)
     rows = [] if a.no_timing else timing(variants, a.reps, [int(x) for x in a.lengths.split(",")])
     if a.json:

@@ -378,11 +378,29 @@ def test_hopper_direct_and_buffered_gradients(launched, dtype, d, dv):
 @pytest.mark.parametrize("order", ["0", "1"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_grid_orders(launched, monkeypatch, order, d):
-    """Batch-major and tile-major block order (CUFLASH_GRID_ORDER) over many key tiles and batch
-    items, causal (its default is tile-major), with a last key tile that is not whole."""
+    """Batch-major and tile-major block order (CUFLASH_GRID_ORDER) over 216 key tiles (more
+    than one wave of an H200's 132 SMs), causal (its default is tile-major), with a last key
+    tile that is not whole."""
     _hopper_or_skip()
     monkeypatch.setenv("CUFLASH_GRID_ORDER", order)
     rng = numpy.random.default_rng(21)
-    q, k, v = (make_array(rng, (3, 5, 700, d), BF16) for _ in range(3))
+    q, k, v = (make_array(rng, (4, 9, 700, d), BF16) for _ in range(3))
     run_and_check(q, k, v, causal=True)
     assert launched == ["bwd_sm90.cu"]
+
+
+@pytest.mark.parametrize("tiles", ["", "64:64:2:1"])
+def test_hopper_key_tiles_without_query_tiles(launched, monkeypatch, tiles):
+    """d = 64 with the table's tiles and with 64-row query tiles: top-left causal with
+    Lk > Lq, so that the key tiles past the last query have no query tile at all (their dK, dV
+    are zero), bottom-right with rows that see no key, and no mask; 324 key tiles."""
+    _hopper_or_skip()
+    if tiles:
+        monkeypatch.setenv("CUFLASH_BWD_SM90_TILES", tiles)
+    rng = numpy.random.default_rng(22)
+    q = make_array(rng, (4, 9, 200, 64), F16)
+    k, v = (make_array(rng, (4, 9, 1100, 64), F16) for _ in range(2))
+    run_and_check(q, k, v, causal="top_left")
+    run_and_check(k, q, q, causal=True)
+    run_and_check(q, k, v, causal=False)
+    assert launched == ["bwd_sm90.cu"] * 3
