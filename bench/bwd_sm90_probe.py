@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import cupy  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _launch_bwd, _problem  # noqa: E402
-from bwd_sm80_smoke import BF16, F16, CASES as SM80_CASES, _median_ms, _spy  # noqa: E402
+from bwd_sm80_smoke import BF16, F16, CASES as SM80_CASES, _median_ms  # noqa: E402
+from bwd_sm80_smoke import correctness as smoke_correctness  # noqa: E402
 
 EXTRA = [
     ("bf16 d128 2 key tiles causal", BF16, (2, 3, 700, 128), (2, 3, 700, 128), (2, 3, 700, 128), True, False),
@@ -57,36 +57,7 @@ def expected(d: int, dv: int, det: bool) -> str:
 
 
 def correctness(cases) -> bool:
-    from _tolerance_bwd import assert_gradients_close
-    seen = _spy()
-    ok_all = True
-    for i, (name, dtype, qs, ks, vs, causal, det) in enumerate(cases):
-        rng = numpy.random.default_rng(i)
-        q, k, v = ((rng.standard_normal(s)).astype(dtype) for s in (qs, ks, vs))
-        qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
-        o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
-        do_host = rng.standard_normal(o.shape).astype(dtype)
-        do = cupy.asarray(do_host)
-        del seen[:]
-        grads = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal, deterministic=det)
-        cupy.cuda.Device().synchronize()
-        kernel = seen[0].removesuffix(".cu") if seen else "?"
-        ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
-        rel = [float(numpy.abs(cupy.asnumpy(g).astype(numpy.float64) - r).max() / max(numpy.abs(r).max(), 1e-30))
-               for g, r in zip(grads, ref)]
-        problems = []
-        want = expected(qs[-1], vs[-1], det)
-        if kernel != want:
-            problems.append(f"ran {kernel}, expected {want}")
-        try:
-            prob = _problem.make_problem(qd, kd, vd, scale=None, causal=causal)
-            assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
-        except AssertionError as exc:
-            problems.append(str(exc).splitlines()[0][:300])
-        verdict = "PASS" if not problems else "FAIL: " + "; ".join(problems)
-        ok_all &= not problems
-        print(f"{name:32s} {kernel:9s} {rel[0]:9.2e} {rel[1]:9.2e} {rel[2]:9.2e}  {verdict}", flush=True)
-    return ok_all
+    return smoke_correctness(cases, expected)
 
 
 def _with_env(env: dict, fn):

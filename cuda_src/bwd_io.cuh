@@ -1,6 +1,6 @@
 // cuflash: tile I/O of the tensor-core backward kernels (bwd_sm80.cu, bwd_sm90.cu): rows of
 // a global matrix into a swizzled shared tile by cp.async, zeroing the dead query rows of a
-// tile, and float32 pairs to global memory. `Tile` is any layout with kChunks (16-byte chunks
+// tile, and the dK_j, dV_j epilogue. `Tile` is any layout with kChunks (16-byte chunks
 // a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh) or Sm90Tile (sm90_ops.cuh).
 #pragma once
 
@@ -84,6 +84,30 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
     } else {
       if (col < n) dst[col] = from_acc<T, float>(x);
       if (col + 1 < n) dst[col + 1] = from_acc<T, float>(y);
+    }
+  }
+}
+
+// -- 18 of Algorithm 2: write this thread's rows of dK_j = tau dK_j and dV_j (accumulators in
+// the mma.sync / wgmma C layout: rows key0 and key0 + 8, columns 8 t + 2 t4 and + 1) for batch
+// item b: float32, one slice per batch item, which the launcher sums over broadcast dimensions,
+// or, where there are none, straight to dK, dV in T (BwdParams::out_flags). Keys past Lk are
+// skipped; every other key of the tile is written, also those no query sees (0).
+template <typename T, int NT>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, int b, int key0, int t4, float scale,
+                                            const float (&dk)[NT][4], const float (&dv)[NT][4]) {
+  const bool dk_t = p.out_flags & kBwdDkOut, dv_t = p.out_flags & kBwdDvOut;
+  const long long row0 = (long long)b * p.Lk;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    if (key < p.Lk) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const int col = 8 * t + 2 * t4;
+        store2_grad<T>(p.dk_acc, dk_t, row0 + key, col, p.d, scale * dk[t][2 * h], scale * dk[t][2 * h + 1]);
+        store2_grad<T>(p.dv_acc, dv_t, row0 + key, col, p.dv, dv[t][2 * h], dv[t][2 * h + 1]);
+      }
     }
   }
 }

@@ -165,9 +165,27 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o(const BwdParams p) {
   const T* const go = reinterpret_cast<const T*>(p.o) + off.o + row * p.o_row_stride;
   const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout + row * p.dout_row_stride;
   Acc sum = Acc(0);
-  for (int c = lane; c < p.dv; c += 32)
-    sum = bwd::acc_fma(to_acc<Acc>(bwd::ldg(gdo + c * p.dout_col_stride)),
-                       to_acc<Acc>(bwd::ldg(go + c * p.o_col_stride)), sum);
+  // Rows of unit column stride that start on 16 bytes (the common case: o from the forward,
+  // dO copied so by the tensor-core launchers) are read 16 bytes a lane; any other layout, and
+  // float64 (whose vector path spills on sm_70), one element a lane and step. (Uniform within
+  // the warp: one row.)
+  constexpr int kVec = 16 / int(sizeof(T));
+  const bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
+                   ((reinterpret_cast<unsigned long long>(go) | reinterpret_cast<unsigned long long>(gdo)) & 15) == 0;
+  if (vec) {
+    for (int c = lane * kVec; c < p.dv; c += 32 * kVec) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(gdo + c));
+      const uint4 z = __ldg(reinterpret_cast<const uint4*>(go + c));
+      const T* const av = reinterpret_cast<const T*>(&a);
+      const T* const zv = reinterpret_cast<const T*>(&z);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum = bwd::acc_fma(to_acc<Acc>(av[e]), to_acc<Acc>(zv[e]), sum);
+    }
+  } else {
+    for (int c = lane; c < p.dv; c += 32)
+      sum = bwd::acc_fma(to_acc<Acc>(bwd::ldg(gdo + c * p.dout_col_stride)),
+                         to_acc<Acc>(bwd::ldg(go + c * p.o_col_stride)), sum);
+  }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   if (lane == 0) {

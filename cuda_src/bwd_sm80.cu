@@ -446,24 +446,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   }  // -- 17: end for
   cp_async_wait<0>();  // nothing left in flight (no query tile at all: K_j, V_j were loaded)
 
-  // -- 18: Write dK_j = tau dK_j and dV_j to HBM: float32, one slice per batch item, which
-  //        the launcher sums over broadcast dimensions, or, where there are none, straight to
-  //        dK, dV in T (out_flags). Every key of K_j is written, also those no query sees
-  //        (0).
-  const bool dk_t = p.out_flags & kBwdDkOut, dv_t = p.out_flags & kBwdDvOut;
-  const long long row0 = (long long)b * p.Lk;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = kw0 + g + 8 * h;
-    if (key < p.Lk) {
-#pragma unroll
-      for (int t = 0; t < Tr::kDTiles; ++t) {
-        const int col = 8 * t + 2 * t4;
-        bwd_io::store2_grad<T>(p.dk_acc, dk_t, row0 + key, col, p.d, scale * acc_dk[t][2 * h], scale * acc_dk[t][2 * h + 1]);
-        bwd_io::store2_grad<T>(p.dv_acc, dv_t, row0 + key, col, p.dv, acc_dv[t][2 * h], acc_dv[t][2 * h + 1]);
-      }
-    }
-  }
+  // -- 18: Write dK_j = tau dK_j and dV_j to HBM (bwd_io.cuh)
+  bwd_io::store_dk_dv<T>(p, b, kw0 + g, t4, scale, acc_dk, acc_dv);
 }
 
 }  // namespace cuflash
