@@ -21,8 +21,9 @@
 //
 // Per query tile: one barrier when Q_i, dO_i have landed (the other stage is then free for
 // Q_{i+1}, dO_{i+1}), one when dS^T is complete in shared memory. Inside a warpgroup the
-// products run one after the other; the two warpgroups of the SM overlap each other's
-// softmax-like element-wise work with their wgmma's.
+// products run one after the other, and the two barriers keep the warpgroups of a block in
+// step, so one's element-wise work (P, dS) is hardly hidden behind the other's wgmma's: the
+// next step is warp specialisation (bench/NOTES.md, "Where the remaining gap is").
 //
 // deterministic=True runs bwd_sm80 (its semaphore-ordered dQ); this kernel has only atomics.
 //
@@ -56,7 +57,8 @@ namespace sm90 {
 //     column slices of kDqCols features. A 32-column slice starts 64 bytes into K_j's 128-byte
 //     swizzle rows: the tensor cores apply the swizzle to the address they compute (bits 4-6
 //     ^= bits 7-9), so a start inside a row is read correctly as long as the slice does not
-//     cross into the next row (as the 32-byte k16 steps of a K-major operand do).
+//     cross into the next row (as the 32-byte k16 steps of a K-major operand do). The GPU
+//     tests run such a build (CUFLASH_BWD_SM90_TILES=64:64:2:1).
 //   * MIN_BLOCKS: blocks per SM the register budget must allow (__launch_bounds__).
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS>
 struct BwdSm90Traits {
