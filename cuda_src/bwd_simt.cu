@@ -3,7 +3,7 @@
 // Runs on every GPU from sm_70 and in every dtype (float16, bfloat16, float32, float64); it
 // accumulates in float32 (float64 for float64 inputs). No tensor cores. Three kernels:
 //
-//   bwd_dot_do_o<T>     line 4 of Algorithm 2: D = rowsum(dO o O), one warp per query row
+//   bwd_dot_do_o<T>     line 4 of Algorithm 2: D = rowsum(dO o O), a group of lanes a query row
 //   bwd_simt<T, ...>    lines 5-19: one thread block per (batch item, key tile K_j, V_j);
 //                       it walks the query tiles Q_i that can see K_j, recomputes P_ij from
 //                       the stored log-sum-exp L_i, keeps dK_j and dV_j in registers, and adds
@@ -148,50 +148,63 @@ struct BwdSimtTraits {
                     int(sizeof(Acc)) / 4 <= 96, "too many live accumulator registers");
 };
 
-// Line 4 of Algorithm 2: D = rowsum(dO o O) in Acc, C-contiguous batch x Lq. One warp per
-// query row (8 rows per 256-thread block), lanes over the features, a shuffle reduction in a
-// fixed order (so D is bitwise reproducible). D = 0 for a dead row (L_i = -inf).
-// grid.x = nbatch * ceil(Lq / 8).
+// Line 4 of Algorithm 2: D = rowsum(dO o O) in Acc, C-contiguous batch x Lq. A group of G
+// lanes reads a row and reduces it with shuffles in a fixed order (so D is bitwise
+// reproducible); a warp holds 32 / G rows at a time and walks the nbatch * Lq rows with a
+// grid stride (any grid works; the launcher starts a few blocks per SM). D = 0 for a dead row
+// (L_i = -inf).
+//   Vector path, when every row of o and dO has unit column stride and starts on 16 bytes
+//   (pointers, row and batch strides; the common case: o from the forward, dO copied so by the
+//   tensor-core launchers) and dv is a multiple of 16 / sizeof(T): each lane loads 16 bytes a
+//   step, G = the power of two that covers dv in one step (at most 32: d = 64 in bf16 is 8
+//   lanes, 4 rows a warp). Otherwise (any strides; float64, whose vector path spills on
+//   sm_70) one element a lane and step, G = 32.
+// (Uniform over the grid, so every lane of a warp takes the same path to the shuffles.)
 template <typename T>
 __global__ void __launch_bounds__(256) bwd_dot_do_o(const BwdParams p) {
   using Acc = typename AccOf<T>::type;
-  constexpr int kRows = 256 / 32;
-  const int blocks_per_item = (p.Lq + kRows - 1) / kRows;
-  const int b = int(blockIdx.x) / blocks_per_item;
-  const int row = (int(blockIdx.x) % blocks_per_item) * kRows + int(threadIdx.x) / 32;
-  const int lane = int(threadIdx.x) % 32;
-  if (row >= p.Lq) return;
-  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-  const T* const go = reinterpret_cast<const T*>(p.o) + off.o + row * p.o_row_stride;
-  const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout + row * p.dout_row_stride;
-  Acc sum = Acc(0);
-  // Rows of unit column stride that start on 16 bytes (the common case: o from the forward,
-  // dO copied so by the tensor-core launchers) are read 16 bytes a lane; any other layout, and
-  // float64 (whose vector path spills on sm_70), one element a lane and step. (Uniform within
-  // the warp: one row.)
   constexpr int kVec = 16 / int(sizeof(T));
-  const bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
-                   ((reinterpret_cast<unsigned long long>(go) | reinterpret_cast<unsigned long long>(gdo)) & 15) == 0;
-  if (vec) {
-    for (int c = lane * kVec; c < p.dv; c += 32 * kVec) {
-      const uint4 a = __ldg(reinterpret_cast<const uint4*>(gdo + c));
-      const uint4 z = __ldg(reinterpret_cast<const uint4*>(go + c));
-      const T* const av = reinterpret_cast<const T*>(&a);
-      const T* const zv = reinterpret_cast<const T*>(&z);
+  bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
+             ((p.o | p.dout) & 15) == 0 && p.o_row_stride % kVec == 0 && p.dout_row_stride % kVec == 0;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sum = bwd::acc_fma(to_acc<Acc>(av[e]), to_acc<Acc>(zv[e]), sum);
+  for (int i = 0; i < kMaxBatchDims; ++i)
+    vec = vec && p.o_batch_stride[i] % kVec == 0 && p.dout_batch_stride[i] % kVec == 0;
+  int group = 32;   // lanes a row
+  if (vec)
+    while (group > 1 && (group / 2) * kVec >= p.dv) group /= 2;
+  const int lane = int(threadIdx.x) % 32, gl = lane % group;
+  const int rows_per_warp = 32 / group;
+  const long long total = (long long)p.nbatch * p.Lq;
+  const long long warp0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const long long stride = (long long)gridDim.x * blockDim.x / 32 * rows_per_warp;
+  for (long long first = warp0 * rows_per_warp; first < total; first += stride) {
+    const long long r = first + lane / group;   // this lane group's row (b, i)
+    Acc sum = Acc(0);
+    if (r < total) {
+      const int b = int(r / p.Lq), i = int(r % p.Lq);
+      const BwdBatchOffsets off = bwd_batch_offsets(p, b);
+      const T* const go = reinterpret_cast<const T*>(p.o) + off.o + i * p.o_row_stride;
+      const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout + i * p.dout_row_stride;
+      if (vec) {
+        for (int c = gl * kVec; c < p.dv; c += group * kVec) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(gdo + c));
+          const uint4 y = __ldg(reinterpret_cast<const uint4*>(go + c));
+          const T* const xv = reinterpret_cast<const T*>(&x);
+          const T* const yv = reinterpret_cast<const T*>(&y);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sum = bwd::acc_fma(to_acc<Acc>(xv[e]), to_acc<Acc>(yv[e]), sum);
+        }
+      } else {
+        for (int c = gl; c < p.dv; c += group)
+          sum = bwd::acc_fma(to_acc<Acc>(bwd::ldg(gdo + c * p.dout_col_stride)),
+                             to_acc<Acc>(bwd::ldg(go + c * p.o_col_stride)), sum);
+      }
     }
-  } else {
-    for (int c = lane; c < p.dv; c += 32)
-      sum = bwd::acc_fma(to_acc<Acc>(bwd::ldg(gdo + c * p.dout_col_stride)),
-                         to_acc<Acc>(bwd::ldg(go + c * p.o_col_stride)), sum);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (lane == 0) {
-    const long long i = (long long)b * p.Lq + row;
-    const Acc lse = reinterpret_cast<const Acc*>(p.lse)[i];
-    reinterpret_cast<Acc*>(p.dpsum)[i] = (lse == neg_inf<Acc>()) ? Acc(0) : sum;
+    for (int o = group / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (gl == 0 && r < total) {
+      const Acc lse = reinterpret_cast<const Acc*>(p.lse)[r];
+      reinterpret_cast<Acc*>(p.dpsum)[r] = (lse == neg_inf<Acc>()) ? Acc(0) : sum;
+    }
   }
 }
 

@@ -24,7 +24,7 @@ the ordered dQ accumulation exists there only.
 Three kernels run, in this order, on CuPy's current stream:
 
 1. ``bwd_dot_do_o<T>`` (bwd_simt.cu): ``D = rowsum(dO * O)`` into an accumulation-dtype buffer
-   ``batch_shape + (Lq,)`` (line 4 of Algorithm 2);
+   ``batch_shape + (Lq,)`` (line 4 of Algorithm 2), rows by grid stride over a few blocks an SM;
 2. the main kernel, one block per (batch item, key tile): writes dK, dV per batch item and adds
    dQ (lines 5-19);
 3. ``bwd_sum_dq<Acc>`` (bwd_simt with ``deterministic=True`` only): sums the per-key-tile
@@ -82,7 +82,8 @@ from ._simt_config import HEAD_DIM_BUCKETS, head_dim_bucket
 SOURCE = "bwd_simt.cu"
 #: Threads of ``bwd_dot_do_o`` and ``bwd_sum_dq`` per block (fixed in the kernels).
 AUX_THREADS = 256
-DOT_ROWS_PER_BLOCK = AUX_THREADS // 32   # one warp per query row
+DOT_ROWS_PER_BLOCK = AUX_THREADS // 32   # bwd_dot_do_o: at least one query row a warp ...
+DOT_BLOCKS_PER_SM = 8                    # ... and at most a full SM's threads of blocks a pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,7 +507,7 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
     import cupy
     from ._launch import _device_info, _sm80_input
     with cupy.cuda.Device(prob.device_id):
-        cc, _ = _device_info(prob.device_id)
+        cc, num_sms = _device_info(prob.device_id)
         launch = choose(prob, deterministic, cc, _smem_optin(prob.device_id))
         acc = numpy.dtype(numpy.float64 if _acc_itemsize(prob.dtype) == 8 else numpy.float32)
         nbatch = math.prod(prob.batch_shape)
@@ -570,7 +571,8 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
             p["dk_acc"] = dk_acc.data.ptr + dk_acc.itemsize * first * Lk * d
             p["dv_acc"] = dv_acc.data.ptr + dv_acc.itemsize * first * Lk * d_v
             # -- 4: D = rowsum(dO o O)
-            dot((inner_n * -(-Lq // DOT_ROWS_PER_BLOCK),), (AUX_THREADS,), (p[()],))
+            dot_blocks = min(-(-inner_n * Lq // DOT_ROWS_PER_BLOCK), DOT_BLOCKS_PER_SM * num_sms)
+            dot((max(1, dot_blocks),), (AUX_THREADS,), (p[()],))   # rows by grid stride
             # -- 5-19: one block per (batch item, key tile)
             grid = (inner_n * num_n_blocks,)
             if launch.sm80:

@@ -1,0 +1,66 @@
+"""Where the GPU time of one backward goes: D = rowsum(dO o O), the main kernel, and the rest
+(CuPy's zero fill of the dq buffer and its cast into dq), from CUDA events around each launch.
+
+    PYTHONPATH=. python bench/bwd_breakdown.py     # bf16, B*L = 16k tokens, H*d = 2048
+
+For each d in {64, 128}, L in {1k, 16k}, causal and not: medians over --reps backward calls
+(after 3 untimed), in ms and as shares of the whole backward; the forward once for o, lse.
+Each backward is timed alone (synchronised), so "rest" also holds the time the GPU waits for
+the host between launches (the Python of the call), which a stream of calls would hide.
+"""
+import argparse
+
+import cupy
+import ml_dtypes
+import numpy
+
+import cuflash
+from cuflash import _launch_bwd
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--reps", type=int, default=15)
+a = ap.parse_args()
+
+spans: dict[str, list] = {}
+_kernel = _launch_bwd._kernel
+
+
+def timed_kernel(source, expr, device_id, smem):
+    k = _kernel(source, expr, device_id, smem)
+    name = "dot" if "dot_do_o" in expr else "main"
+
+    def launch(*args, **kw):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        k(*args, **kw)
+        e1.record()
+        spans.setdefault(name, []).append((e0, e1))
+    return launch
+
+
+_launch_bwd._kernel = timed_kernel
+print(f"{'d':>4s} {'L':>6s} {'causal':>6s} {'bwd ms':>8s} {'main':>12s} {'dot':>12s} {'rest':>12s}")
+for d in (64, 128):
+    for L in (1024, 16384):
+        B, H = max(1, 16384 // L), 2048 // d
+        rng = cupy.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((B, H, L, d), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
+                       for _ in range(4))
+        for causal in (False, True):
+            o, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            tot, main, dot = [], [], []
+            for i in range(3 + a.reps):
+                spans.clear()
+                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+                e0.record()
+                cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+                e1.record()
+                e1.synchronize()
+                if i >= 3:
+                    tot.append(cupy.cuda.get_elapsed_time(e0, e1))
+                    main.append(sum(cupy.cuda.get_elapsed_time(x, y) for x, y in spans["main"]))
+                    dot.append(sum(cupy.cuda.get_elapsed_time(x, y) for x, y in spans["dot"]))
+            t, m, dd = (float(numpy.median(x)) for x in (tot, main, dot))
+            r = t - m - dd
+            print(f"{d:4d} {L:6d} {str(causal):>6s} {t:8.3f} {m:7.3f} {m / t:4.0%} {dd:7.3f} {dd / t:4.0%} {r:7.3f} {r / t:4.0%}",
+                  flush=True)
