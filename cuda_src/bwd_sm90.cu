@@ -224,6 +224,24 @@ bwd_sm90(const BwdParams p) {
     return static_cast<unsigned long long>(((ks / 4) * block_bytes + (ks % 4) * 32) >> 4);
   };
 
+  // -- X^T = A_j B_i^T over the head dim (S^T: A = K, B = Q; dP^T: A = V, B = dO), one commit
+  //    group each (the caller waits)
+  auto issue_transposed_scores = [&](float (&x)[Tr::kNTilesS][4], unsigned long long desc_a,
+                                     unsigned long long desc_b) {
+#pragma unroll
+    for (int ks = 0; ks < Tr::kKSteps; ++ks)
+      Wgmma<T, BLOCK_M>::ss(x, desc_a + kstep(ks, KVTile::kBlockBytes),
+                            desc_b + kstep(ks, QTile::kBlockBytes), ks > 0);
+    wgmma_commit();
+  };
+  // -- acc += F B_i over the queries, F from registers (dV: F = P^T, B = dO; dK: F = dS^T, B = Q)
+  auto accumulate_over_queries = [&](float (&acc)[Tr::kNTilesD][4], const unsigned (&f)[Tr::kQSteps][4],
+                                     unsigned long long desc_b) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kQSteps; ++kk)
+      Wgmma<T, HEAD_DIM>::rs_t(acc, f[kk], desc_b + kk * kRows16, 1);
+  };
+
   const int kw0 = n0 + 64 * wg + 16 * warp;    // this warp's first key
   const int g = lane / 4, t4 = lane % 4;       // accumulator fragment coordinates
 
@@ -264,16 +282,8 @@ bwd_sm90(const BwdParams p) {
     //        groups so that P can start while dP^T is still in the tensor cores
     float s[Tr::kNTilesS][4], dp[Tr::kNTilesS][4];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<T, BLOCK_M>::ss(s, desc_k + kstep(ks, KVTile::kBlockBytes),
-                            desc_q + sdesc + kstep(ks, QTile::kBlockBytes), ks > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks)
-      Wgmma<T, BLOCK_M>::ss(dp, desc_v + kstep(ks, KVTile::kBlockBytes),
-                            desc_do + sdesc + kstep(ks, QTile::kBlockBytes), ks > 0);
-    wgmma_commit();
+    issue_transposed_scores(s, desc_k, desc_q + sdesc);
+    issue_transposed_scores(dp, desc_v, desc_do + sdesc);
 
     // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected to
     // P = dS = 0; only warps whose 16 keys cross the end of the keys or the diagonal of the
@@ -332,12 +342,8 @@ bwd_sm90(const BwdParams p) {
     }
     // -- 12: dV_j += P_ij^T dO_i;  16: dK_j += dS_ij^T Q_i  (contraction over the queries)
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tr::kQSteps; ++kk)
-      Wgmma<T, HEAD_DIM>::rs_t(acc_dv, pa[kk], desc_dot + sdesc + kk * kRows16, 1);
-#pragma unroll
-    for (int kk = 0; kk < Tr::kQSteps; ++kk)
-      Wgmma<T, HEAD_DIM>::rs_t(acc_dk, dsa[kk], desc_qt + sdesc + kk * kRows16, 1);
+    accumulate_over_queries(acc_dv, pa, desc_dot + sdesc);
+    accumulate_over_queries(acc_dk, dsa, desc_qt + sdesc);
     wgmma_commit();
 
     fence_proxy_async();   // generic-proxy stores -> the tensor cores' reads

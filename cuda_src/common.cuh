@@ -37,21 +37,27 @@ struct FwdParams {
   int grid_order;      // how blockIdx.x maps to (batch item, Q tile): see block_tile()
 };
 
-// The (batch item, Q tile) of this block; grid.x = nbatch * num_m_blocks. Both orders start
-// with the heaviest Q tiles (under CAUSAL the last Q tile sees the most keys):
-//   grid_order 0: batch-major: the Q tiles of one batch item are adjacent, so blocks that run
-//                 together share that item's K and V in L2;
-//   grid_order 1: tile-major: the heaviest Q tile of every batch item first, then the next,
-//                 so the last wave of a causal grid holds the lightest tiles (longest-
-//                 processing-time-first scheduling) instead of whole batch items.
+// Block i of nbatch * ntiles as (batch item, tile index), for the forward (block_tile, below)
+// and the backward (bwd_block_tile):
+//   grid_order 0: batch-major: the tiles of one batch item are adjacent, so blocks that run
+//                 together share that item's K and V (forward) or Q and dO (backward) in L2;
+//   grid_order 1: tile-major: tile 0 of every batch item first, then tile 1, ...; with the
+//                 heaviest tile numbered 0, the last wave of a causal grid holds the lightest
+//                 tiles (longest-processing-time-first scheduling) instead of whole batch items.
+struct GridTile { int b, tile; };
+
+__device__ __forceinline__ GridTile grid_tile(unsigned i, int nbatch, int ntiles, int order) {
+  if (order == 1) return {static_cast<int>(i % unsigned(nbatch)), static_cast<int>(i / unsigned(nbatch))};
+  return {static_cast<int>(i / unsigned(ntiles)), static_cast<int>(i % unsigned(ntiles))};
+}
+
+// The (batch item, Q tile) of a forward block; grid.x = nbatch * num_m_blocks. The last Q tile
+// (under CAUSAL the one that sees the most keys) is tile 0.
 struct BlockTile { int b, m_block; };
 
 __device__ __forceinline__ BlockTile block_tile(const FwdParams& p) {
-  const unsigned bid = blockIdx.x;
-  if (p.grid_order == 1) {
-    return {static_cast<int>(bid % unsigned(p.nbatch)), p.num_m_blocks - 1 - static_cast<int>(bid / unsigned(p.nbatch))};
-  }
-  return {static_cast<int>(bid / unsigned(p.num_m_blocks)), p.num_m_blocks - 1 - static_cast<int>(bid % unsigned(p.num_m_blocks))};
+  const GridTile t = grid_tile(blockIdx.x, p.nbatch, p.num_m_blocks, p.grid_order);
+  return {t.b, p.num_m_blocks - 1 - t.tile};   // the last Q tile (the heaviest) first
 }
 
 // Element offsets of batch item `b` (C order over batch_shape) in each tensor.
@@ -137,19 +143,12 @@ struct BwdParams {
 };
 constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
 
-// The (batch item, key tile) of this block; grid.x = nbatch * num_n_blocks.
-//   grid_order 0: batch-major: the key tiles of one batch item are adjacent blocks, in key-tile
-//     order (under a causal mask the heaviest, key tile 0, first), so blocks that run at the
-//     same time share their batch item's Q and dO in L2.
-//   grid_order 1: tile-major: key tile 0 of every batch item first, then key tile 1, ...: under
-//     a causal mask the blocks run heaviest first over the whole grid, so the last wave holds
-//     the lightest tiles (longest-processing-time-first), as the forward's grid_order 1.
+// The (batch item, key tile) of a backward block; grid.x = nbatch * num_n_blocks (grid_tile).
 struct BwdBlockTile { int b, n_block; };
 
 __device__ __forceinline__ BwdBlockTile bwd_block_tile(const BwdParams& p) {
-  const unsigned i = blockIdx.x;
-  if (p.grid_order == 1) return {int(i % unsigned(p.nbatch)), int(i / unsigned(p.nbatch))};
-  return {int(i / unsigned(p.num_n_blocks)), int(i % unsigned(p.num_n_blocks))};
+  const GridTile t = grid_tile(blockIdx.x, p.nbatch, p.num_n_blocks, p.grid_order);
+  return {t.b, t.tile};   // key tile 0 (under a causal mask the heaviest) first
 }
 
 // Element offsets of batch item `b` (C order over batch_shape) in each strided tensor.
