@@ -1,12 +1,60 @@
-"""The public functions: normalise the arguments, validate them, pick a backend, call it."""
+"""The public functions: normalise the arguments, validate them, pick a backend, call it.
+
+CuPy calls go through plans (``_plan``): the first call with given shapes, strides, dtypes,
+keywords and device validates, dispatches, compiles and packs; the plan is cached under a key
+of exactly those, so a repeated call looks the key up, allocates the outputs, patches the
+pointers and launches (the fast path below: a few microseconds of host time). Everything the
+key does not hold is either checked again on every call (the current device) or cannot change
+the outcome of validation and dispatch.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy
 
 from cuflash import _numpy, _problem
+
+#: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
+_FWD_PLANS = _BWD_PLANS = None
+#: cupy.ndarray once a CuPy call has been seen (the fast path tests ``type(x) is _CUPY``)
+_CUPY: Any = None
+
+
+def _caches():
+    global _FWD_PLANS, _BWD_PLANS, _CUPY
+    if _FWD_PLANS is None:
+        from cuflash._plan import PlanCache
+        _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
+        _CUPY = sys.modules["cupy"].ndarray
+    return _FWD_PLANS, _BWD_PLANS
+
+
+def _layout(x) -> tuple:
+    """What a plan depends on in one array: shape, strides, dtype, device and the 16-byte
+    alignment of its start (the tensor-core families read 16-byte chunks)."""
+    mem = x.data
+    return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
+
+
+class _FastForward:
+    """A cached forward: the plan and the shapes of what the call returns."""
+    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id")
+
+    def __init__(self, plan, o, lse):
+        self.plan, self.device_id = plan, plan.device_id
+        self.o_shape, self.dtype = o.shape, o.dtype
+        self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
+
+
+class _FastBackward:
+    __slots__ = ("plan", "shapes", "dtype", "device_id")
+
+    def __init__(self, plan, dq, dk, dv):
+        self.plan, self.device_id = plan, plan.device_id
+        self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
@@ -71,6 +119,22 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         non-positive scale, an unknown causal alignment, ``out`` of the wrong shape or
         overlapping an input.
     """
+    if out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY:
+        key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
+               causal.__class__)
+        try:
+            fast = _FWD_PLANS.get(key)
+        except TypeError:    # an unhashable argument: validation will say what is wrong
+            fast = None
+        if fast is not None and return_lse.__class__ is bool:
+            cupy = sys.modules["cupy"]
+            if cupy.cuda.runtime.getDevice() == fast.device_id:
+                o = cupy.empty(fast.o_shape, fast.dtype)
+                lse = cupy.empty(fast.lse_shape, fast.lse_dtype)
+                fast.plan.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr,
+                              v.data.ptr, o.data.ptr, lse.data.ptr)
+                return (o, lse) if return_lse else o
+
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_return_lse(return_lse)
     if out is not None:
@@ -88,10 +152,22 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         elif xp is numpy:
             _numpy.forward(prob, o, lse)
         else:
-            from cuflash import _launch  # needs CuPy; imported only for CuPy inputs
-
-            _launch.forward(prob, o, lse)
+            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
     return (o, lse) if return_lse else o
+
+
+def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
+    """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays."""
+    fwd, _ = _caches()
+    from cuflash._plan import ForwardPlan
+    layout_key = (_layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o), prob.scale,
+                  prob.causal_offset if prob.causal else None)
+    plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse))
+    plan(prob.q, prob.k, prob.v, o, lse)
+    if cacheable and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
+        with fwd._lock:
+            fwd._d.setdefault((_layout(q), _layout(k), _layout(v), scale, scale.__class__,
+                               causal, causal.__class__), _FastForward(plan, o, lse))
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
@@ -143,7 +219,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
       (batch item, 64 query rows), which orders the key tiles' additions to dq; on the generic
       kernel a buffer of ``ceil(Lk / BLOCK_N) * prod(batch_shape) * Lq * d`` accumulator
       values (one partial dq per key tile, summed in key-tile order afterwards), which grows
-      with Lq * Lk: see ``cuflash._launch_bwd``. The tensor-core kernel copies q, k, v or do
+      with Lq * Lk: see ``cuflash._plan.BackwardPlan``. The tensor-core kernel copies q, k, v or do
       whose rows are not contiguous and 16-byte aligned (as the forward does). ``lse`` is
       copied if it is not C-contiguous (it is small).
     - The CPU path (NumPy inputs) runs the same blocked algorithm; its extra memory is the
@@ -157,6 +233,22 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         (TypeError), of the wrong shape or on another device (ValueError); a
         ``deterministic`` that is not a bool (TypeError).
     """
+    if type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool:
+        key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
+               scale, scale.__class__, causal, causal.__class__, deterministic)
+        try:
+            fast = _BWD_PLANS.get(key)
+        except TypeError:
+            fast = None
+        if fast is not None:
+            cupy = sys.modules["cupy"]
+            if cupy.cuda.runtime.getDevice() == fast.device_id:
+                sq, sk, sv = fast.shapes
+                dq, dk, dv = (cupy.empty(sq, fast.dtype), cupy.empty(sk, fast.dtype),
+                              cupy.empty(sv, fast.dtype))
+                fast.plan(do, q, k, v, o, lse, dq, dk, dv)
+                return dq, dk, dv
+
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
@@ -172,10 +264,26 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         if xp is numpy:
             _numpy.backward(prob, do, o, lse, dq, dk, dv)
         else:
-            from cuflash import _launch_bwd  # needs CuPy; imported only for CuPy inputs
-
-            _launch_bwd.backward(prob, do, o, lse, dq, dk, dv, deterministic=bool(deterministic))
+            _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
+                          (do, q, k, v, o, lse, scale, causal, deterministic))
     return dq, dk, dv
+
+
+def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> None:
+    _, bwd = _caches()
+    from cuflash._plan import BackwardPlan
+    key = ("plan", _layout(do), _layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o),
+           _layout(lse), prob.scale, prob.causal_offset if prob.causal else None, deterministic)
+    plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, dq, dk, dv, deterministic))
+    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
+    rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
+    if not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
+            and det.__class__ is bool:
+        with bwd._lock:
+            bwd._d.setdefault((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
+                               _layout(rlse), scale, scale.__class__, causal, causal.__class__,
+                               det),
+                              _FastBackward(plan, dq, dk, dv))
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
@@ -196,3 +304,41 @@ def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = Fa
                                   deterministic=deterministic)
 
     return o, pullback
+
+
+def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
+            backward: bool = False, deterministic: bool = False, device: Any = None) -> str:
+    """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
+
+    ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
+    keywords of :func:`attention`. ``device``: a CUDA device id, a profile name (``"h200"``,
+    ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
+    the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
+    ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
+    """
+    from cuflash import _families
+    from cuflash._plan import explain_choice
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    _problem.check_deterministic(deterministic)
+    if device is None:
+        device = prob.device_id if prob.device_id is not None else "h200"
+    if isinstance(device, str):
+        try:
+            dev = _families.PROFILES[device.lower()]
+        except KeyError:
+            raise ValueError(f"unknown device profile {device!r}; known: "
+                             f"{', '.join(_families.PROFILES)}") from None
+    elif isinstance(device, int) and not isinstance(device, bool):
+        dev = _families.device_info(device)
+    else:
+        raise TypeError(f"device must be a profile name, a device id or None, got {device!r}")
+    shape = _families.Shape.of(prob, bool(deterministic))
+    choice = _families.choose("bwd" if backward else "fwd", shape, dev)
+    t = choice.traits
+    blocks = shape.nbatch * (-(-prob.Lk // t.block_n) if backward else -(-prob.Lq // t.block_m))
+    head = (f"{'attention_backward' if backward else 'attention'}: q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, {prob.dtype}, "
+            f"{'causal ' + ('bottom-right' if prob.causal_offset == prob.Lk - prob.Lq else 'top-left') if prob.causal else 'not causal'}"
+            f"{', deterministic' if deterministic and backward else ''}; on {dev.name or dev.arch} "
+            f"(sm_{dev.cc}, {dev.num_sms} SMs)")
+    return head + "\n" + explain_choice(choice, blocks)

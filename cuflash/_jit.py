@@ -8,8 +8,9 @@ Two ways in:
 * :func:`compile_offline` -- compile one specialisation for a *named* architecture with no GPU
   present (NVRTC through ``cupy.cuda.nvrtc``) and return what ptxas reports: registers, spill
   bytes, stack frame, static shared memory, and how many tensor-core instructions the SASS
-  holds.  :func:`check_all` runs it over every specialisation the dispatcher can select; that
-  is the compile gate of ``python -m cuflash check``.
+  holds.  :func:`compile_many` runs it over many specialisations on every core;
+  ``cuflash._families.check`` gives it every specialisation the dispatcher can select: the
+  compile gate of ``python -m cuflash check``.
 
 Local ``#include "x.cuh"`` lines are expanded here, in Python, before the source reaches NVRTC.
 CuPy's on-disk kernel cache keys on the source text only, so an included header that changed
@@ -30,7 +31,7 @@ from pathlib import Path
 from ._paths import cuda_src_dir
 
 __all__ = ["KernelCompileError", "CompileReport", "get_kernel", "compile_offline",
-           "check_all", "arch_of_device"]
+           "compile_many", "arch_of_device", "supported_archs"]
 
 _STD = "-std=c++17"
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -238,9 +239,22 @@ def _nvrtc_for(arch: str) -> _Nvrtc:
         if num in lib.archs:
             return lib
     found = ", ".join(f"NVRTC {v[0]}.{v[1]}" for v in (lib.version for lib in libs)) or "none"
-    raise KernelCompileError(
-        f"no NVRTC here compiles for {arch} (found: {found}); sm_70 needs NVRTC 12: "
-        f"pip install nvidia-cuda-nvrtc-cu12")
+    hint = ("; NVRTC 13 dropped sm_70, NVRTC 12 still compiles it: pip install "
+            "nvidia-cuda-nvrtc-cu12" if num < 75 else "")
+    raise KernelCompileError(f"no NVRTC here compiles for {arch} (found: {found}){hint}")
+
+
+def supported_archs(archs) -> tuple[list[str], dict[str, str]]:
+    """Split ``archs`` into those an NVRTC here can target and the others, with the reason
+    each of those is skipped."""
+    ok, skipped = [], {}
+    for arch in archs:
+        try:
+            _nvrtc_for(arch)
+            ok.append(arch)
+        except KernelCompileError as exc:
+            skipped[arch] = str(exc)
+    return ok, skipped
 
 
 _PTXAS_FN = re.compile(r"Compiling entry function '(\S+)' for")
@@ -325,14 +339,36 @@ def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
     return reports
 
 
-def check_all(archs) -> list[CompileReport]:
-    """Compile every specialisation the dispatcher can select, for each arch in ``archs``."""
-    from ._launch import all_specialisations
-    reports = []
-    for arch in archs:
-        by_source: dict[str, list[str]] = {}
-        for source, expr in all_specialisations(arch):
-            by_source.setdefault(source, []).append(expr)
-        for source, exprs in by_source.items():
-            reports.extend(compile_offline(source, exprs, arch))
-    return reports
+def compile_many(jobs, progress=None, workers: int | None = None) -> list[CompileReport]:
+    """Compile ``jobs``, a list of ``(source, expr, arch)``, each once, and return one report
+    per job in the same order. Jobs are grouped into NVRTC programs of a few specialisations of
+    one source and arch (the C++ front end runs once a program) and the programs spread over
+    ``workers`` processes (default: every core). ``progress(done, total)`` is called as
+    specialisations finish."""
+    import concurrent.futures
+    import os
+    unique = list(dict.fromkeys(jobs))
+    groups: dict[tuple[str, str], list[str]] = {}
+    for source, expr, arch in unique:
+        groups.setdefault((source, arch), []).append(expr)
+    chunk = 6
+    tasks = [(source, exprs[i:i + chunk], arch) for (source, arch), exprs in groups.items()
+             for i in range(0, len(exprs), chunk)]
+    done: dict[tuple[str, str, str], CompileReport] = {}
+    workers = workers or os.cpu_count() or 1
+
+    def collect(reports):
+        for r in reports:
+            done[(r.source, r.expr, r.arch)] = r
+        if progress is not None:
+            progress(len(done), len(unique))
+
+    if workers <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            collect(compile_offline(*t))
+    else:
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks))) as pool:
+            for fut in concurrent.futures.as_completed(
+                    [pool.submit(compile_offline, *t) for t in tasks]):
+                collect(fut.result())
+    return [done[j] for j in jobs]

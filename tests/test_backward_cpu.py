@@ -379,22 +379,3 @@ def test_cupy_arguments_mixed_with_numpy_are_errors():
     with raises(ValueError, "o is on device 1 but the inputs are on device 0"):
         cuflash.attention_backward(do, q, k, v, fake_cupy((3, 4, 6), device=1), lse)
     assert isinstance(q, cupy.ndarray)
-
-
-# -- the parameter block: BWD_PARAMS (NumPy) mirrors cuflash::BwdParams (C++) ----------------
-
-def test_bwd_params_layout_matches_the_struct():
-    """NVRTC checks sizeof and every offsetof of BwdParams against the NumPy dtype (no GPU)."""
-    from cuflash import _jit, _launch_bwd
-    try:
-        nvrtc = _jit._nvrtc_for("sm_80")
-    except _jit.KernelCompileError as exc:
-        pytest.skip(str(exc))
-    dt = _launch_bwd.BWD_PARAMS
-    checks = [f"static_assert(sizeof(BwdParams) == {dt.itemsize}, \"sizeof\");"]
-    checks += [f"static_assert(__builtin_offsetof(BwdParams, {name}) == {offset}, \"{name}\");"
-               for name, (_, offset) in dt.fields.items()]
-    src = (_jit.load_source("common.cuh") + "\nnamespace cuflash {\n" + "\n".join(checks)
-           + "\n__global__ void probe(const BwdParams p) {}\n}\n")
-    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
-    assert lowered is not None, log

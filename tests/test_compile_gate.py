@@ -1,17 +1,17 @@
 """The compile gate, in CI: every specialisation the dispatcher can select compiles with NVRTC
-for sm_70 (the generic kernel only), sm_80 and sm_90a, with no spills and no stack frame, and
-the tensor-core kernels really hold tensor-core instructions (HMMA in the SASS).
+for sm_70 (the generic families only), sm_80 and sm_90a, with no spills and no stack frame, and
+the tensor-core families really hold tensor-core instructions (HMMA / HGMMA in the SASS).
 
 No GPU is needed: NVRTC and the CUDA headers come from pip (see setup.cfg's ``test`` extra).
+The specialisations come from the registry (``cuflash._families.specialisations``); each is
+compiled once, the work spread over every core (``_jit.compile_many``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 
-from cuflash import _jit, _launch
+from cuflash import _families, _jit
 
 ARCHS = ("sm_70", "sm_80", "sm_90a")
 
@@ -20,19 +20,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reports() -> dict[str, list[_jit.CompileReport]]:
-    # one process per architecture: ptxas dominates, and CI has two cores
-    with concurrent.futures.ProcessPoolExecutor(2) as pool:
-        return dict(zip(ARCHS, pool.map(_jit.check_all, [[a] for a in ARCHS])))
-
-
-def test_dispatcher_lists_every_family() -> None:
-    sources = {s for s, _ in _launch.all_specialisations("sm_90a")}
-    assert {"fwd_simt.cu", "fwd_sm80.cu", "fwd_sm90.cu", "bwd_simt.cu", "bwd_sm80.cu",
-            "bwd_sm90.cu"} <= sources
-    # sm_70 gets the generic kernels only: mma.sync m16n8k16 needs sm_80, wgmma sm_90a
-    assert ({s for s, _ in _launch.all_specialisations("sm_70")}
-            == sources - {"fwd_sm80.cu", "fwd_sm90.cu", "bwd_sm80.cu", "bwd_sm90.cu"})
-    assert not {"fwd_sm90.cu", "bwd_sm90.cu"} & {s for s, _ in _launch.all_specialisations("sm_80")}
+    out: dict[str, list[_jit.CompileReport]] = {a: [] for a in ARCHS}
+    for r in _families.check(ARCHS):
+        out[r.arch].append(r)
+    return out
 
 
 def test_wgmma_header_is_generated() -> None:
@@ -49,7 +40,7 @@ def test_wgmma_header_is_generated() -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiles_without_spills(reports, arch: str) -> None:
     rs = reports[arch]
-    assert len(rs) == len(_launch.all_specialisations(arch))
+    assert len(rs) == len(_families.specialisations(arch)) > 0
     bad = [f"{r.expr}: {r.error or f'{r.spill_stores}/{r.spill_loads} B spilled, {r.stack} B stack'}"
            for r in rs if not r.ok]
     assert not bad, f"{len(bad)} of {len(rs)} specialisations fail on {arch}:\n" + "\n".join(bad[:10])
@@ -57,7 +48,7 @@ def test_compiles_without_spills(reports, arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_tensor_core_kernels_use_tensor_cores(reports, arch: str) -> None:
+def test_tensor_core_families_use_tensor_cores(reports, arch: str) -> None:
     for r in reports[arch]:
         assert r.hmma is not None, "nvdisasm is needed to read the SASS"
         if r.source in ("fwd_sm80.cu", "bwd_sm80.cu"):

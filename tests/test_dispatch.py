@@ -1,4 +1,5 @@
-"""Which kernel the launcher picks (CPU only: cuflash._launch.choose needs no GPU)."""
+"""Which kernel family, traits and flags the dispatcher picks, forward and backward, and what the
+registry lists for the compile gate (CPU only: dispatch needs no GPU, only a DeviceInfo)."""
 
 from __future__ import annotations
 
@@ -6,97 +7,210 @@ import ml_dtypes
 import numpy
 import pytest
 
-from cuflash import _launch, _problem
+from cuflash import _families, _jit, _plan, _problem, _traits
+from cuflash._families import FAMILIES, PROFILES, DeviceInfo, Shape
+from cuflash._variant import Variant
 
-BF16 = numpy.dtype(ml_dtypes.bfloat16)
-H200_SMS = 132
-
-
-def _choose(shape_q, shape_k, dtype=BF16, *, d=128, dv=None, causal=False, cc=90):
-    dv = d if dv is None else dv
-    q = numpy.zeros(shape_q + (d,), dtype)
-    k = numpy.zeros(shape_k + (d,), dtype)
-    v = numpy.zeros(shape_k + (dv,), dtype)
-    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
-    nbatch = int(numpy.prod(prob.batch_shape))
-    return _launch.choose(prob, nbatch, cc, H200_SMS)
+BF16, F16 = "bfloat16", "float16"
+H200, A100 = PROFILES["h200"], PROFILES["a100"]
+RTX = DeviceInfo(89, 128, 101376)          # sm_89: 99 KB of shared memory a block
+VOLTA = DeviceInfo(70, 80, 98304)
 
 
 @pytest.fixture(autouse=True)
 def _no_overrides(monkeypatch):
-    for var in ("CUFLASH_FWD", "CUFLASH_SM80_TILES", "CUFLASH_SM90_TILES"):
+    for var in ("CUFLASH_FWD", "CUFLASH_BWD", "CUFLASH_TILES", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(var, raising=False)
-    _launch._tile_override.cache_clear()
-    _launch._sm90_override.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [BF16, numpy.dtype(numpy.float16)])
-@pytest.mark.parametrize("d, bucket", [(33, 64), (64, 64), (72, 128), (128, 128), (129, 192), (256, 256)])
-def test_hopper_takes_wgmma_kernel(dtype, d, bucket):
-    launch = _choose((4, 16, 1024), (4, 16, 1024), dtype, d=d)
-    assert launch.source == "fwd_sm90.cu"
-    assert f"fwd_sm90<{_launch._ctype(dtype)}, {bucket}," in launch.expr
-    tiles = _launch.sm90_tiles(bucket)
-    assert launch.block_m == tiles.block_m and launch.threads == tiles.threads
-    assert launch.smem_bytes == tiles.smem_bytes <= 227 * 1024
+def shape(dtype=BF16, d=128, dv=None, *, nbatch=64, Lq=1024, Lk=None, causal=False, det=False):
+    return Shape(dtype, nbatch, Lq, Lq if Lk is None else Lk, d, d if dv is None else dv,
+                 Variant(causal), det)
 
 
-def test_small_head_dim_and_other_gpus_take_mma_sync():
-    assert _choose((4, 16, 1024), (4, 16, 1024), d=32).source == "fwd_sm80.cu"
-    assert _choose((4, 16, 1024), (4, 16, 1024), cc=80).source == "fwd_sm80.cu"
-    assert _choose((4, 16, 1024), (4, 16, 1024), cc=89).source == "fwd_sm80.cu"
-    assert _choose((4, 16, 1024), (4, 16, 1024), cc=75).source == "fwd_simt.cu"
+def fwd(dev=H200, **kw):
+    return _families.choose("fwd", shape(**kw), dev)
 
 
-@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
-def test_exact_dtypes_stay_on_simt(dtype):
-    assert _choose((2, 4, 256), (2, 4, 256), numpy.dtype(dtype)).source == "fwd_simt.cu"
+def bwd(dev=H200, **kw):
+    return _families.choose("bwd", shape(**kw), dev)
 
 
-def test_env_keeps_hopper_on_sm80(monkeypatch):
+# -- forward -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("d, bucket", [(33, 64), (64, 64), (72, 128), (128, 128), (129, 192),
+                                       (256, 256)])
+def test_forward_hopper_takes_wgmma(dtype, d, bucket):
+    c = fwd(dtype=dtype, d=d)
+    assert c.family.name == "fwd_sm90" and c.traits.head_dim == bucket
+    assert c.expr.startswith(f"cuflash::sm90::fwd_sm90<{_families.ctype(dtype)}, {bucket},")
+    assert c.traits.smem_bytes <= H200.smem_optin
+
+
+def test_forward_other_gpus_and_small_heads_take_mma_sync_or_simt():
+    assert fwd(d=32).family.name == "fwd_sm80"
+    assert fwd(dev=A100).family.name == "fwd_sm80"
+    assert fwd(dev=RTX).family.name == "fwd_sm80"
+    assert fwd(dev=VOLTA).family.name == "fwd_simt"
+    for dtype in ("float32", "float64"):
+        assert fwd(dtype=dtype).family.name == "fwd_simt"
+
+
+def test_forward_even_only_for_whole_key_tiles():
+    assert fwd().flag == {"even": True}
+    assert fwd(Lq=1000, Lk=1024).flag == {"even": True}     # Q rows: always predicated
+    assert fwd(Lq=1024, Lk=1000).flag == {"even": False}
+    assert fwd(d=120).flag == {"even": False}                 # padded bucket
+    assert fwd(dev=A100, d=64, Lk=1000).flag == {"even": False}
+    assert fwd(dev=A100, d=128).flag == {"even": False}       # allow_even=False entry
+
+
+def test_forward_small_grids_use_smaller_blocks():
+    big, small = fwd(nbatch=256), fwd(nbatch=2)
+    assert small.family is big.family and small.traits.block_m == 64 < big.traits.block_m
+    assert fwd(dev=A100, nbatch=2).traits.block_m == 64 < fwd(dev=A100).traits.block_m
+
+
+def test_forward_sm80_non_causal_entries():
+    assert fwd(dev=A100, d=64).traits["slices"] == 2
+    assert fwd(dev=A100, d=64, causal=True).traits["slices"] == 1
+
+
+# -- backward ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d, dv, bucket", [(33, 33, 64), (40, 64, 64), (65, 65, 128),
+                                           (24, 96, 128), (128, 128, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_hopper_takes_wgmma(d, dv, bucket, causal):
+    c = bwd(d=d, dv=dv, causal=causal)
+    assert c.family.name == "bwd_sm90" and c.traits == _traits.BWD_SM90[(bucket, causal)]
+    assert _plan.grid_order(c, causal) == int(causal)
+
+
+@pytest.mark.parametrize("d, bucket", [(1, 32), (32, 32), (40, 64), (72, 96), (111, 128)])
+def test_backward_sm80_buckets(d, bucket):
+    for det in (False, True):
+        c = bwd(dev=A100, d=d, det=det)
+        assert c.family.name == "bwd_sm80" and c.traits == _traits.BWD_SM80[bucket]
+        assert c.flag == {"deterministic": det}
+
+
+def test_backward_outside_bwd_sm90():
+    assert bwd(d=32).family.name == "bwd_sm80"                 # the 64 bucket would waste half
+    assert bwd(d=64, det=True).family.name == "bwd_sm80"       # ordered dQ: bwd_sm80 only
+    assert bwd(d=160).family.name == "bwd_simt"
+    assert bwd(dev=RTX, d=64).family.name == "bwd_sm80"        # 81 KB fits in 99 KB
+    assert bwd(dev=RTX, d=96).family.name == "bwd_simt"        # 113 KB does not
+    assert bwd(dtype="float32").family.name == "bwd_simt"
+    assert _plan.grid_order(bwd(d=64, det=True, causal=True), True) == 0
+
+
+# -- both: overrides and explanations -----------------------------------------------------------
+
+def test_family_overrides(monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD", "sm80")
-    assert _choose((4, 16, 1024), (4, 16, 1024)).source == "fwd_sm80.cu"
+    monkeypatch.setenv("CUFLASH_BWD", " SIMT ")
+    assert fwd().family.name == "fwd_sm80"
+    assert bwd().family.name == "bwd_simt"
+    monkeypatch.setenv("CUFLASH_BWD", "sm80")
+    assert bwd(d=256).family.name == "bwd_simt"                # falls through
     monkeypatch.setenv("CUFLASH_FWD", "bogus")
-    with pytest.raises(ValueError, match="CUFLASH_FWD='bogus'"):
-        _choose((4, 16, 1024), (4, 16, 1024))
+    with pytest.raises(ValueError, match=r"CUFLASH_FWD='bogus'.*'auto', 'sm90', 'sm80', 'simt'"):
+        fwd()
 
 
-def test_even_only_for_whole_key_tiles():
-    assert _choose((4, 16, 1024), (4, 16, 1024)).expr.endswith("true>")
-    assert _choose((4, 16, 1000), (4, 16, 1024)).expr.endswith("true>")    # Q rows: always checked
-    assert _choose((4, 16, 1024), (4, 16, 1000)).expr.endswith("false>")
-    assert _choose((4, 16, 1024), (4, 16, 1024), d=120).expr.endswith("false>")   # padded bucket
+def test_tile_override(monkeypatch):
+    monkeypatch.setenv("CUFLASH_TILES", "bwd_sm90:64=64:1:2; fwd_sm80:128=64:4:1:1")
+    assert bwd(d=50).expr == ("cuflash::sm90::bwd_sm90<__nv_bfloat16, 64, 64, 1, 2, "
+                              "cuflash::Variant<false>>")
+    assert bwd(d=128).traits == _traits.BWD_SM90[(128, False)]
+    assert fwd(dev=A100).traits["warps"] == 4
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm80:128=64:4")
+    with pytest.raises(ValueError, match="needs 4 values"):
+        fwd(dev=A100)
 
 
-def test_small_grids_use_fewer_warpgroups():
-    """Few (batch, Q-tile) blocks: smaller blocks, so that all SMs get work."""
-    big = _choose((16, 16, 1024), (16, 16, 1024))
-    small = _choose((1, 2, 1024), (1, 2, 1024))
-    assert small.source == big.source == "fwd_sm90.cu"
-    assert small.block_m == 64 < big.block_m
-    # the number of blocks never shrinks below what the big tiles would give
-    assert 2 * -(-1024 // small.block_m) >= 2 * -(-1024 // big.block_m)
-
-
-def test_every_table_entry_is_compiled_by_the_gate():
-    exprs = {e for s, e in _launch.all_specialisations("sm_90a") if s == "fwd_sm90.cu"}
-    for bucket in _launch.SM90_TILES:
-        for causal in (False, True):
-            t = _launch.sm90_tiles(bucket)
-            for w in range(1, t.warpgroups + 1):
-                for even in (False, True):
-                    import dataclasses
-                    expr = _launch.sm90_expr(BF16, dataclasses.replace(t, warpgroups=w), causal, even)
-                    assert expr in exprs
-
-
-def test_grid_order(monkeypatch):
-    """Tile-major (heaviest Q tiles of every batch item first) for causal tensor-core grids."""
-    causal = _choose((4, 16, 1024), (4, 16, 1024), causal=True)
-    plain = _choose((4, 16, 1024), (4, 16, 1024))
-    simt = _choose((4, 16, 256), (4, 16, 256), numpy.dtype(numpy.float32), causal=True)
-    assert _launch.grid_order(causal, True) == _launch.CAUSAL_GRID_ORDER == 1
-    assert _launch.grid_order(plain, False) == 0
-    assert _launch.grid_order(simt, True) == 0       # fwd_simt maps blocks its own way
+def test_grid_order_override(monkeypatch):
     monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")
-    assert _launch.grid_order(causal, True) == 0
+    assert _plan.grid_order(fwd(causal=True), True) == 0
+
+
+def test_choice_says_why():
+    c = bwd(d=64, det=True)
+    text = _plan.explain_choice(c)
+    assert "bwd_sm90: not used" in text and "bwd_sm80:" in text and c.expr in text
+
+
+def test_no_family_is_a_clear_error():
+    with pytest.raises(ValueError, match="no fwd kernel family"):
+        _families.choose("fwd", shape(d=300), H200)
+
+
+# -- the registry and the compile gate -----------------------------------------------------------
+
+def test_every_choice_is_in_the_gate():
+    """Whatever choose() returns (without overrides) is one of the gate's specialisations."""
+    listed = {a: {e for _, e in _families.specialisations(a)} for a in ("sm_80", "sm_90a")}
+    for dev, arch in ((A100, "sm_80"), (H200, "sm_90a")):
+        for dtype in (BF16, F16, "float32", "float64"):
+            for d in (8, 40, 64, 100, 128, 200, 256):
+                for causal in (False, True):
+                    for nb, L in ((1, 100), (64, 1024)):
+                        assert fwd(dev, dtype=dtype, d=d, causal=causal, nbatch=nb,
+                                   Lq=L).expr in listed[arch]
+                        for det in (False, True):
+                            assert bwd(dev, dtype=dtype, d=d, causal=causal, det=det,
+                                       nbatch=nb, Lq=L).expr in listed[arch]
+
+
+def test_gate_lists_families_per_arch():
+    src = {a: {s for s, _ in _families.specialisations(a)} for a in ("sm_70", "sm_80", "sm_90a")}
+    assert src["sm_70"] == {"fwd_simt.cu", "bwd_simt.cu", "bwd_prep.cu"}
+    assert src["sm_80"] == src["sm_70"] | {"fwd_sm80.cu", "bwd_sm80.cu"}
+    assert src["sm_90a"] == src["sm_80"] | {"fwd_sm90.cu", "bwd_sm90.cu"}
+    for a in src:
+        sp = _families.specialisations(a)
+        assert len(sp) == len(set(sp))
+    with pytest.raises(ValueError, match="unknown architecture 'foo'"):
+        _families.specialisations("foo")
+
+
+@pytest.mark.parametrize("name", sorted(_traits.TABLES))
+def test_traits_smem_match_the_kernel(name):
+    """Traits.smem_bytes equals the kernel traits struct's own figure, for every table entry
+    (NVRTC static_asserts, no GPU): the one formula written on both sides."""
+    fam = FAMILIES[name]
+    arch = "sm_90a" if fam.min_cc == 90 else "sm_80"
+    try:
+        nvrtc = _jit._nvrtc_for(arch)
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    entries = set(_traits.TABLES[name].values())
+    if name == "fwd_sm80":
+        entries |= {_traits.small_grid(t) for t in entries}
+    checks = [f'static_assert({fam.smem_check(t)} == {t.smem_bytes}, "{t.describe()}");'
+              for t in entries]
+    src = (_jit.load_source(fam.source) + "\nnamespace cuflash_probe {\n" + "\n".join(checks)
+           + "\n__global__ void probe() {}\n}\n")
+    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash_probe::probe"], _jit._options(arch))
+    assert lowered is not None, log
+
+
+def test_params_layout_matches_the_struct():
+    """NVRTC checks sizeof and every offsetof of cuflash::Params against _launch.PARAMS."""
+    from cuflash import _launch
+    try:
+        nvrtc = _jit._nvrtc_for("sm_80")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    dt = _launch.PARAMS
+    checks = [f'static_assert(sizeof(Params) == {dt.itemsize}, "sizeof");']
+    checks += [f'static_assert(__builtin_offsetof(Params, {name}) == {off}, "{name}");'
+               for name, (_, off) in dt.fields.items()]
+    checks += [f'static_assert(__builtin_offsetof(VariantParams, {name}) == {off}, "{name}");'
+               for name, (_, off) in dt["var"].fields.items()]
+    src = (_jit.load_source("common.cuh") + "\nnamespace cuflash {\n" + "\n".join(checks)
+           + "\n__global__ void probe(const Params p) {}\n}\n")
+    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
+    assert lowered is not None, log

@@ -1,0 +1,472 @@
+"""The kernel-family registry: one record per family, and the dispatcher that reads it.
+
+A *family* is one CUDA kernel template in ``cuda_src/`` (fwd_sm90, fwd_sm80, fwd_simt, bwd_*,
+and the backward's helper kernels). Its record says everything the rest of the package needs
+to know about it: the source file, the architectures, dtypes, head dims and features it
+supports, its traits table (tile sizes, each with the reason it was chosen), and how its
+template arguments are spelled. The dispatcher (:func:`choose`), the launcher (``_launch``),
+the compile gate (:func:`specialisations`, :func:`check`) and ``python -m cuflash info
+--explain`` all read these records; adding a family is adding a record here and a .cu file.
+
+The tile tables themselves, with their reasons, are in ``_traits.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from typing import Callable, Iterable
+
+import ml_dtypes
+import numpy
+
+from . import _traits
+from ._traits import Traits
+from ._variant import ALL_VARIANTS, Variant
+
+HALF = frozenset(("float16", "bfloat16"))
+ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
+_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+
+
+def ctype(dtype) -> str:
+    """The C++ type of a NumPy dtype as the kernels spell it (``__nv_bfloat16``, ...)."""
+    return _CTYPE[numpy.dtype(dtype).name]
+
+
+def acc_ctype(dtype) -> str:
+    """The accumulation type: double for float64, float for everything else."""
+    return "double" if numpy.dtype(dtype) == numpy.float64 else "float"
+
+
+def _bool(x: bool) -> str:
+    return "true" if x else "false"
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: what the dispatcher needs to know about a GPU
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """The properties of a GPU that dispatch depends on."""
+    cc: int            # compute capability as an int: 90 for 9.0
+    num_sms: int
+    smem_optin: int    # bytes of shared memory one block may opt in to
+    name: str = ""
+
+    @property
+    def arch(self) -> str:
+        """The NVRTC target: ``sm_90a`` on Hopper (wgmma, setmaxnreg), else ``sm_<cc>``."""
+        return "sm_90a" if self.cc == 90 else f"sm_{self.cc}"
+
+
+#: Devices to explain dispatch for without a GPU (``python -m cuflash info --explain --gpu``).
+PROFILES = {
+    "h200": DeviceInfo(90, 132, 232448, "NVIDIA H200"),
+    "h100": DeviceInfo(90, 132, 232448, "NVIDIA H100 SXM"),
+    "a100": DeviceInfo(80, 108, 166912, "NVIDIA A100"),
+    "l40s": DeviceInfo(89, 142, 101376, "NVIDIA L40S"),
+    "v100": DeviceInfo(70, 80, 98304, "NVIDIA V100"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(device_id: int) -> DeviceInfo:
+    """The DeviceInfo of CUDA device ``device_id`` (read once per process)."""
+    import cupy
+    rt = cupy.cuda.runtime
+    props = rt.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return DeviceInfo(cc=10 * props["major"] + props["minor"],
+                      num_sms=props["multiProcessorCount"],
+                      smem_optin=int(rt.deviceGetAttribute(
+                          rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)),
+                      name=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# What dispatch looks at: the shape of a problem, without its arrays
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The part of an attention problem that decides the kernel: no arrays, no strides."""
+    dtype: str         # numpy dtype name
+    nbatch: int        # product of the batch shape
+    Lq: int
+    Lk: int
+    d: int
+    dv: int
+    variant: Variant
+    deterministic: bool = False   # backward only
+
+    @classmethod
+    def of(cls, prob, deterministic: bool = False) -> "Shape":
+        from ._variant import variant_of
+        return cls(prob.dtype.name, math.prod(prob.batch_shape), prob.Lq, prob.Lk, prob.d,
+                   prob.dv, variant_of(prob), bool(deterministic))
+
+    @property
+    def dmax(self) -> int:
+        return max(self.d, self.dv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The family record
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One kernel template in ``cuda_src/`` and what it supports.
+
+    ``template`` spells a specialisation: ``{T}`` (the storage type), ``{Acc}`` (accumulation
+    type), ``{variant}`` (``cuflash::Variant<...>``), each tile argument by name
+    (``{head_dim}``, ``{block_n}``, ...) and each flag (``{even}``, ``{deterministic}``).
+    ``select(family, shape, device)`` picks the traits and flags for one problem (or says why
+    it cannot); ``instances(family, arch)`` lists every (traits, flags) the dispatcher can
+    select, for the compile gate.
+    """
+    name: str
+    kind: str                        # "fwd", "bwd" or "aux" (helper kernels of the backward)
+    source: str                      # file in cuda_src/
+    template: str
+    min_cc: int = 70
+    max_cc: int = 10**6
+    dtypes: frozenset = ALL_DTYPES
+    head_dims: tuple[int, int] = (1, 256)   # range of max(d, dv)
+    features: frozenset = frozenset({"causal"})
+    tensor_core_rows: bool = False   # inputs need contiguous, 16-byte aligned rows (cp.async)
+    #: the C++ expression of the kernel's own shared-memory size for a traits entry (the tests
+    #: static_assert it equals Traits.smem_bytes, the one formula written on both sides)
+    smem_expr: str = ""
+    select: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+    instances: Callable | None = dataclasses.field(default=None, repr=False, compare=False)
+    summary: str = ""
+
+    def expr(self, dtype, traits: Traits | None = None, variant: Variant | None = None,
+             **flags) -> str:
+        """The NVRTC name expression of one specialisation."""
+        values = dict(traits.args) if traits is not None else {}
+        values.update({k: _bool(v) if isinstance(v, bool) else v for k, v in flags.items()})
+        return self.template.format(T=ctype(dtype), Acc=acc_ctype(dtype),
+                                    variant=variant.cpp if variant else "", **values)
+
+    def smem_check(self, traits: Traits) -> str:
+        """The kernel's own shared-memory size of ``traits`` as a C++ expression."""
+        dtype = "float64" if traits.acc == 8 else ("float32" if traits.family.endswith("simt")
+                                                   else "float16")
+        return self.smem_expr.format(T=ctype(dtype), **dict(traits.args))
+
+    def arch_ok(self, cc: int) -> bool:
+        return self.min_cc <= cc <= self.max_cc
+
+    def rejects(self, shape: Shape, device: DeviceInfo) -> str | None:
+        """Why this family cannot run ``shape`` on ``device`` (None: it can, table permitting)."""
+        if not self.arch_ok(device.cc):
+            need = (f"compute capability {self.min_cc / 10:.1f}" if self.max_cc == self.min_cc
+                    else f"compute capability >= {self.min_cc / 10:.1f}")
+            return f"needs {need}, the device has {device.cc / 10:.1f}"
+        if shape.dtype not in self.dtypes:
+            return f"takes {'/'.join(sorted(self.dtypes))}, not {shape.dtype}"
+        lo, hi = self.head_dims
+        if not lo <= shape.dmax <= hi:
+            return f"takes max(d, dv) in {lo}..{hi}, not {shape.dmax}"
+        missing = shape.variant.features - self.features
+        if missing:
+            return f"does not implement {', '.join(sorted(missing))}"
+        if self.kind == "bwd" and shape.deterministic and "deterministic" not in self.features:
+            return "has no deterministic mode"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the dispatcher picked for one problem, and why."""
+    family: Family
+    traits: Traits
+    flags: tuple[tuple[str, bool], ...]
+    expr: str
+    reasons: tuple[str, ...]          # the chain of decisions, for ``info --explain``
+
+    @property
+    def flag(self) -> dict[str, bool]:
+        return dict(self.flags)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment overrides (tuning runs and A/B comparisons; read per plan, plans are cached)
+# ---------------------------------------------------------------------------------------------
+
+#: CUFLASH_FWD / CUFLASH_BWD: the family to start the search from ("auto": the best that
+#: applies). ``CUFLASH_FWD=sm80`` keeps Hopper on the mma.sync kernel, ``CUFLASH_BWD=simt``
+#: forces the generic backward; a family that cannot run the problem falls through to the next.
+_FAMILY_ENV = {"fwd": "CUFLASH_FWD", "bwd": "CUFLASH_BWD"}
+
+
+def family_override(kind: str) -> str:
+    var = _FAMILY_ENV[kind]
+    value = os.environ.get(var, "").strip().lower() or "auto"
+    allowed = ["auto"] + [f.name.split("_", 1)[1] for f in by_kind(kind)]
+    if value not in allowed:
+        raise ValueError(f"{var}={value!r}: expected one of {allowed}")
+    return value
+
+
+def tile_override(family: str, bucket: int) -> tuple[int, ...] | None:
+    """``CUFLASH_TILES="fwd_sm80:64=32:8:1:2;bwd_sm90:128=64:2:1"``: replace the table entry
+    of (family, head-dim bucket) by these values of its tile arguments after ``head_dim``, in
+    template order. For tuning runs; the compile gate checks the tables, not these."""
+    spec = os.environ.get("CUFLASH_TILES", "")
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        m = re.fullmatch(r"(\w+):(\d+)=([\d:]+)", item)
+        if not m:
+            raise ValueError(f"CUFLASH_TILES entry {item!r}: expected family:bucket=a:b:...")
+        if m.group(1) == family and int(m.group(2)) == bucket:
+            return tuple(int(x) for x in m.group(3).split(":"))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The records
+# ---------------------------------------------------------------------------------------------
+
+def _table_traits(fam: Family, key, bucket: int) -> Traits:
+    t = _traits.TABLES[fam.name][key]
+    values = tile_override(fam.name, bucket)
+    return t if values is None else t.with_values(values)
+
+
+def _fwd_sm90_select(fam, shape, dev):
+    bucket = -(-shape.dmax // 64) * 64
+    t = _table_traits(fam, bucket, bucket)
+    why = [f"head-dim bucket {bucket} (max(d, dv) = {shape.dmax} rounded up to 64): {t.reason}"]
+    blocks = lambda t: shape.nbatch * -(-shape.Lq // t.block_m)   # noqa: E731
+    while t["warpgroups"] > 1 and blocks(t) < t.min_blocks * dev.num_sms:
+        t = t.replace(warpgroups=t["warpgroups"] - 1)
+        why.append(f"{blocks(t)} blocks would leave SMs idle with more warpgroups: "
+                   f"{t['warpgroups']} a block")
+    even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
+    why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
+               "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
+    return t, {"even": even}, why
+
+
+def _fwd_sm90_instances(fam, arch):
+    for bucket, t in _traits.TABLES[fam.name].items():
+        for w in range(1, t["warpgroups"] + 1):
+            for even in (False, True):
+                yield t.replace(warpgroups=w), {"even": even}
+
+
+def _fwd_sm80_select(fam, shape, dev):
+    bucket = max(32, -(-shape.dmax // 32) * 32)
+    causal = shape.variant.causal
+    key = (bucket, causal) if (bucket, causal) in _traits.TABLES[fam.name] else (bucket, None)
+    t = _table_traits(fam, key, bucket)
+    why = [f"head-dim bucket {bucket}{' (causal)' if key[1] is not None else ''}: {t.reason}"]
+    if shape.nbatch * -(-shape.Lq // t.block_m) < t.min_blocks * dev.num_sms:
+        t = _traits.small_grid(t)
+        why.append(f"few (batch, Q-tile) blocks: {t['warps']} warps of one slice (BLOCK_M = "
+                   f"{t.block_m}) for twice the blocks")
+    even = (t.allow_even and shape.Lq % t.block_m == 0 and shape.Lk % t.block_n == 0
+            and shape.d == bucket and shape.dv == bucket)
+    why.append(f"EVEN={_bool(even)}")
+    return t, {"even": even}, why
+
+
+def _fwd_sm80_instances(fam, arch):
+    table = _traits.TABLES[fam.name]
+    for (bucket, causal), t in table.items():
+        if causal is None and (bucket, False) in table:
+            causal = True           # the non-causal problems of this bucket have their own entry
+        for tt in dict.fromkeys((t, _traits.small_grid(t))):
+            for even in (False, True) if tt.allow_even else (False,):
+                yield tt, {"even": even}, causal
+
+
+def _simt_select(fam, shape, dev):
+    bucket = _traits.simt_bucket(shape.dmax)
+    acc = 8 if shape.dtype == "float64" else 4
+    t = _traits.TABLES[fam.name][(acc, bucket)]
+    why = [f"head-dim bucket {bucket}, {'float64' if acc == 8 else 'float32'} accumulation: "
+           f"{t.reason}"]
+    flags = {"deterministic": shape.deterministic} if fam.kind == "bwd" else {}
+    return t, flags, why
+
+
+def _simt_instances(fam, arch):
+    for (acc, bucket), t in _traits.TABLES[fam.name].items():
+        dtypes = ("float64",) if acc == 8 else ("float16", "bfloat16", "float32")
+        for det in ((False, True) if fam.kind == "bwd" else (None,)):
+            flags = {} if det is None else {"deterministic": det}
+            yield t, flags, None, dtypes
+
+
+def _bwd_tc_select(fam, shape, dev):
+    step = 64 if fam.name == "bwd_sm90" else 32
+    bucket = max(32, -(-shape.dmax // step) * step)
+    table = _traits.TABLES[fam.name]
+    key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
+    t = _table_traits(fam, key, bucket)
+    if t.smem_bytes > dev.smem_optin:
+        return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
+    del table
+    flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
+    return t, flags, [f"head-dim bucket {bucket}: {t.reason}"]
+
+
+def _bwd_sm90_instances(fam, arch):
+    for (bucket, causal), t in _traits.TABLES[fam.name].items():
+        yield t, {}, causal
+
+
+def _bwd_sm80_instances(fam, arch):
+    for t in _traits.TABLES[fam.name].values():
+        for det in (False, True):
+            yield t, {"deterministic": det}
+
+
+REGISTRY: tuple[Family, ...] = (
+    # -- forward, best first
+    Family("fwd_sm90", "fwd", "fwd_sm90.cu",
+           "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
+           "{variant}, {even}>",
+           min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 256), tensor_core_rows=True,
+           smem_expr="cuflash::sm90::Sm90Traits<{T}, {head_dim}, {block_n}, {warpgroups}, "
+                     "{min_blocks}>::kSmemBytes",
+           select=_fwd_sm90_select, instances=_fwd_sm90_instances,
+           summary="Hopper wgmma forward (FA-2 Algorithm 1, operands from shared memory)"),
+    Family("fwd_sm80", "fwd", "fwd_sm80.cu",
+           "cuflash::fwd_sm80<{T}, {head_dim}, {block_n}, {warps}, {slices}, {min_blocks}, "
+           "{variant}, {even}>",
+           min_cc=80, dtypes=HALF, tensor_core_rows=True,
+           smem_expr="cuflash::Sm80Traits<{T}, {head_dim}, {block_n}, {warps}, {slices}, "
+                     "{min_blocks}>::kSmemBytes",
+           select=_fwd_sm80_select, instances=_fwd_sm80_instances,
+           summary="mma.sync forward for sm_80 and newer (cp.async, ldmatrix)"),
+    Family("fwd_simt", "fwd", "fwd_simt.cu",
+           "cuflash::fwd_simt<{T}, {head_dim}, {variant}, {block_m}, {block_n}, {threads}, "
+           "{kc}, {vc}>",
+           smem_expr="cuflash::SimtTraits<{T}, {head_dim}, {block_m}, {block_n}, {threads}, "
+                     "{kc}, {vc}>::SMEM_BYTES",
+           select=_simt_select, instances=_simt_instances,
+           summary="generic forward: exact float32/float64, any GPU, any strides"),
+    # -- backward, best first
+    Family("bwd_sm90", "bwd", "bwd_sm90.cu",
+           "cuflash::sm90::bwd_sm90<{T}, {head_dim}, {block_m}, {warpgroups}, {min_blocks}, "
+           "{variant}>",
+           min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 128), tensor_core_rows=True,
+           smem_expr="cuflash::sm90::BwdSm90Traits<{T}, {head_dim}, {block_m}, {warpgroups}, "
+                     "{min_blocks}>::kSmemBytes",
+           select=_bwd_tc_select, instances=_bwd_sm90_instances,
+           summary="Hopper wgmma backward (FA-2 Algorithm 2, dQ by atomics)"),
+    Family("bwd_sm80", "bwd", "bwd_sm80.cu",
+           "cuflash::bwd_sm80<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, {min_blocks}, "
+           "{variant}, {deterministic}>",
+           min_cc=80, dtypes=HALF, head_dims=(1, 128), tensor_core_rows=True,
+           features=frozenset({"causal", "deterministic"}),
+           smem_expr="cuflash::BwdSm80Traits<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, "
+                     "{min_blocks}>::kSmemBytes",
+           select=_bwd_tc_select, instances=_bwd_sm80_instances,
+           summary="mma.sync backward (dQ by atomics, or semaphore-ordered when deterministic)"),
+    Family("bwd_simt", "bwd", "bwd_simt.cu",
+           "cuflash::bwd_simt<{T}, {head_dim}, {variant}, {deterministic}, {block_m}, "
+           "{block_n}, {threads}>",
+           features=frozenset({"causal", "deterministic"}),
+           smem_expr="cuflash::BwdSimtTraits<{T}, {head_dim}, {block_m}, {block_n}, "
+                     "{threads}>::SMEM_BYTES",
+           select=_simt_select, instances=_simt_instances,
+           summary="generic backward: exact float32/float64, any GPU, any strides"),
+    # -- helper kernels of every backward (no tiles, no Variant)
+    Family("bwd_dot", "aux", "bwd_prep.cu", "cuflash::bwd_dot_do_o<{T}>",
+           summary="D = rowsum(dO o O), line 4 of FA-2 Algorithm 2"),
+    Family("bwd_sum_dq", "aux", "bwd_prep.cu", "cuflash::bwd_sum_dq<{Acc}>",
+           summary="dQ of the deterministic bwd_simt: the key tiles' partials summed in order"),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in REGISTRY}
+
+
+def by_kind(kind: str) -> tuple[Family, ...]:
+    return tuple(f for f in REGISTRY if f.kind == kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher
+# ---------------------------------------------------------------------------------------------
+
+def choose(kind: str, shape: Shape, device: DeviceInfo) -> Choice:
+    """The best family of ``kind`` ("fwd" or "bwd") for ``shape`` on ``device``, its traits and
+    flags, with the chain of reasons (the families passed over, and why)."""
+    override = family_override(kind)
+    reasons = []
+    started = override == "auto"
+    for fam in by_kind(kind):
+        started = started or fam.name.endswith("_" + override)
+        if not started:
+            reasons.append(f"{fam.name}: skipped ({_FAMILY_ENV[kind]}={override})")
+            continue
+        why = fam.rejects(shape, device)
+        if why is None:
+            if kind == "bwd" and fam.name == "bwd_sm90" and shape.deterministic:
+                why = "dQ by atomics only (deterministic=True runs bwd_sm80's ordered dQ)"
+        picked = None if why else fam.select(fam, shape, device)
+        if isinstance(picked, str):
+            why = picked
+        if why:
+            reasons.append(f"{fam.name}: not used, {why}")
+            continue
+        traits, flags, more = picked
+        expr = fam.expr(shape.dtype, traits, shape.variant, **flags)
+        reasons.append(f"{fam.name}: {fam.summary}")
+        reasons.extend("  " + r for r in more)
+        return Choice(fam, traits, tuple(sorted(flags.items())), expr, tuple(reasons))
+    raise ValueError(f"no {kind} kernel family runs {shape} on {device}:\n  " + "\n  ".join(reasons))
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile gate: every specialisation the dispatcher can select
+# ---------------------------------------------------------------------------------------------
+
+def _arch_cc(arch: str) -> int:
+    m = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not m:
+        raise ValueError(f"unknown architecture {arch!r}: expected e.g. sm_80 or sm_90a")
+    return int(m.group(1))
+
+
+def specialisations(arch: str) -> list[tuple[str, str]]:
+    """Every (source, name expression) the dispatcher can select on ``arch`` (e.g. "sm_90a"),
+    each once. sm_90 without the ``a`` cannot run the wgmma families."""
+    cc = _arch_cc(arch)
+    out: dict[tuple[str, str], None] = {}
+    for fam in REGISTRY:
+        if not fam.arch_ok(cc) or (fam.min_cc == 90 and arch != "sm_90a"):
+            continue
+        if fam.kind == "aux":
+            for dt in sorted(fam.dtypes if "{T}" in fam.template else ("float32", "float64")):
+                out[(fam.source, fam.expr(dt))] = None
+            continue
+        for inst in fam.instances(fam, arch):
+            traits, flags = inst[0], inst[1]
+            causal = inst[2] if len(inst) > 2 else None
+            dtypes = inst[3] if len(inst) > 3 else sorted(fam.dtypes)
+            for variant in ALL_VARIANTS:
+                if causal is not None and variant.causal != causal:
+                    continue
+                for dt in dtypes:
+                    out[(fam.source, fam.expr(dt, traits, variant, **flags))] = None
+    return list(out)
+
+
+def check(archs: Iterable[str], progress: Callable[[int, int], None] | None = None,
+          workers: int | None = None):
+    """Compile every specialisation for each arch (the compile gate): a list of
+    ``_jit.CompileReport``. Work is spread over ``workers`` processes (default: all cores)."""
+    from . import _jit
+    jobs = [(source, expr, arch) for arch in archs for source, expr in specialisations(arch)]
+    return _jit.compile_many(jobs, progress=progress, workers=workers)

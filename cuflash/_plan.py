@@ -1,0 +1,316 @@
+"""Plans: every host-side decision of a GPU call, made once and cached.
+
+A plan holds what a call with given shapes, strides, dtype, keywords and device needs: the
+family and traits the dispatcher chose (with its reasons), the compiled kernels, the grid, and
+the parameter blocks with everything but the device pointers packed. Running a plan allocates
+the outputs and workspaces, patches the pointers and launches: no validation, no dispatch, no
+packing. ``_api`` keeps the plans in a bounded, thread-safe cache (:class:`PlanCache`) keyed by
+everything they depend on, so a repeated call costs a dictionary lookup and the launches.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+
+import numpy
+
+from . import _families, _launch
+from ._families import FAMILIES, Shape
+from ._launch import DK_OUT, DV_OUT, Launch, batch_layout, pack, word
+from ._variant import variant_params
+
+#: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
+#: Tile-major under a causal mask puts the heaviest tiles of every batch item first.
+CAUSAL_GRID_ORDER = 1
+#: bwd_dot_do_o: 256 threads a block, a query row a warp at least; at most 8 blocks an SM
+AUX_THREADS, DOT_ROWS_PER_BLOCK, DOT_BLOCKS_PER_SM = 256, 8, 8
+
+
+def grid_order(choice, causal: bool) -> int:
+    """Tile-major under a causal mask for the tensor-core families (whose ordering is written
+    for it), else batch-major. ``CUFLASH_GRID_ORDER`` overrides it for A/B runs."""
+    import os
+    fam = choice.family
+    if fam.name in ("fwd_simt", "bwd_simt", "bwd_sm80"):   # batch-major by construction
+        return 0
+    env = os.environ.get("CUFLASH_GRID_ORDER")
+    if env is not None:
+        return int(env)
+    return CAUSAL_GRID_ORDER if causal else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The sizes of a problem, without its arrays (a cached plan must not keep them alive)."""
+    batch_shape: tuple[int, ...]
+    Lq: int
+    Lk: int
+    d: int
+    dv: int
+    dtype: numpy.dtype
+
+    @classmethod
+    def of(cls, prob) -> "Dims":
+        return cls(prob.batch_shape, prob.Lq, prob.Lk, prob.d, prob.dv, prob.dtype)
+
+
+def _stream() -> int:
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+class ForwardPlan:
+    """The forward of one (shapes, strides, dtype, keywords, device)."""
+
+    def __init__(self, prob, o, lse):
+        dev = _families.device_info(prob.device_id)
+        self.device_id = prob.device_id
+        self.choice = _families.choose("fwd", Shape.of(prob), dev)
+        fam, t = self.choice.family, self.choice.traits
+        self.copies = fam.tensor_core_rows and not all(
+            _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v))
+        self.num_m_blocks = -(-prob.Lq // t.block_m)
+        self.lse_row = prob.Lq * lse.itemsize
+        self._vp = variant_params(prob)
+        self._order = grid_order(self.choice, prob.causal)
+        self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        self.dims = Dims.of(prob)
+        self._build(prob.q, prob.k, prob.v, o)
+
+    def _build(self, q, k, v, o):
+        tensors = {"q": q, "k": k, "v": v, "o": o}
+        self.layout = batch_layout(self.dims.batch_shape, list(tensors.values()))
+        p = pack(self.dims, tensors, self.layout, self._vp, num_m_blocks=self.num_m_blocks,
+                 grid_order=self._order)
+        t = self.choice.traits
+        self.launch = Launch(self._kernel, self.layout.inner_n * self.num_m_blocks, t.threads,
+                             t.smem_bytes, p, name=self.choice.expr)
+        self.itemsizes = tuple(x.itemsize for x in (q, k, v, o))
+
+    def __call__(self, q, k, v, o, lse) -> None:
+        """Compute into ``o`` and ``lse`` (arrays laid out as at planning) on the current
+        stream; q, k, v as given to ``attention`` or broadcast views of them."""
+        if self.copies:   # a layout the cp.async loads cannot read: copy, and pack for it
+            q, k, v = (_launch.tensor_core_input(x) for x in (q, k, v))
+            self._build(q, k, v, o)
+        self.run(_stream(), q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
+
+    def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+        """Launch with raw device pointers (the fast path of ``_api``)."""
+        iq, ik, iv, io = self.itemsizes
+        for first, (oq, ok, ov, oo) in self.layout.outer:
+            self.launch(stream, (0, q + oq * iq), (1, k + ok * ik), (2, v + ov * iv),
+                        (3, o + oo * io), (4, lse + first * self.lse_row))
+
+    def explain(self) -> str:
+        return explain_choice(self.choice, self.launch.grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+def _align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+class BackwardPlan:
+    """The backward of one (shapes, strides, dtype, keywords, device): D = rowsum(dO o O),
+    the main kernel (FA-2 Algorithm 2), and the finishing of dQ (and of dK, dV where they
+    must be summed over broadcast dimensions)."""
+
+    def __init__(self, prob, do, o, dq, dk, dv, deterministic: bool):
+        dev = _families.device_info(prob.device_id)
+        self.device_id = prob.device_id
+        self.prob = Dims.of(prob)
+        self.choice = _families.choose("bwd", Shape.of(prob, deterministic), dev)
+        fam, t = self.choice.family, self.choice.traits
+        self.tc = fam.tensor_core_rows
+        self.copies = self.tc and not all(
+            _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v, do))
+        self.acc = numpy.dtype(numpy.float64 if prob.dtype == numpy.float64 else numpy.float32)
+        nbatch = math.prod(prob.batch_shape)
+        Lq, Lk, d, d_v = prob.Lq, prob.Lk, prob.d, prob.dv
+        self.num_n_blocks = -(-Lk // t.block_n)
+        self.num_m_blocks = -(-Lq // t.block_m)
+        self.parts = self.num_n_blocks if (deterministic and not self.tc) else 1
+        # The tensor-core kernels write dk, dv straight into the result where no broadcast
+        # dimension needs summing (the result then has every batch item, C-contiguous)
+        self.dk_direct = self.tc and dk.size == nbatch * Lk * d
+        self.dv_direct = self.tc and dv.size == nbatch * Lk * d_v
+        a = self.acc.itemsize
+        sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
+                 "dq_sem": 4 * nbatch * self.num_m_blocks if (deterministic and
+                                                              fam.name == "bwd_sm80") else 0,
+                 "dpsum": nbatch * Lq * a,
+                 "dk_acc": 0 if self.dk_direct else nbatch * Lk * d * a,
+                 "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a}
+        self.offsets, total = {}, 0
+        for name, n in sizes.items():
+            self.offsets[name] = total
+            total += _align(n)
+        self.workspace = max(total, 256)
+        self.zeroed = self.offsets["dpsum"]   # dq_acc and dq_sem start at 0
+        self._vp = variant_params(prob)
+        self._order = grid_order(self.choice, prob.causal)
+        self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        dot = FAMILIES["bwd_dot"]
+        self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
+        self.num_sms = dev.num_sms
+        self._build(prob.q, prob.k, prob.v, o, do)
+
+    def _build(self, q, k, v, o, do):
+        prob, t = self.prob, self.choice.traits
+        tensors = {"q": q, "k": k, "v": v, "o": o, "dout": do}
+        self.layout = batch_layout(prob.batch_shape, list(tensors.values()))
+        flags = (DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
+        n = self.layout.inner_n
+        p = pack(prob, tensors, self.layout, self._vp, num_m_blocks=self.num_m_blocks,
+                 num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
+                 dq_block_stride=(math.prod(prob.batch_shape) * prob.Lq * prob.d
+                                  if self.parts > 1 else 0))
+        dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
+                                DOT_BLOCKS_PER_SM * self.num_sms))
+        self.dot = Launch(self._dot, dot_blocks, AUX_THREADS, 0, p, name="bwd_dot_do_o")
+        self.main = Launch(self._main, n * self.num_n_blocks, t.threads, t.smem_bytes, p,
+                           name=self.choice.expr)
+        self.itemsizes = tuple(x.itemsize for x in (q, k, v, o, do))
+
+    def __call__(self, do, q, k, v, o, lse, dq, dk, dv) -> None:
+        import cupy
+        prob = self.prob
+        if self.copies:
+            q, k, v, do = (_launch.tensor_core_input(x) for x in (q, k, v, do))
+            self._build(q, k, v, o, do)
+        lse = cupy.ascontiguousarray(lse)
+        ws = cupy.cuda.alloc(self.workspace)
+        stream = _stream()
+        base = ws.ptr
+        if self.zeroed:
+            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
+        off, a = self.offsets, self.acc.itemsize
+        Lq, Lk, d, d_v = prob.Lq, prob.Lk, prob.d, prob.dv
+        iq, ik, iv, io, ido = self.itemsizes
+        dk_base = dk.data.ptr if self.dk_direct else base + off["dk_acc"]
+        dv_base = dv.data.ptr if self.dv_direct else base + off["dv_acc"]
+        dk_isz = dk.itemsize if self.dk_direct else a
+        dv_isz = dv.itemsize if self.dv_direct else a
+        sem_row = 4 * self.num_m_blocks
+        for first, (oq, ok, ov, oo, odo) in self.layout.outer:
+            ptrs = ((word("q"), q.data.ptr + oq * iq), (word("k"), k.data.ptr + ok * ik),
+                    (word("v"), v.data.ptr + ov * iv), (word("o"), o.data.ptr + oo * io),
+                    (word("dout"), do.data.ptr + odo * ido),
+                    (word("lse"), lse.data.ptr + first * Lq * lse.itemsize),
+                    (word("dpsum"), base + off["dpsum"] + first * Lq * a),
+                    (word("dq_acc"), base + off["dq_acc"] + first * Lq * d * a),
+                    (word("dk_acc"), dk_base + first * Lk * d * dk_isz),
+                    (word("dv_acc"), dv_base + first * Lk * d_v * dv_isz),
+                    (word("dq_sem"), base + off["dq_sem"] + first * sem_row))
+            self.dot(stream, *ptrs)      # -- 4: D = rowsum(dO o O)
+            self.main(stream, *ptrs)     # -- 5-19: one block per (batch item, key tile)
+        self._finish(ws, dq, dk, dv)
+
+    def _finish(self, ws, dq, dk, dv) -> None:
+        """dQ (and dK, dV where broadcast) from the accumulation buffers into the results."""
+        import cupy
+        prob, off, acc = self.prob, self.offsets, self.acc
+        bs = prob.batch_shape
+
+        def view(name, shape):
+            return cupy.ndarray(shape, acc, memptr=ws + off[name])
+        summed = view("dq_acc", bs + (prob.Lq, prob.d))
+        if self.parts > 1:     # deterministic bwd_simt: the key tiles' partials, in order
+            parts = view("dq_acc", (self.parts,) + bs + (prob.Lq, prob.d))
+            summed = cupy.empty(bs + (prob.Lq, prob.d), acc)
+            fam = FAMILIES["bwd_sum_dq"]
+            k = _launch.kernel(fam.source, fam.expr(prob.dtype), self.device_id, 0)
+            total = summed.size
+            k((max(1, min(-(-total // AUX_THREADS), 65535)),), (AUX_THREADS,),
+              (parts, summed, numpy.int64(total), numpy.int32(self.parts)))
+        _sum_into(dq, summed)
+        if not self.dk_direct:
+            _sum_into(dk, view("dk_acc", bs + (prob.Lk, prob.d)))
+        if not self.dv_direct:
+            _sum_into(dv, view("dv_acc", bs + (prob.Lk, prob.dv)))
+
+    def explain(self) -> str:
+        return explain_choice(self.choice, self.main.grid)
+
+
+def _sum_into(out, acc) -> None:
+    """``out[...] = acc`` summed over the dimensions broadcasting added to ``out.shape``, in
+    acc's dtype, rounded once to out's dtype by the copy."""
+    from ._problem import broadcast_axes
+    axes = broadcast_axes(tuple(out.shape), tuple(acc.shape))
+    if axes:
+        acc = acc.sum(axis=axes, keepdims=True)
+    out[...] = acc.reshape(out.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------------------------
+
+class PlanCache:
+    """A bounded map from call keys to plans, safe to use from many threads; when full, the
+    oldest entry goes (a lookup does not reorder, to stay cheap).
+
+    ``get_or_build(key, build)`` returns the cached plan or builds it (outside the lock, so a
+    slow compilation in one thread does not stall the others; if two threads build the same
+    plan at once, both results are correct and the first stored wins)."""
+
+    def __init__(self, maxsize: int = 512):
+        self.maxsize = maxsize
+        self._d: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        try:
+            plan = self._d[key]
+        except KeyError:
+            return None
+        self.hits += 1
+        return plan
+
+    def get_or_build(self, key, build):
+        plan = self.get(key)
+        if plan is not None:
+            return plan
+        plan = build()
+        with self._lock:
+            self.misses += 1
+            plan = self._d.setdefault(key, plan)
+            while len(self._d) > self.maxsize:
+                self._d.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Explaining a choice (python -m cuflash info --explain, cuflash.explain)
+# ---------------------------------------------------------------------------------------------
+
+def explain_choice(choice, grid: int | None = None) -> str:
+    t = choice.traits
+    lines = [f"kernel: {choice.expr}", f"source: cuda_src/{choice.family.source}",
+             f"tiles:  {t.describe()}"]
+    if grid is not None:
+        lines.append(f"grid:   {grid} blocks of {t.threads} threads")
+    lines.append("why:")
+    lines += ["  " + r for r in choice.reasons]
+    return "\n".join(lines)

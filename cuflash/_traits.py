@@ -1,0 +1,294 @@
+"""Traits tables: the tile sizes of every kernel family, each with the reason it was chosen.
+
+A :class:`Traits` is one tile configuration of one family: its tile template arguments by name,
+in the kernel's order, and what follows from them (rows and keys a block, threads, shared
+memory). The C++ traits struct of each family (``Sm80Traits``, ``Sm90Traits``, ...) derives the
+same quantities from the same arguments and ``static_assert``s the rules, so a bad entry here
+fails to compile instead of running wrong; the shared-memory formulas are the only ones written
+on both sides (tests compare them through NVRTC).
+
+Register counts quoted in the reasons are ptxas's (``python -m cuflash check``); timings are in
+``bench/NOTES.md``. H200: 132 SMs, 227 KB of shared memory a block, 64K registers an SM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """One tile configuration of one kernel family."""
+    family: str
+    args: tuple[tuple[str, int], ...]   # the tile template arguments, by name, in kernel order
+    head_dim: int                        # the head-dim bucket: max(d, dv) rounded up
+    block_m: int                         # query rows a block (B_r)
+    block_n: int                         # keys a tile (B_c)
+    threads: int
+    smem_bytes: int                      # dynamic shared memory of one block
+    min_blocks: int = 1                  # blocks an SM the registers must allow
+    allow_even: bool = True              # fwd_sm80: False where the EVEN build spills
+    acc: int = 4                         # bytes of the accumulation type (simt families)
+    reason: str = dataclasses.field(default="", compare=False)
+
+    def __getitem__(self, name: str) -> int:
+        return dict(self.args)[name]
+
+    def replace(self, **named) -> "Traits":
+        """The same family's traits with some tile arguments changed (derived values follow)."""
+        extra = {"acc": self.acc} if self.family.endswith("_simt") else {}
+        return MAKE[self.family](**{**dict(self.args), **extra, **named}, reason=self.reason)
+
+    def with_values(self, values: tuple[int, ...]) -> "Traits":
+        """Replace the arguments after ``head_dim`` by ``values``, in order (CUFLASH_TILES)."""
+        names = [n for n, _ in self.args if n != "head_dim"]
+        if len(values) != len(names):
+            raise ValueError(f"CUFLASH_TILES for {self.family} needs {len(names)} values "
+                             f"({':'.join(names)}), got {values}")
+        return self.replace(**dict(zip(names, values)))
+
+    def describe(self) -> str:
+        return (", ".join(f"{n}={v}" for n, v in self.args)
+                + f" -> BLOCK_M={self.block_m}, BLOCK_N={self.block_n}, {self.threads} threads, "
+                  f"{self.smem_bytes} B shared memory")
+
+
+def _traits(family: str, names: tuple[str, ...], values: dict, **derived) -> Traits:
+    return Traits(family, tuple((n, int(values[n])) for n in names), **derived)
+
+
+# ---------------------------------------------------------------------------------------------
+# Constructors: one per family, deriving what the kernel's traits struct derives
+# ---------------------------------------------------------------------------------------------
+
+def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, reason=""):
+    """Sm90Traits: 64 query rows a warpgroup; Q + two stages of K, V, + 1 KB to align."""
+    bm = 64 * warpgroups
+    return _traits("fwd_sm90", ("head_dim", "block_n", "warpgroups", "min_blocks"), locals(),
+                   head_dim=head_dim, block_m=bm, block_n=block_n, threads=128 * warpgroups,
+                   smem_bytes=(bm + 4 * block_n) * head_dim * 2 + 1024, min_blocks=min_blocks,
+                   reason=reason)
+
+
+def fwd_sm80(head_dim, block_n, warps, slices, min_blocks=1, allow_even=True, reason=""):
+    """Sm80Traits: 16-row slices, SLICES a warp; Q (reused for O) + two stages of K, V."""
+    bm = 16 * slices * warps
+    return _traits("fwd_sm80", ("head_dim", "block_n", "warps", "slices", "min_blocks"),
+                   locals(), head_dim=head_dim, block_m=bm, block_n=block_n, threads=32 * warps,
+                   smem_bytes=(bm + 4 * block_n) * head_dim * 2, min_blocks=min_blocks,
+                   allow_even=allow_even, reason=reason)
+
+
+def fwd_simt(head_dim, block_m, block_n, threads, kc, vc, acc=4, reason=""):
+    """SimtTraits: with vec = 16 / acc Acc values a 16-byte access, shared memory holds
+    sQ (block_m x (head_dim + vec)), sP transposed (block_n x (block_m + vec)) and two staging
+    buffers of max(block_n x (kc + vec), vc x head_dim)."""
+    vec = 16 // acc
+    stage = max(block_n * (kc + vec), vc * head_dim)
+    smem = acc * (block_m * (head_dim + vec) + block_n * (block_m + vec) + 2 * stage)
+    return _traits("fwd_simt", ("head_dim", "block_m", "block_n", "threads", "kc", "vc"),
+                   locals(), head_dim=head_dim, block_m=block_m, block_n=block_n,
+                   threads=threads, smem_bytes=smem, min_blocks=2, acc=acc, reason=reason)
+
+
+def bwd_sm90(head_dim, block_m, warpgroups, min_blocks=1, reason=""):
+    """BwdSm90Traits: K_j, V_j; two stages of Q_i, dO_i; dS^T (2-byte); two stages of L_i, D_i
+    (float); + 1 KB to align the base to a swizzle atom."""
+    bn = 64 * warpgroups
+    smem = 2 * bn * head_dim * 2 + 2 * 2 * block_m * head_dim * 2 + bn * block_m * 2 \
+        + 2 * 2 * block_m * 4 + 1024
+    return _traits("bwd_sm90", ("head_dim", "block_m", "warpgroups", "min_blocks"), locals(),
+                   head_dim=head_dim, block_m=block_m, block_n=bn, threads=128 * warpgroups,
+                   smem_bytes=smem, min_blocks=min_blocks, reason=reason)
+
+
+def bwd_sm80(head_dim, block_m, sub_m, warps, min_blocks=1, reason=""):
+    """BwdSm80Traits: K_j, V_j; two stages of Q_i, dO_i; dS_ij^T (all 2-byte); two stages of
+    L_i, D_i (float)."""
+    bn = 16 * warps
+    smem = 2 * bn * head_dim * 2 + 2 * 2 * block_m * head_dim * 2 + bn * block_m * 2 \
+        + 2 * 2 * block_m * 4
+    return _traits("bwd_sm80", ("head_dim", "block_m", "sub_m", "warps", "min_blocks"),
+                   locals(), head_dim=head_dim, block_m=block_m, block_n=bn, threads=32 * warps,
+                   smem_bytes=smem, min_blocks=min_blocks, reason=reason)
+
+
+def bwd_simt(head_dim, block_m, block_n, threads, acc=4, reason=""):
+    """BwdSimtTraits: K_j, V_j, Q_i, dO_i (pitch head_dim + 1), P_ij, dS_ij and L_i, D_i, all
+    in the accumulation type."""
+    m, n = block_m, block_n
+    smem = acc * (2 * n * (head_dim + 1) + 2 * m * (head_dim + 1) + 2 * m * (n + 1) + 2 * m)
+    return _traits("bwd_simt", ("head_dim", "block_m", "block_n", "threads"), locals(),
+                   head_dim=head_dim, block_m=block_m, block_n=block_n, threads=threads,
+                   smem_bytes=smem, min_blocks=2, acc=acc, reason=reason)
+
+
+MAKE: dict[str, Callable[..., Traits]] = {
+    "fwd_sm90": fwd_sm90, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
+    "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# fwd_sm90 (cuda_src/fwd_sm90.cu), keyed by head-dim bucket (multiples of 64)
+# ---------------------------------------------------------------------------------------------
+# * A warpgroup owns 64 rows (wgmma's M). While one warpgroup is in its softmax the others'
+#   wgmma's keep the tensor cores busy, so an SM should hold several warpgroups: O takes d/2
+#   registers a thread, S BLOCK_N/2, P BLOCK_N/4.
+# * Independent blocks beat one large block: the warpgroups of a block meet at a barrier every
+#   key tile, those of different blocks never do.
+# * Fewer warpgroups a block when the grid would leave SMs idle (short Lq, few heads): the
+#   dispatcher steps down from the table's count (every count is compiled).
+FWD_SM90 = {
+    64: fwd_sm90(64, 64, 2, 2, reason=(
+        "2 warpgroups a block, 64-key tiles, <= 128 registers so two blocks share an SM "
+        "(1.19-1.27x SDPA flash at L = 1k-4k, against 0.87-1.10x for one 3-warpgroup block "
+        "with 128-key tiles)")),
+    128: fwd_sm90(128, 64, 3, reason=(
+        "O is 64 registers, so two blocks an SM do not fit; 3 warpgroups (168-register cap) "
+        "with 64-key tiles (1.04-1.40x; 128-key tiles cap the block at 2 warpgroups and were "
+        "slower, 0.89-1.10x)")),
+    192: fwd_sm90(192, 64, 2, reason="O alone is 96 registers: 64-key tiles, 2 warpgroups"),
+    256: fwd_sm90(256, 64, 2, reason=(
+        "O alone is 128 registers: 64-key tiles, 2 warpgroups (shared memory: Q 64 KB + "
+        "2 x (K + V) 128 KB)")),
+}
+
+# ---------------------------------------------------------------------------------------------
+# fwd_sm80 (cuda_src/fwd_sm80.cu), keyed by (head-dim bucket, causal): None = either
+# ---------------------------------------------------------------------------------------------
+# * BLOCK_M = 128 everywhere: every K/V tile brought into shared memory serves 128 query rows,
+#   which halves the L2 -> SM traffic of a 64-row tile.
+# * One 16-row slice a warp (8 warps) by default: two slices (4 warps x 32 rows) halve the
+#   ldmatrix traffic per mma but double the S and O accumulators.
+_ONE_SLICE_SMALL = ("one slice a warp, {n}-key tiles keep the kernel at <= 128 registers, so two "
+                    "256-thread blocks share an SM and one block's barrier stalls hide behind "
+                    "the other's")
+FWD_SM80 = {
+    (32, None): fwd_sm80(32, 64, 8, 1, 2, reason=_ONE_SLICE_SMALL.format(n=64)),
+    (64, None): fwd_sm80(64, 32, 8, 1, 2, reason=_ONE_SLICE_SMALL.format(n=32)
+                         + " (causal: two slices measured 0.81-0.95x SDPA flash, one 0.81-0.84x "
+                           "but better at 1k-4k)"),
+    (64, False): fwd_sm80(64, 64, 4, 2, 2, reason=(
+        "two 16-row slices a warp: each K/V fragment feeds two mma's (0.96-1.03x SDPA flash "
+        "against 0.85-0.90x with one slice, non-causal)")),
+    (96, None): fwd_sm80(96, 64, 8, 1, reason=(
+        "O d/2 and Q d/2 registers a thread, S 32 at 64 keys: 200-250 registers, one block an "
+        "SM; 64-key tiles amortise the barrier and the softmax bookkeeping")),
+    (128, None): fwd_sm80(128, 64, 8, 1, reason="as d = 96: one block an SM, 64-key tiles"),
+    (128, False): fwd_sm80(128, 32, 4, 2, 2, allow_even=False, reason=(
+        "two slices fit only with 32-key tiles and Q re-read from shared memory (253 "
+        "registers); the EVEN build of this configuration spills 20 bytes, so it always runs "
+        "predicated")),
+    (160, None): fwd_sm80(160, 64, 8, 1, reason="one block an SM, 64-key tiles"),
+    (192, None): fwd_sm80(192, 64, 8, 1, reason="one block an SM, 64-key tiles"),
+    (224, None): fwd_sm80(224, 32, 8, 1, reason="O alone is 112 registers: 64-key tiles spill"),
+    (256, None): fwd_sm80(256, 32, 8, 1, reason="O alone is 128 registers: 64-key tiles spill"),
+}
+
+
+def small_grid(t: Traits) -> Traits:
+    """fwd_sm80 with 64-row tiles (4 warps of one slice): twice the blocks of a 128-row
+    configuration, same registers a thread; for grids that would leave SMs idle."""
+    return fwd_sm80(t.head_dim, t.block_n, 4, 1, t.min_blocks, allow_even=True,
+                    reason=t.reason + "; 64-row blocks for a small grid")
+
+
+# ---------------------------------------------------------------------------------------------
+# fwd_simt (cuda_src/fwd_simt.cu), keyed by (accumulator bytes, head-dim bucket)
+# ---------------------------------------------------------------------------------------------
+# * 256 threads = 8 warps and, at <= 128 registers (__launch_bounds__(NTHREADS, 2)), 2 blocks
+#   (16 warps) an SM, enough to hide the global-load latency the register prefetch does not.
+# * Each thread owns a 4 x TN micro-tile of S and a 4 x DN micro-tile of O; with TN = 4 and
+#   16-byte shared loads, each k step issues 8 LDS.128 for 64 FMAs: the FMA pipe is the bound.
+# * Shared memory stays under 64 KB, which every GPU from sm_70 grants a block.
+# Measured on the H200 (float32, L = 4096): d=64 27.4, d=128 27.9, d=256 25.3 TFLOP/s, ~41% of
+# the 67 TFLOP/s fp32 FMA peak (naive CuPy SGEMM-softmax-SGEMM: d=64 8.9, d=128 16.2).
+SIMT_BUCKETS = (32, 64, 128, 256)
+
+
+def simt_bucket(dmax: int) -> int:
+    for b in SIMT_BUCKETS:
+        if dmax <= b:
+            return b
+    raise ValueError(f"head dim {dmax} exceeds the largest bucket {SIMT_BUCKETS[-1]}")
+
+
+_F = "64 x 64 tiles: every K/V element feeds 64 query rows"
+FWD_SIMT = {
+    (4, 32): fwd_simt(32, 64, 64, 256, 32, 64, reason=_F),
+    (4, 64): fwd_simt(64, 64, 64, 256, 32, 32, reason=_F),
+    (4, 128): fwd_simt(128, 64, 64, 256, 16, 8, reason=_F + "; small K/V chunks keep shared "
+                       "memory under 64 KB"),
+    (4, 256): fwd_simt(256, 32, 64, 256, 32, 8, reason=(
+        "the resident Q tile alone would be 64 KB at 64 rows: 32 rows, a whole warp shares a "
+        "row so O stays at 4 x 8 a thread")),
+    (8, 32): fwd_simt(32, 64, 32, 256, 32, 32, acc=8, reason="float64: half the keys a tile"),
+    (8, 64): fwd_simt(64, 64, 32, 256, 16, 8, acc=8, reason="float64: half the keys a tile"),
+    (8, 128): fwd_simt(128, 32, 32, 128, 32, 8, acc=8, reason=(
+        "float64: 128-thread blocks at 180-190 registers (2 blocks, 8 warps an SM)")),
+    (8, 256): fwd_simt(256, 16, 32, 128, 32, 4, acc=8, reason=(
+        "float64: 128-thread blocks at 180-190 registers (2 blocks, 8 warps an SM)")),
+}
+
+# ---------------------------------------------------------------------------------------------
+# bwd_sm90 (cuda_src/bwd_sm90.cu), keyed by (head-dim bucket, causal)
+# ---------------------------------------------------------------------------------------------
+# * 2 warpgroups, so B_c = 128 keys a block: Q_i and dO_i cross from L2 once per 128 keys, and
+#   dQ receives one atomic addition per 128 keys (one warpgroup of 64 keys with two blocks an SM
+#   measured no faster at d = 64). One block of 256 threads an SM: registers allow no more.
+# * dK_j and dV_j take HEAD_DIM registers a thread for the whole kernel, S^T and dP^T another
+#   B_r: all 8 specialisations sit at 255 registers with 0 spills.
+_BWD90_64 = ("B_r = 128 halves the barriers and the L_i, D_i loads per query row and doubles "
+             "the wgmma N of S^T, dP^T (8-14% faster than 64 at L >= 4k; no spill since the "
+             "causal mask became a separate selection pass)")
+_BWD90_128 = "B_r = 64: dK, dV and S^T, dP^T fill 255 registers with no spill"
+BWD_SM90 = {
+    (64, False): bwd_sm90(64, 128, 2, 1, reason=_BWD90_64),
+    (64, True): bwd_sm90(64, 128, 2, 1, reason=_BWD90_64),
+    (128, False): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
+    (128, True): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
+}
+
+# ---------------------------------------------------------------------------------------------
+# bwd_sm80 (cuda_src/bwd_sm80.cu), keyed by head-dim bucket (multiples of 32, at most 128:
+# above, dK_j and dV_j alone would fill the registers)
+# ---------------------------------------------------------------------------------------------
+# * 8 warps, so B_c = 128 keys a block; B_r = 64 query rows a tile (FA-2's 64 x 128 shape):
+#   the block pays two barriers a tile and the L_i, D_i loads, which 64 rows amortise.
+# * sub_m: the query rows of S^T, dP^T a warp holds at once; smaller chunks re-read the warp's
+#   K_j, V_j fragments more often.
+BWD_SM80 = {
+    32: bwd_sm80(32, 64, 16, 8, 2, reason=(
+        "16-row chunks keep it under 128 registers (122-127), so two blocks share an SM "
+        "(32-row chunks spill 12 bytes at that cap)")),
+    64: bwd_sm80(64, 64, 64, 8, 1, reason="the whole 64-row tile fits (233-255 registers)"),
+    96: bwd_sm80(96, 64, 32, 8, 1, reason="32-row chunks (242-247 registers)"),
+    128: bwd_sm80(128, 64, 16, 8, 1, reason=(
+        "16-row chunks (247-255 registers); 32-row chunks spill 8-24 bytes at the 255 cap")),
+}
+
+# ---------------------------------------------------------------------------------------------
+# bwd_simt (cuda_src/bwd_simt.cu), keyed by (accumulator bytes, head-dim bucket)
+# ---------------------------------------------------------------------------------------------
+# * Shared memory holds K_j, V_j, Q_i and dO_i in full plus P_ij, dS_ij, under the 64 KB every
+#   sm_70+ GPU grants: B_c + B_r ~ 48..96 rows of float32 at HEAD_DIM 64..128.
+# * Within that, B_c is the larger: each dQ element receives one atomic addition per key tile
+#   (and with deterministic=True, one partial per key tile).
+# * 256 threads: small accumulators (<= 48 registers of Acc values), 2+ blocks an SM.
+# This is the correctness-first kernel: not tuned on a GPU.
+_B = "B_c > B_r: fewer dQ additions; shared memory under 64 KB"
+BWD_SIMT = {
+    (4, 32): bwd_simt(32, 32, 64, 256, reason=_B),
+    (4, 64): bwd_simt(64, 16, 64, 256, reason=_B),
+    (4, 128): bwd_simt(128, 16, 32, 256, reason=_B),
+    (4, 256): bwd_simt(256, 8, 16, 256, reason=_B),
+    (8, 32): bwd_simt(32, 32, 32, 256, acc=8, reason=_B),
+    (8, 64): bwd_simt(64, 16, 32, 256, acc=8, reason=_B),
+    (8, 128): bwd_simt(128, 8, 16, 256, acc=8, reason=_B),
+    (8, 256): bwd_simt(256, 4, 8, 256, acc=8, reason=_B),
+}
+
+TABLES = {"fwd_sm90": FWD_SM90, "fwd_sm80": FWD_SM80, "fwd_simt": FWD_SIMT,
+          "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT}
