@@ -40,13 +40,18 @@ def _layout(x) -> tuple:
 
 
 class _FastForward:
-    """A cached forward: the plan and the shapes of what the call returns."""
-    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id")
+    """A cached forward: the plan and the shapes of what the call returns. o and lse share one
+    allocation (o first, lse at a 256-byte aligned offset), and their arrays are made after
+    the launch, where that host work overlaps the kernel."""
+    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
+                 "lse_offset")
 
     def __init__(self, plan, o, lse):
         self.plan, self.device_id = plan, plan.device_id
         self.o_shape, self.dtype = o.shape, o.dtype
         self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
+        self.lse_offset = -(-o.nbytes // 256) * 256
+        self.nbytes = max(self.lse_offset + lse.nbytes, 1)
 
 
 class _FastBackward:
@@ -129,11 +134,14 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         if fast is not None and return_lse.__class__ is bool:
             cupy = sys.modules["cupy"]
             if cupy.cuda.runtime.getDevice() == fast.device_id:
-                o = cupy.empty(fast.o_shape, fast.dtype)
-                lse = cupy.empty(fast.lse_shape, fast.lse_dtype)
+                mem = cupy.cuda.alloc(fast.nbytes)
                 fast.plan.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr,
-                              v.data.ptr, o.data.ptr, lse.data.ptr)
-                return (o, lse) if return_lse else o
+                              v.data.ptr, mem.ptr, mem.ptr + fast.lse_offset)
+                o = cupy.ndarray(fast.o_shape, fast.dtype, memptr=mem)
+                if not return_lse:
+                    return o
+                return o, cupy.ndarray(fast.lse_shape, fast.lse_dtype,
+                                       memptr=mem + fast.lse_offset)
 
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_return_lse(return_lse)
@@ -165,9 +173,8 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
     plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse))
     plan(prob.q, prob.k, prob.v, o, lse)
     if cacheable and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
-        with fwd._lock:
-            fwd._d.setdefault((_layout(q), _layout(k), _layout(v), scale, scale.__class__,
-                               causal, causal.__class__), _FastForward(plan, o, lse))
+        fwd.put((_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
+                 causal.__class__), _FastForward(plan, o, lse))
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
@@ -279,11 +286,9 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
-        with bwd._lock:
-            bwd._d.setdefault((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
-                               _layout(rlse), scale, scale.__class__, causal, causal.__class__,
-                               det),
-                              _FastBackward(plan, dq, dk, dv))
+        bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
+                 _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),
+                _FastBackward(plan, dq, dk, dv))
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,

@@ -284,13 +284,17 @@ class PlanCache:
         plan = self.get(key)
         if plan is not None:
             return plan
-        plan = build()
+        self.misses += 1
+        return self.put(key, build())
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` unless a value is there already; return the stored
+        one. The oldest entries go when the cache is over its size."""
         with self._lock:
-            self.misses += 1
-            plan = self._d.setdefault(key, plan)
+            value = self._d.setdefault(key, value)
             while len(self._d) > self.maxsize:
                 self._d.popitem(last=False)
-        return plan
+        return value
 
     def clear(self) -> None:
         with self._lock:

@@ -1,0 +1,140 @@
+"""GPU: the plan cache and its fast path (``gpu`` marker: skipped without a device).
+
+A repeated call skips validation, dispatch and packing (``cuflash._api``): these tests check
+that what it computes is bitwise what the full path computes, from many threads with cold
+caches too, on any stream, and that the cache stays bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy
+import pytest
+
+import cuflash
+from cuflash import _api
+
+pytestmark = pytest.mark.gpu
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+
+
+def rand(shape, dtype, seed):
+    import cupy
+    rng = numpy.random.default_rng(seed)
+    return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32).astype(dtype))
+
+
+def full_path(q, k, v, **kw):
+    """The same call through validation and dispatch: ``out=`` always takes the full path."""
+    import cupy
+    from cuflash import _problem
+    prob = _problem.make_problem(q, k, v, scale=kw.get("scale"), causal=kw.get("causal", False))
+    out = cupy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, q.dtype)
+    return cuflash.attention(q, k, v, out=out, return_lse=True, **kw)
+
+
+def poison_pool():
+    """Fill recently freed pool memory with NaN, so an output the fast path leaves unwritten
+    shows up as NaN (CuPy's pool hands the same blocks out again)."""
+    import cupy
+    bufs = [cupy.full(n, numpy.nan, numpy.float32) for n in (1 << 16, 1 << 20, 1 << 22)]
+    del bufs
+
+
+CASES = [
+    ((2, 4, 100, 64), (2, 4, 120, 64), BF16, dict(causal=True)),
+    ((1, 8, 256, 128), (1, 8, 256, 128), numpy.float16, dict(scale=0.3)),
+    ((3, 2, 4, 33, 80), (3, 2, 1, 47, 80), BF16, dict(causal="top_left")),   # GQA broadcast
+    ((2, 64, 32), (2, 64, 32), numpy.float32, dict()),
+    ((6, 5, 4, 3, 2, 17, 16), (6, 5, 4, 3, 2, 19, 16), numpy.float64, dict(causal=True)),  # outer loop
+]
+
+
+@pytest.mark.parametrize("sq, sk, dtype, kw", CASES)
+def test_fast_path_is_bitwise_the_full_path(sq, sk, dtype, kw):
+    import cupy
+    q, k, v = rand(sq, dtype, 1), rand(sk, dtype, 2), rand(sk, dtype, 3)
+    ref_o, ref_lse = full_path(q, k, v, **kw)
+    for _ in range(3):                       # first call may plan; the others hit the cache
+        poison_pool()
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        assert o.dtype == dtype and o.shape == ref_o.shape
+        cupy.testing.assert_array_equal(o, ref_o)
+        cupy.testing.assert_array_equal(lse, ref_lse)
+    assert not bool(cupy.isnan(ref_o).any())
+
+
+def test_fast_backward_is_bitwise_the_full_path():
+    import cupy
+    q, k, v = rand((2, 4, 200, 64), BF16, 4), rand((2, 4, 150, 64), BF16, 5), rand((2, 4, 150, 64), BF16, 6)
+    do = rand((2, 4, 200, 64), BF16, 7)
+    o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = cuflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    for _ in range(3):
+        again = cuflash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+        for a, b in zip(first, again):
+            cupy.testing.assert_array_equal(a, b)
+
+
+def test_many_threads_with_cold_caches():
+    """16 threads, each on its own stream, call with shapes no one has planned yet."""
+    import cupy
+    _api._caches()[0].clear()
+    _api._caches()[1].clear()
+    shapes = [((2, 3, 50 + 7 * i, 64), (2, 3, 40 + 5 * i, 64)) for i in range(8)]
+    inputs = [(rand(sq, BF16, 10 * i), rand(sk, BF16, 10 * i + 1), rand(sk, BF16, 10 * i + 2))
+              for i, (sq, sk) in enumerate(shapes)]
+    cupy.cuda.Device().synchronize()
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(16)
+
+    def worker(t):
+        try:
+            with cupy.cuda.Stream(non_blocking=True) as s:
+                barrier.wait()
+                out = []
+                for r in range(4):
+                    q, k, v = inputs[(t + r) % 8]
+                    out.append(((t + r) % 8, cuflash.attention(q, k, v, causal=bool(r % 2),
+                                                               return_lse=True)))
+                s.synchronize()
+                results[t] = out
+        except BaseException as e:      # reported below: a thread's exception is otherwise lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for t, out in results.items():
+        for r, (i, (o, lse)) in enumerate(out):
+            ref_o, ref_lse = full_path(*inputs[i], causal=bool(r % 2))
+            cupy.testing.assert_array_equal(o, ref_o)
+            cupy.testing.assert_array_equal(lse, ref_lse)
+
+
+def test_cache_stays_bounded(monkeypatch):
+    fwd, _ = _api._caches()
+    monkeypatch.setattr(fwd, "maxsize", 6)
+    fwd.clear()
+    for L in range(10, 40):
+        q = rand((1, 2, L, 32), BF16, L)
+        cuflash.attention(q, q, q)
+        assert len(fwd) <= 6
+
+
+def test_misaligned_inputs_are_copied_and_repeat_correctly():
+    """A view whose rows are not 16-byte aligned takes the tensor-core families' copy; the plan
+    repacks for it on every call (no fast path), and the results agree."""
+    import cupy
+    base = rand((2, 4, 64, 72), BF16, 9)
+    q = base[..., 1:65]                                   # rows start 2 bytes in
+    ref_o, _ = full_path(q, q, q)
+    for _ in range(2):
+        cupy.testing.assert_array_equal(cuflash.attention(q, q, q), ref_o)

@@ -1,0 +1,78 @@
+"""The plan cache and the launcher's host-side pieces, on the CPU (no GPU needed)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy
+import pytest
+
+from cuflash import _launch
+from cuflash._plan import PlanCache
+
+
+def test_cache_is_bounded_and_keeps_the_first_of_a_race():
+    cache = PlanCache(maxsize=3)
+    for i in range(10):
+        assert cache.get_or_build(i, lambda i=i: f"plan {i}") == f"plan {i}"
+    assert len(cache) == 3 and cache.get(9) == "plan 9" and cache.get(0) is None
+    assert cache.get_or_build(9, lambda: "other") == "plan 9"
+
+
+def test_cache_under_many_threads_with_cold_keys():
+    cache, built = PlanCache(maxsize=64), []
+    barrier = threading.Barrier(16)
+    results: dict[int, list] = {}
+
+    def build(key):
+        built.append(key)
+        return ("plan", key)
+
+    def worker(t):
+        barrier.wait()
+        results[t] = [cache.get_or_build(i % 8, lambda i=i: build(i % 8)) for i in range(200)]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # every thread saw one and the same plan per key, whoever built it
+    for got in results.values():
+        assert got == [("plan", i % 8) for i in range(200)]
+    assert {cache.get(i) for i in range(8)} == {("plan", i) for i in range(8)}
+    assert len(cache) == 8
+
+
+def test_batch_layout_merges_and_splits():
+    x = numpy.zeros((2, 3, 4, 5, 6, 7, 8), numpy.float32)          # 5 batch dims, C order
+    lay = _launch.batch_layout(x.shape[:-2], [x])
+    assert lay.inner == (1, 1, 1, 2 * 3 * 4 * 5 * 6) and len(lay.outer) == 1   # all merged
+    y = x.transpose(1, 0, 3, 2, 4, 5, 6)                             # nothing merges
+    lay = _launch.batch_layout(y.shape[:-2], [y])
+    assert lay.inner == (2, 5, 4, 6) and len(lay.outer) == 3
+    assert [first for first, _ in lay.outer] == [0, 240, 480]
+    es = _launch.elem_strides(y)
+    assert [offs[0] for _, offs in lay.outer] == [0, es[0], 2 * es[0]]
+    b = numpy.broadcast_to(numpy.zeros((1, 4, 1, 6, 7, 8), numpy.float32), (3, 4, 5, 6, 7, 8))
+    lay = _launch.batch_layout(b.shape[:-2], [b])
+    assert lay.inner == (3, 4, 5, 6) and lay.strides[0] == (0, 6 * 56, 0, 56)
+
+
+def test_pack_fills_params():
+    from cuflash import _problem
+    from cuflash._variant import variant_params
+    q = numpy.zeros((2, 3, 10, 8), numpy.float32)
+    k = numpy.zeros((2, 1, 12, 8), numpy.float32)
+    prob = _problem.make_problem(q, k, k, scale=0.5, causal=True)
+    o = numpy.zeros((2, 3, 10, 8), numpy.float32)
+    t = {"q": prob.q, "k": prob.k, "v": prob.v, "o": o}
+    lay = _launch.batch_layout(prob.batch_shape, list(t.values()))
+    p = _launch.pack(prob, t, lay, variant_params(prob), num_m_blocks=1)
+    assert p["Lq"] == 10 and p["Lk"] == 12 and p["nbatch"] == 6
+    assert list(p["batch_shape"]) == [1, 1, 2, 3] and list(p["k_batch_stride"]) == [0, 0, 96, 0]
+    assert p["var"]["causal_offset"] == 2 and p["var"]["scale"] == 0.5
+    assert abs(p["var"]["scale_log2"] - 0.5 * 1.4426950408889634) < 1e-15
+    assert all(p[name] == 0 for name in _launch.POINTERS)
+    assert [_launch.word(n) for n in ("q", "dq_sem")] == [0, 10]
+    assert _launch.PARAMS.fields["q"][1] == 0 and _launch.PARAMS.fields["dq_sem"][1] == 80
