@@ -307,14 +307,12 @@ def _simt_instances(fam, arch):
 
 
 def _bwd_tc_select(fam, shape, dev):
-    step = 64 if fam.name == "bwd_sm90" else 32
+    step = 64 if fam.name == "bwd_sm90" else 32     # wgmma: 64-column blocks; mma.sync: 32
     bucket = max(32, -(-shape.dmax // step) * step)
-    table = _traits.TABLES[fam.name]
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
     t = _table_traits(fam, key, bucket)
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
-    del table
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     return t, flags, [f"head-dim bucket {bucket}: {t.reason}"]
 
