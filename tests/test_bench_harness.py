@@ -378,3 +378,77 @@ def test_host_overhead_without_gpu_fails_clearly(capsys):
         pytest.skip("a GPU is present")
     assert ho.main(["--no-json"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# --- run_perf end to end on the CPU: cuflash's NumPy path, a CuPy stand-in made of NumPy ----------
+
+class _FakeEvent:
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy():
+    import types
+    ns = types.SimpleNamespace
+
+    class RandomState:
+        def __init__(self, seed):
+            self.rs = np.random.RandomState(seed)
+
+        def standard_normal(self, shape, dtype):
+            return self.rs.standard_normal(shape).astype(dtype)
+
+    return ns(float32=np.float32, random=ns(RandomState=RandomState),
+              cuda=ns(Device=lambda *a: ns(synchronize=lambda: None, id=0), Event=_FakeEvent,
+                      get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3),
+              get_default_memory_pool=lambda: ns(free_all_blocks=lambda: None))
+
+
+class _Unavailable(ba.Impl):
+    name = "sdpa_flash"
+
+    def available(self):
+        return "ModuleNotFoundError: torch"
+
+
+class _Failing(ba.Impl):
+    name = "sdpa_cudnn"
+
+    def prepare(self, case, sets, scale):
+        def fn(i):
+            raise RuntimeError("No available kernel.\nmore")
+        return fn
+
+
+def test_run_perf_end_to_end_on_the_cpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(ba.Impl, "release", lambda self: None)
+    cases = [ba.Case("fwd", "fwd", "fp32", 8, 16, False, 1, 2),
+             ba.Case("fwd_bwd", "fwd_bwd", "fp32", 8, 16, True, 1, 2),
+             ba.Case("fwd", "fwd", "fp32", 8, 32, True, 1, 2, isolated=True)]
+    opts = ba.Options(budget_s=0.001, reps=3, idle_ms=0.01)
+    rows = ba.run_perf(ba.SUITES["fwd"], cases, [ba.CuflashImpl(), _Unavailable(), _Failing()],
+                       opts)
+    assert [(r["impl"], r["mode"], r["isolated"]) for r in rows] == [
+        (i, m, iso) for m, iso in (("fwd", False), ("fwd_bwd", False), ("fwd", True))
+        for i in ("cuflash", "sdpa_flash", "sdpa_cudnn")]
+    timed = [r for r in rows if r["impl"] == "cuflash"]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and "skipped" not in r for r in timed)
+    assert timed[0]["iters"] >= ba.MIN_ITERS and timed[0]["input_sets"] == ba.MAX_INPUT_SETS
+    assert timed[2]["iters"] == 3
+    assert all(r["skipped"] == "not available: ModuleNotFoundError: torch"
+               for r in rows if r["impl"] == "sdpa_flash")
+    assert all(r["skipped"] == "RuntimeError: No available kernel."
+               for r in rows if r["impl"] == "sdpa_cudnn")
+    assert "cuflash/sdpa_flash" in ba.report({"gpu": "cpu"}, rows)
+
+
+def test_run_perf_stops_at_the_deadline(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    case = ba.Case("fwd", "fwd", "fp32", 8, 16, False, 1, 2)
+    rows = ba.run_perf(ba.SUITES["fwd"], [case], [ba.CuflashImpl()], ba.Options(deadline=0.0))
+    assert rows[0]["skipped"].startswith("time budget") and rows[0]["ms"] is None
