@@ -43,7 +43,7 @@ env_lines() {
 
 part_tests() {
   local log="$OUT/tests.log"
-  env_lines > "$log"
+  { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
   HYPOTHESIS_PROFILE=gpu timeout -s INT "${TESTS_TIMEOUT:-560}" \
     "$PY" -m pytest -m gpu -p no:cacheprovider -q --tb=short >> "$log" 2>&1
   local rc=$?

@@ -452,3 +452,21 @@ def test_run_perf_stops_at_the_deadline(monkeypatch):
     case = ba.Case("fwd", "fwd", "fp32", 8, 16, False, 1, 2)
     rows = ba.run_perf(ba.SUITES["fwd"], [case], [ba.CuflashImpl()], ba.Options(deadline=0.0))
     assert rows[0]["skipped"].startswith("time budget") and rows[0]["ms"] is None
+
+
+def test_gpu_run_script_parts(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = ROOT / "bench" / "gpu_run.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for part in ("tests", "bench", "isolated", "overhead", "sanitize"):
+        assert f"part_{part}()" in text
+    assert "HYPOTHESIS_PROFILE=gpu" in text and "bench/probes/sanitize_smoke.py" in text
+    env = dict(os.environ, OUT=str(tmp_path))
+    r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "unknown part 'nope'" in r.stderr
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "Parts" in r.stdout
