@@ -1,6 +1,13 @@
-"""Cost of attention_backward(deterministic=True) against the default (float atomics for dQ).
+"""Question: what does attention_backward(deterministic=True) cost against the default
+(float atomics for dQ)?
 
-    python bench/bwd_deterministic_cost.py   # bf16 and float32, d=64/128, L=1k/4k, B*L=16k, H*d=2048
+Answer so far (bench/NOTES.md, "bwd_sm90", H200, commit 9ea923f): bf16, causal, backward
+alone: 2.59-4.24x the default (bwd_sm90 with atomics) and 1.99-2.62x bwd_sm80's own atomics,
+because deterministic=True runs bwd_sm80's ordered accumulation, whose key tiles of one query
+tile add strictly in turn; float32 (generic kernel) 1.06-1.13x. Open: a deterministic Hopper
+backward, or dQ split into a few partial buffers summed in a fixed order.
+
+    PYTHONPATH=. python bench/probes/bwd_deterministic_cost.py   # bf16, float32; d=64/128, L=1k/4k
 Medians of CUDA-event timings after a warm-up, the same inputs for both modes, causal.
 On Hopper the default 16-bit backward is bwd_sm90 and deterministic=True runs bwd_sm80, so
 for bf16 the atomics of both are timed: "atomics ms" is the default (bwd_sm90), "sm80 ms"

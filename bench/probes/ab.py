@@ -1,6 +1,12 @@
-"""A/B timing of cuflash source trees against SDPA flash, each tree in its own process.
+"""Question: is source tree A faster than source tree B, in one run on one GPU? (A/B timing of
+cuflash trees against SDPA flash, each tree in its own process.)
 
-    python bench/ab.py TREE [TREE ...] [--d 64,128] [--L 4096] [--causal both]
+Answer so far: it decided fwd_sm80 v2's copy loop (unrolled by 4 beats rolled; bench/NOTES.md,
+"fwd_sm80 v2"), and it is the tool for the no-regression check of a refactor: run the old and
+the new tree in one call; ratios to SDPA flash are comparable, absolute TFLOP/s across runs
+less so (run-to-run spread up to ~7%, NOTES.md).
+
+    python bench/probes/ab.py TREE [TREE ...] [--d 64,128] [--L 4096] [--causal both]
 
 Each TREE is a directory holding cuflash/ and cuda_src/ (e.g. an old commit's `git archive`),
 optionally followed by @TILES, a CUFLASH_SM80_TILES setting for that process.
