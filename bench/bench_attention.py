@@ -439,9 +439,12 @@ def make_inputs(cp, shape: tuple, dtype_name: str, n_sets: int, with_grad: bool,
 
 @contextlib.contextmanager
 def env(**values: str):
-    """Set environment variables for the block, restoring the old values after."""
+    """Set environment variables for the block, restoring the old values after. cuflash reads
+    its CUFLASH_* overrides when it builds a plan and caches plans, so its plan cache is
+    cleared on the way in and out (a private hook: this is lab code)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    _clear_cuflash_plans()
     try:
         yield
     finally:
@@ -450,6 +453,12 @@ def env(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _clear_cuflash_plans()
+
+
+def _clear_cuflash_plans() -> None:
+    from cuflash import _api
+    _api.clear_plans()
 
 
 class Impl:
@@ -511,8 +520,9 @@ class CuflashImpl(Impl):
 
 class CuflashSm80Impl(CuflashImpl):
     """cuflash kept on the mma.sync kernels (fwd_sm80, bwd_sm80) where it would pick the
-    Hopper ones, through the environment variables the launcher reads on each call. (If a
-    launcher caches its choice per shape, run this impl alone in its own process.)"""
+    Hopper ones, through the CUFLASH_FWD / CUFLASH_BWD overrides. They are read when a plan is
+    built, so ``env`` clears the plan cache around each call: this column pays the full host
+    path every call (compiled kernels stay cached). Compare it back-to-back at L >= 1k only."""
     name = "cuflash_sm80"
     env = {"CUFLASH_FWD": "sm80", "CUFLASH_BWD": "sm80"}
 
