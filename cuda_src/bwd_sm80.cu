@@ -132,7 +132,7 @@ struct BwdSm80Traits {
 // has the lower block index, and blocks are dispatched in index order, so it is resident or
 // done before block n starts; by induction on the block index, the lowest unfinished block
 // never waits. Memory stays O(nbatch * Lq * d) (one dQ buffer, no per-key-tile partials).
-template <typename T, int HEAD_DIM, int BLOCK_M, int SUB_M, int WARPS, int MIN_BLOCKS, bool CAUSAL, bool DETERMINISTIC>
+template <typename T, int HEAD_DIM, int BLOCK_M, int SUB_M, int WARPS, int MIN_BLOCKS, typename Var, bool DETERMINISTIC>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   using Tr = BwdSm80Traits<T, HEAD_DIM, BLOCK_M, SUB_M, WARPS, MIN_BLOCKS>;
@@ -168,9 +168,9 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   const float sl2 = float(p.scale_log2);   // tau * log2(e)
   const float scale = float(p.scale);      // tau
 
-  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
-  // holding row n0 - causal_offset (its earlier rows get P = 0 from the mask).
-  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+  // The query tiles that can see K_j: from the one holding the first query that sees a key of
+  // K_j (causal: row n0 - causal_offset; its earlier rows get P = 0 from the mask).
+  const int m_first = Var::query_begin(p, n0) / BLOCK_M * BLOCK_M;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
@@ -255,8 +255,7 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
     // for the whole tile and skip lines 10-16; dQ skips their 16-key steps.
-    int key_end = p.Lk;
-    if (CAUSAL) key_end = min(key_end, min(m0 + BLOCK_M, p.Lq) + p.causal_offset);
+    const int key_end = Var::key_end(p, min(m0 + BLOCK_M, p.Lq), p.Lk);
     const int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
 
     if (warp < kv_warps) {
@@ -298,19 +297,22 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 
         // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
         //    14: dS_ij = P_ij o (dP_ij - D_i)
-        // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected
-        // to P = dS = 0; only the chunks that cross the end of the keys or this warp's
-        // diagonal evaluate the mask. first[h]: this thread's first visible query column,
-        // relative to its column 2 t4 of the chunk, for its key rows g (h = 0), g + 8 (h = 1).
-        const bool need_mask = kw0 + 16 > p.Lk || (CAUSAL && kw0 + 15 > m0 + q0 + p.causal_offset);
-        int first[2];
+        // Masked pairs (keys past Lk; the pairs the Variant masks, causal: key > query +
+        // causal_offset) are selected to P = dS = 0; only the chunks that cross the end of the
+        // keys or this warp's mask boundary evaluate the mask. first[h], last[h]: this thread's
+        // first and last visible query column, relative to its column 2 t4 of the chunk, for
+        // its key rows g (h = 0), g + 8 (h = 1).
+        const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p, m0 + q0, m0 + q0 + SUB_M, kw0, kw0 + 16);
+        int first[2], last[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int key = kw0 + g + 8 * h;
-          first[h] = key >= p.Lk ? (1 << 30)
-                     : CAUSAL    ? key - p.causal_offset - m0 - q0 - 2 * t4
-                                 : -(1 << 30);
+          first[h] = key >= p.Lk   ? (1 << 30)
+                     : Var::kKeyHi ? Var::query_first(p, key) - m0 - q0 - 2 * t4
+                                   : -(1 << 30);
+          last[h] = Var::query_last(p, key) - m0 - q0 - 2 * t4;   // used only where kKeyLo
         }
+        Var::transform_tile(p, s);
 #pragma unroll
         for (int t = 0; t < Tr::kSubTiles; ++t) {
           const float2 l2 = *reinterpret_cast<const float2*>(sL2 + q0 + 8 * t + 2 * t4);
@@ -319,7 +321,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
           for (int e = 0; e < 4; ++e) {
             const float pij = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
             const float dsij = pij * (dp[t][e] - ((e & 1) ? di.y : di.x));
-            const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
+            const bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
+                                                (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
             s[t][e] = visible ? pij : 0.f;
             dp[t][e] = visible ? dsij : 0.f;
           }

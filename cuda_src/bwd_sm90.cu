@@ -107,14 +107,18 @@ struct BwdSm90Traits {
 };
 
 // x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
-// 8t + (e & 1) is visible from first[e >> 1] on (relative columns; see the kernel).
-// Selection, not arithmetic: x may hold Inf or NaN there.
-template <int NT>
-__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2]) {
+// 8t + (e & 1) is visible from first[e >> 1] on and, where QUERY_HI (Variant::kKeyLo), up to
+// last[e >> 1] (relative columns; see the kernel). Selection, not arithmetic: x may hold Inf
+// or NaN there.
+template <bool QUERY_HI, int NT>
+__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2], const int (&last)[2]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[t][e] = 8 * t + (e & 1) >= first[e >> 1] ? x[t][e] : 0.f;
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      x[t][e] = (c >= first[e >> 1] && (!QUERY_HI || c <= last[e >> 1])) ? x[t][e] : 0.f;
+    }
 }
 
 // Two float32 values (columns col, col + 1 of a row of n) added to global memory with
@@ -132,7 +136,7 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, one block per (batch item b, key
 // tile n_block) in p.grid_order's order (common.cuh: bwd_block_tile; the launcher picks
 // tile-major under a causal mask).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 bwd_sm90(const BwdParams p) {
   using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M, WARPGROUPS, MIN_BLOCKS>;
@@ -164,9 +168,9 @@ bwd_sm90(const BwdParams p) {
   const float sl2 = float(p.scale_log2);   // tau * log2(e)
   const float scale = float(p.scale);      // tau
 
-  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
-  // holding row n0 - causal_offset.
-  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+  // The query tiles that can see K_j: from the one holding the first query that sees a key of
+  // K_j (causal: row n0 - causal_offset).
+  const int m_first = Var::query_begin(p, n0) / BLOCK_M * BLOCK_M;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
@@ -285,21 +289,24 @@ bwd_sm90(const BwdParams p) {
     issue_transposed_scores(s, desc_k, desc_q + sdesc);
     issue_transposed_scores(dp, desc_v, desc_do + sdesc);
 
-    // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected to
-    // P = dS = 0; only warps whose 16 keys cross the end of the keys or the diagonal of the
-    // tile's first row evaluate the mask. first[h]: this thread's first visible query column,
-    // relative to its column 2 t4, for its key rows g (h = 0) and g + 8 (h = 1).
-    const bool need_mask = kw0 + 16 > p.Lk || (CAUSAL && kw0 + 15 > m0 + p.causal_offset);
-    int first[2];
+    // Masked pairs (keys past Lk; the pairs the Variant masks, causal: key > query +
+    // causal_offset) are selected to P = dS = 0; only warps whose 16 keys cross the end of the
+    // keys or the tile's mask boundary evaluate the mask. first[h], last[h]: this thread's first
+    // and last visible query column, relative to its column 2 t4, for its key rows g (h = 0)
+    // and g + 8 (h = 1).
+    const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p, m0, m0 + BLOCK_M, kw0, kw0 + 16);
+    int first[2], last[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = kw0 + g + 8 * h;
-      first[h] = key >= p.Lk ? (1 << 30) : CAUSAL ? key - p.causal_offset - m0 - 2 * t4 : -(1 << 30);
+      first[h] = key >= p.Lk ? (1 << 30) : Var::kKeyHi ? Var::query_first(p, key) - m0 - 2 * t4 : -(1 << 30);
+      last[h] = Var::query_last(p, key) - m0 - 2 * t4;   // used only where kKeyLo
     }
 
     // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
     wgmma_wait<1>();
     fence_regs(s);
+    Var::transform_tile(p, s);
 #pragma unroll
     for (int t = 0; t < Tr::kNTilesS; ++t) {
       const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
@@ -308,7 +315,7 @@ bwd_sm90(const BwdParams p) {
         s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
       }
     }
-    if (need_mask) select_visible(s, first);
+    if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
@@ -323,7 +330,7 @@ bwd_sm90(const BwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
     }
-    if (need_mask) select_visible(dp, first);
+    if (need_mask) select_visible<Var::kKeyLo>(dp, first, last);
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);

@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "variant.cuh"
 
 namespace cuflash {
 
@@ -88,6 +89,12 @@ template <> __device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_b
 template <typename T, typename Acc> __device__ __forceinline__ T from_acc(Acc x) { return static_cast<T>(x); }
 template <> __device__ __forceinline__ __half from_acc<__half, float>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float x) { return __float2bfloat16_rn(x); }
+
+// Read-only loads through the texture path, and the fused multiply-add of the SIMT kernels'
+// products, in the accumulation type.
+template <typename T> __device__ __forceinline__ T ldg(const T* p) { return __ldg(p); }
+__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }

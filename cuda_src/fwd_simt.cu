@@ -33,8 +33,6 @@
 namespace cuflash {
 namespace simt {
 
-template <typename T> __device__ __forceinline__ T ldg(const T* p) { return __ldg(p); }
-
 // blockIdx.x through a volatile read: the compiler cannot merge two reads, so the epilogue
 // recomputes its output offsets instead of holding them in registers through the main loop.
 __device__ __forceinline__ unsigned block_id() {
@@ -47,8 +45,6 @@ __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b);
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float acc_log2(float x) { return log2f(x); }
 __device__ __forceinline__ double acc_log2(double x) { return log2(x); }
-__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // N consecutive Acc values between shared memory and registers, in 16-byte (or narrower)
 // accesses. The shared address must be aligned to the access width (the layouts below are).
@@ -238,7 +234,7 @@ struct SimtTraits {
 };
 
 // grid.x = nbatch * num_m_blocks; one block = BLOCK_M query rows of one batch item.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
+template <typename T, int HEAD_DIM, typename Var, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
 __global__ void __launch_bounds__(NTHREADS, 2)   // 2 = MIN_BLOCKS_PER_SM in cuflash/_simt_config.py
 fwd_simt(const FwdParams p) {
   using Tr = SimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>;
@@ -272,11 +268,10 @@ fwd_simt(const FwdParams p) {
   const int tx = tid % THREADS_N;   // lane within the row group
   const int m0 = m_block * BLOCK_M;
 
-  // Keys j >= n_end are invisible to every row of this block: past the end (j >= Lk) or, under
-  // CAUSAL, above the diagonal of the block's last real row (j > i + causal_offset). Key tiles
-  // wholly above the diagonal are never visited.
-  int n_end = p.Lk;
-  if (CAUSAL) n_end = min(n_end, min(m0 + BLOCK_M, p.Lq) + p.causal_offset);
+  // Keys j >= n_end are invisible to every row of this block: past the end (j >= Lk) or masked
+  // by the Variant for the block's last real row (causal: above its diagonal, j > i +
+  // causal_offset). Such key tiles are never visited.
+  const int n_end = Var::key_end(p, min(m0 + BLOCK_M, p.Lq), p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // -- Load Q_i from HBM to on-chip SRAM (zero outside Lq x d, so padding adds nothing).
@@ -344,24 +339,25 @@ fwd_simt(const FwdParams p) {
 #pragma unroll
           for (int i = 0; i < TM; ++i)
 #pragma unroll
-            for (int j = 0; j < TN; ++j) acc_s[i][j] = simt::acc_fma(a[i][u], bk[j][u], acc_s[i][j]);
+            for (int j = 0; j < TN; ++j) acc_s[i][j] = acc_fma(a[i][u], bk[j][u], acc_s[i][j]);
       }
       buf ^= 1;
     }
 
-    // Scores in log2 units: x_ij = s_ij * scale * log2(e). Taking the row max of the scaled
-    // scores keeps exp2(x - m) <= 1 for any sign of scale.
+    // Scores in log2 units: x_ij = transform(s_ij) * scale * log2(e) (the Variant's transform
+    // is the identity today). Taking the row max of the scaled scores keeps exp2(x - m) <= 1
+    // for any sign of scale.
     // Masked keys get x = -inf, so they contribute exp2(-inf) = 0 and never win the max;
     // the mask overrides whatever the product was (also NaN from a key's NaN).
-    const bool need_mask = (n0 + BLOCK_N > n_end) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + p.causal_offset);
+    const bool need_mask = (n0 + BLOCK_N > n_end) || Var::needs_mask(p, m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       const int row = m0 + ty * TM + i;
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const int col = n0 + tx + j * THREADS_N;
-        Acc x = acc_s[i][j] * scale_log2;
-        if (need_mask && (col >= n_end || (CAUSAL && col > row + p.causal_offset))) x = neg_inf<Acc>();
+        Acc x = Var::transform(p, acc_s[i][j]) * scale_log2;
+        if (need_mask && (col >= n_end || Var::masked(p, row, col))) x = neg_inf<Acc>();
         acc_s[i][j] = x;
       }
     }
@@ -428,7 +424,7 @@ fwd_simt(const FwdParams p) {
 #pragma unroll
           for (int g = 0; g < NG; ++g)
 #pragma unroll
-            for (int e = 0; e < GV; ++e) acc_o[i][g * GV + e] = simt::acc_fma(a[i], bv[g][e], acc_o[i][g * GV + e]);
+            for (int e = 0; e < GV; ++e) acc_o[i][g * GV + e] = acc_fma(a[i], bv[g][e], acc_o[i][g * GV + e]);
       }
       buf ^= 1;
     }

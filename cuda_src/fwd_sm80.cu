@@ -55,7 +55,7 @@ struct Sm80Traits {
   static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 fwd_sm80(const FwdParams p) {
   using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, SLICES, MIN_BLOCKS>;
@@ -81,11 +81,10 @@ fwd_sm80(const FwdParams p) {
   const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
   const float sl2 = static_cast<float>(p.scale_log2);  // softmax scale * log2(e)
 
-  // Keys this Q tile can see: all of them, or under CAUSAL those j <= i + causal_offset for
-  // its last row. n_blocks can be 0 (every row fully masked): the loop is skipped and the
-  // epilogue writes O = 0, lse = -inf.
-  int n_end = p.Lk;
-  if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+  // Key tiles [0, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
+  // under the causal mask those j <= i + causal_offset of its last row). n_blocks can be 0
+  // (every row fully masked): the loop is skipped and the epilogue writes O = 0, lse = -inf.
+  const int n_end = Var::key_end(p, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // K_j and V_j into stage `stage`
@@ -141,10 +140,10 @@ fwd_sm80(const FwdParams p) {
     // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
     if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
     cp_async_commit();
-    // A causal tile wholly past the diagonal of this warp's last row changes nothing for its
-    // rows (every score masked: alpha = 1, P = 0), so the warp skips its math; it still takes
-    // part in the loads and the barrier above.
-    if (CAUSAL && n0 > m0 + (warp + 1) * Tr::kWarpRows - 1 + p.causal_offset) continue;
+    // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
+    // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp
+    // skips its math; it still takes part in the loads and the barrier above.
+    if (Var::tile_invisible(p, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
 
     // -- S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
@@ -176,22 +175,23 @@ fwd_sm80(const FwdParams p) {
     }
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms) {
-      // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
-      //    cross the end of the keys or this warp's diagonal pay for it.
+      // -- the Variant's score transform (identity today), then the mask: keys past Lk, and
+      //    the pairs the Variant masks (causal: keys j > i + causal_offset). Only tiles that
+      //    cross the end of the keys or this slice's mask boundary pay for it.
+      Var::transform_tile(p, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+                             Var::needs_mask(p, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
       if (need_mask) {
-        // the last visible key of each of this thread's two rows, relative to this thread's
-        // first column in the tile
-        int last[2];
+        // the first and last visible key of each of this thread's two rows, relative to this
+        // thread's first column in the tile
+        int first[2], last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          last[r] = p.Lk - 1;
-          if (CAUSAL) last[r] = min(last[r], row0 + 16 * ms + 8 * r + p.causal_offset);
-          last[r] -= n0 + col_in_tile;
+          last[r] = Var::key_last(p, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
         }
-        mask_scores(s[ms], last);
+        mask_scores<Var::kKeyLo>(s[ms], first, last);
       }
       online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }

@@ -55,7 +55,7 @@ struct Sm90Traits {
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const FwdParams p) {
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
@@ -81,16 +81,14 @@ fwd_sm90(const FwdParams p) {
   const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
   const float sl2 = static_cast<float>(p.scale_log2);
 
-  // Key tiles of the block: all, or under CAUSAL those up to its last row's diagonal. n_blocks
-  // can be 0 (every row fully masked): O = 0 and lse = -inf. A warpgroup's own rows end earlier:
-  // it computes on tiles [0, n_wg) only (a causal tile wholly past the diagonal of its last row
-  // changes nothing for its rows), and takes part in the loads and barriers of all n_blocks.
+  // Key tiles [0, n_blocks) of the block: those holding keys its rows can see (Variant: all,
+  // or under the causal mask those up to its last row's diagonal). n_blocks can be 0
+  // (every row fully masked): O = 0 and lse = -inf. A warpgroup's own rows end earlier: it
+  // computes on tiles before n_wg only (a tile past what its rows can see changes nothing for
+  // them), and takes part in the loads and barriers of all the block's tiles.
   const int wg_row_first = m0 + 64 * wg;
-  int n_end = p.Lk, n_end_wg = p.Lk;
-  if (CAUSAL) {
-    n_end = min(n_end, m0 + kBlockM + p.causal_offset);
-    n_end_wg = min(n_end_wg, wg_row_first + 64 + p.causal_offset);
-  }
+  const int n_end = Var::key_end(p, m0 + kBlockM, p.Lk);
+  const int n_end_wg = Var::key_end(p, wg_row_first + 64, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
@@ -127,22 +125,24 @@ fwd_sm90(const FwdParams p) {
 
   const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
   const int col_in_tile = 2 * (lane % 4);
-  // -- mask S_ij (keys past Lk, and under CAUSAL keys j > i + causal_offset: only tiles that
-  //    cross the end of the keys or this warp's diagonal pay for it), then the online softmax
-  //    up to, not including, the rescale of O
+  // -- the Variant's score transform (identity today); mask S_ij (keys past Lk, and the pairs
+  //    the Variant masks, causal: keys j > i + causal_offset; only tiles that cross the end of
+  //    the keys or this warp's mask boundary pay for it), then the online softmax up to, not
+  //    including, the rescale of O
   auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
     const int n0 = j * BLOCK_N;
+    Var::transform_tile(p, s);
+    const int warp_row_first = wg_row_first + 16 * warp;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (CAUSAL && n0 + BLOCK_N - 1 > wg_row_first + 16 * warp + p.causal_offset);
+                           Var::needs_mask(p, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
     if (need_mask) {
-      int last[2];
+      int first[2], last[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        last[r] = p.Lk - 1;
-        if (CAUSAL) last[r] = min(last[r], row0 + 8 * r + p.causal_offset);
-        last[r] -= n0 + col_in_tile;
+        last[r] = Var::key_last(p, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+        first[r] = Var::key_first(p, row0 + 8 * r) - (n0 + col_in_tile);
       }
-      mask_scores(s, last);
+      mask_scores<Var::kKeyLo>(s, first, last);
     }
     online_softmax_scores(s, m_i, l_i, alpha, sl2);
   };

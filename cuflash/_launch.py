@@ -195,7 +195,7 @@ def _sm90_override() -> dict[int, Sm90Tiles]:
 
 def sm90_expr(dtype, tiles: Sm90Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::sm90::fwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warpgroups}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warpgroups}, {tiles.min_blocks}, cuflash::Variant<{_bool(causal)}>, {_bool(even)}>")
 
 
 def _sm90_grid_tiles(tiles: Sm90Tiles, nbatch: int, Lq: int, num_sms: int) -> Sm90Tiles:
@@ -223,7 +223,7 @@ def _bool(x: bool) -> str:
 
 def sm80_expr(dtype, tiles: Sm80Tiles, causal: bool, even: bool) -> str:
     return (f"cuflash::fwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_n}, "
-            f"{tiles.warps}, {tiles.slices}, {tiles.min_blocks}, {_bool(causal)}, {_bool(even)}>")
+            f"{tiles.warps}, {tiles.slices}, {tiles.min_blocks}, cuflash::Variant<{_bool(causal)}>, {_bool(even)}>")
 
 
 def all_specialisations(arch: str) -> list[tuple[str, str]]:

@@ -80,6 +80,7 @@ from ._problem import AttentionProblem, broadcast_axes
 from ._simt_config import HEAD_DIM_BUCKETS, head_dim_bucket
 
 SOURCE = "bwd_simt.cu"
+PREP_SOURCE = "bwd_prep.cu"   # bwd_dot_do_o and bwd_sum_dq (the "aux" family)
 #: Threads of ``bwd_dot_do_o`` and ``bwd_sum_dq`` per block (fixed in the kernels).
 AUX_THREADS = 256
 DOT_ROWS_PER_BLOCK = AUX_THREADS // 32   # bwd_dot_do_o: at least one query row a warp ...
@@ -146,8 +147,13 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
+def _variant(causal: bool) -> str:
+    """The score pipeline's template argument (cuda_src/variant.cuh)."""
+    return f"cuflash::Variant<{_b(causal)}>"
+
+
 def main_expr(dtype, head_dim: int, causal: bool, deterministic: bool, tiles: BwdTiles) -> str:
-    return (f"cuflash::bwd_simt<{_ctype(dtype)}, {head_dim}, {_b(causal)}, {_b(deterministic)}, "
+    return (f"cuflash::bwd_simt<{_ctype(dtype)}, {head_dim}, {_variant(causal)}, {_b(deterministic)}, "
             f"{tiles.block_m}, {tiles.block_n}, {tiles.threads}>")
 
 
@@ -261,7 +267,7 @@ def _sm80_tile_override() -> dict[int, BwdSm80Tiles]:
 
 def sm80_expr(dtype, tiles: BwdSm80Tiles, causal: bool, deterministic: bool) -> str:
     return (f"cuflash::bwd_sm80<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_m}, "
-            f"{tiles.sub_m}, {tiles.warps}, {tiles.min_blocks}, {_b(causal)}, {_b(deterministic)}>")
+            f"{tiles.sub_m}, {tiles.warps}, {tiles.min_blocks}, {_variant(causal)}, {_b(deterministic)}>")
 
 
 def all_bwd_sm80_specialisations() -> list[str]:
@@ -346,7 +352,7 @@ def sm90_tiles(bucket: int, causal: bool) -> BwdSm90Tiles:
 
 def sm90_expr(dtype, tiles: BwdSm90Tiles, causal: bool) -> str:
     return (f"cuflash::sm90::bwd_sm90<{_ctype(dtype)}, {tiles.head_dim}, {tiles.block_m}, "
-            f"{tiles.warpgroups}, {tiles.min_blocks}, {_b(causal)}>")
+            f"{tiles.warpgroups}, {tiles.min_blocks}, {_variant(causal)}>")
 
 
 def all_bwd_sm90_specialisations() -> list[str]:
@@ -362,7 +368,8 @@ def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
     (e.g. ``"sm_90a"``): bwd_simt's everywhere, bwd_sm80's from sm_80 on, bwd_sm90's on
     sm_90a."""
     import re
-    out = [(SOURCE, e) for e in all_bwd_specialisations()]
+    out = [(PREP_SOURCE if e.startswith(("cuflash::bwd_dot_do_o", "cuflash::bwd_sum_dq")) else SOURCE, e)
+           for e in all_bwd_specialisations()]
     if int(re.match(r"sm_(\d+)", arch).group(1)) >= 80:
         out += [(SM80_SOURCE, e) for e in all_bwd_sm80_specialisations()]
     if arch == "sm_90a":
@@ -401,7 +408,7 @@ class BwdLaunch:
     """The kernels and geometry of one backward call."""
     source: str       # SOURCE (bwd_simt.cu), SM80_SOURCE or SM90_SOURCE: the main kernel's
     main: str
-    dot: str          # bwd_dot_do_o, always from bwd_simt.cu
+    dot: str          # bwd_dot_do_o, always from bwd_prep.cu
     dq_sum: str       # bwd_sum_dq (bwd_simt with deterministic=True only)
     block_m: int
     block_n: int
@@ -559,7 +566,7 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         p["out_flags"] = (DK_OUT if dk_direct else 0) | (DV_OUT if dv_direct else 0)
         p["grid_order"] = grid_order(launch, prob.causal)
 
-        dot = _kernel(SOURCE, launch.dot, prob.device_id, 0)
+        dot = _kernel(PREP_SOURCE, launch.dot, prob.device_id, 0)
         main = _kernel(launch.source, launch.main, prob.device_id, launch.smem_bytes)
         for idx in numpy.ndindex(*outer):
             for name, t, st in zip(_TENSORS, tensors, strides):
@@ -583,7 +590,7 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
                 main(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
 
         if dq_parts > 1:
-            dq_sum = _kernel(SOURCE, launch.dq_sum, prob.device_id, 0)
+            dq_sum = _kernel(PREP_SOURCE, launch.dq_sum, prob.device_id, 0)
             total = dq_acc.size // dq_parts
             summed = cupy.empty(prob.batch_shape + (Lq, d), acc)
             blocks = max(1, min(-(-total // AUX_THREADS), 65535))

@@ -194,7 +194,7 @@ def _ctype(dtype) -> tuple[str, int]:
 
 
 def _expr(ctype: str, head_dim: int, causal: bool, t: SimtTiles) -> str:
-    return (f"cuflash::fwd_simt<{ctype}, {head_dim}, {'true' if causal else 'false'}, "
+    return (f"cuflash::fwd_simt<{ctype}, {head_dim}, cuflash::Variant<{'true' if causal else 'false'}>, "
             f"{t.block_m}, {t.block_n}, {t.threads}, {t.kc}, {t.vc}>")
 
 

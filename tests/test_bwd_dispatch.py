@@ -148,7 +148,7 @@ def test_sm90_tile_override(monkeypatch):
     monkeypatch.setenv("CUFLASH_BWD_SM90_TILES", "64:64:1:2")
     assert _launch_bwd.sm90_tiles(64, True) == _launch_bwd.BwdSm90Tiles(64, 64, 1, 2)
     assert _launch_bwd.sm90_tiles(128, False) == _launch_bwd.BWD_SM90_TILES[(128, False)]
-    assert "bwd_sm90<__nv_bfloat16, 64, 64, 1, 2, false>" in _choose(BF16, 50).main
+    assert "bwd_sm90<__nv_bfloat16, 64, 64, 1, 2, cuflash::Variant<false>>" in _choose(BF16, 50).main
 
 
 def test_tile_override(monkeypatch):
@@ -156,7 +156,7 @@ def test_tile_override(monkeypatch):
     assert _launch_bwd.sm80_tiles(128) == _launch_bwd.BwdSm80Tiles(128, 64, 32, 8, 1)
     assert _launch_bwd.sm80_tiles(64).block_n == 64
     assert _launch_bwd.sm80_tiles(96) == _launch_bwd.BWD_SM80_TILES[96]
-    assert "bwd_sm80<__nv_bfloat16, 128, 64, 32, 8, 1, true, false>" in _choose(
+    assert "bwd_sm80<__nv_bfloat16, 128, 64, 32, 8, 1, cuflash::Variant<true>, false>" in _choose(
         BF16, 100, causal=True, cc=80, optin=A100_OPTIN).main
 
 
@@ -172,12 +172,12 @@ def test_specialisations_per_arch():
     sm90 = _launch_bwd.all_bwd_sm90_specialisations()
     assert len(sm80) == len(set(sm80)) == 2 * len(_launch_bwd.BWD_SM80_TILES) * 4
     assert len(sm90) == len(set(sm90)) == 2 * len(_launch_bwd.BWD_SM90_TILES)
-    assert not [e for s, e in _launch_bwd.bwd_specialisations("sm_70") if s != "bwd_simt.cu"]
+    assert not [e for s, e in _launch_bwd.bwd_specialisations("sm_70") if s not in ("bwd_simt.cu", "bwd_prep.cu")]
     for arch in ("sm_80", "sm_86", "sm_90a"):
         listed = _launch_bwd.bwd_specialisations(arch)
         assert [e for s, e in listed if s == "bwd_sm80.cu"] == sm80
         assert [e for s, e in listed if s == "bwd_sm90.cu"] == (sm90 if arch == "sm_90a" else [])
-        assert [e for s, e in listed if s == "bwd_simt.cu"] == _launch_bwd.all_bwd_specialisations()
+        assert [e for s, e in listed if s in ("bwd_simt.cu", "bwd_prep.cu")] == _launch_bwd.all_bwd_specialisations()
     # every expression choose() can return (without overrides) is listed
     for dtype in (F16, BF16):
         for d in (8, 40, 64, 80, 128):
