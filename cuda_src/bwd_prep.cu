@@ -21,7 +21,7 @@ namespace cuflash {
 //   sm_70) one element a lane and step, G = 32.
 // (Uniform over the grid, so every lane of a warp takes the same path to the shuffles.)
 template <typename T>
-__global__ void __launch_bounds__(256) bwd_dot_do_o(const BwdParams p) {
+__global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p) {
   using Acc = typename AccOf<T>::type;
   constexpr int kVec = 16 / int(sizeof(T));
   bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
@@ -42,9 +42,9 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o(const BwdParams p) {
     Acc sum = Acc(0);
     if (r < total) {
       const int b = int(r / p.Lq), i = int(r % p.Lq);
-      const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-      const T* const go = reinterpret_cast<const T*>(p.o) + off.o + i * p.o_row_stride;
-      const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout + i * p.dout_row_stride;
+      const BatchPtrs<T> gmem = batch_ptrs<T>(p, batch_offsets(p, b));
+      const T* const go = gmem.o + i * p.o_row_stride;
+      const T* const gdo = gmem.dout + i * p.dout_row_stride;
       if (vec) {
         for (int c = gl * kVec; c < p.dv; c += group * kVec) {
           const uint4 x = __ldg(reinterpret_cast<const uint4*>(gdo + c));

@@ -145,11 +145,12 @@ struct BwdSimtTraits {
 };
 
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks; one block = the key tile K_j, V_j
-// (BLOCK_N keys) of one batch item. Heaviest blocks first under CAUSAL: key tile 0 is seen by
-// every query tile, and bid % num_n_blocks = 0 comes first.
+// (BLOCK_N keys) of one batch item, in p.grid_order's order (common.cuh: bwd_block_tile).
+// Heaviest blocks first under a causal mask: key tile 0 is seen by every query tile, and comes
+// first.
 template <typename T, int HEAD_DIM, typename Var, bool DETERMINISTIC, int BLOCK_M, int BLOCK_N, int NTHREADS>
 __global__ void __launch_bounds__(NTHREADS, 2)   // 2 blocks per SM: see BwdSimtTraits' register budget
-bwd_simt(const BwdParams p) {
+bwd_simt(const Params p) {
   using Tr = BwdSimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS>;
   using Acc = typename Tr::Acc;
   using TileS = typename Tr::TileS;
@@ -175,22 +176,19 @@ bwd_simt(const BwdParams p) {
   Acc* const sD = sL + BLOCK_M;          // D_i
 
   const int tid = threadIdx.x;
-  const int n_block = int(blockIdx.x % unsigned(p.num_n_blocks));
-  const int b = int(blockIdx.x / unsigned(p.num_n_blocks));
+  const BwdBlockTile tile = bwd_block_tile(p);
+  const int n_block = tile.n_block, b = tile.b;
   const int n0 = n_block * BLOCK_N;
-  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-  const T* const gq = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
-  const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout;
+  const BatchOffsets off = batch_offsets(p, b);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   const Acc* const glse = reinterpret_cast<const Acc*>(p.lse) + (long long)b * p.Lq;
   const Acc* const gD = reinterpret_cast<const Acc*>(p.dpsum) + (long long)b * p.Lq;
   Acc* const gdq = reinterpret_cast<Acc*>(p.dq_acc) + n_block * p.dq_block_stride + (long long)b * p.Lq * p.d;
 
   const auto all_rows = [](int) { return true; };
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
-  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sK, gk, p.k_row_stride, p.k_col_stride, n0, p.Lk, p.d, all_rows, tid);
-  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sV, gv, p.v_row_stride, p.v_col_stride, n0, p.Lk, p.dv, all_rows, tid);
+  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sK, gmem.k, p.k_row_stride, p.k_col_stride, n0, p.Lk, p.d, all_rows, tid);
+  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sV, gmem.v, p.v_row_stride, p.v_col_stride, n0, p.Lk, p.dv, all_rows, tid);
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (registers; the softmax scale tau is applied
   //       to dK_j once, at the end)
@@ -198,12 +196,12 @@ bwd_simt(const BwdParams p) {
   bwd::zero(acc_dk);
   bwd::zero(acc_dv);
 
-  const Acc scale_log2 = Acc(p.scale_log2);
+  const Acc scale_log2 = Acc(p.var.scale_log2);
   const Acc log2e = Acc(1.4426950408889634073599246810018921374266459541529859);
   const int n_valid = min(BLOCK_N, p.Lk - n0);   // keys of K_j that exist
   // The query tiles that can see K_j: from the one holding the first query that sees a key of
   // K_j (causal: row n0 - causal_offset; rows before it in that tile get P = 0 from the mask).
-  const int m_first = Var::query_begin(p, n0) / BLOCK_M * BLOCK_M;
+  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   for (int m0 = m_first; m0 < p.Lq; m0 += BLOCK_M) {
@@ -212,8 +210,8 @@ bwd_simt(const BwdParams p) {
     // -- 9: Load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM. Dead rows (L_i = -inf) and rows
     //       past Lq load as zeros and get L = +inf as a marker.
     const auto live = [&](int r) { return ldg(glse + m0 + r) != neg_inf<Acc>(); };
-    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sQ, gq, p.q_row_stride, p.q_col_stride, m0, p.Lq, p.d, live, tid);
-    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sdO, gdo, p.dout_row_stride, p.dout_col_stride, m0, p.Lq, p.dv, live, tid);
+    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sQ, gmem.q, p.q_row_stride, p.q_col_stride, m0, p.Lq, p.d, live, tid);
+    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sdO, gmem.dout, p.dout_row_stride, p.dout_col_stride, m0, p.Lq, p.dv, live, tid);
     if (tid < BLOCK_M) {
       const int row = m0 + tid;
       const Acc lse = row < p.Lq ? ldg(glse + row) : neg_inf<Acc>();
@@ -246,9 +244,9 @@ bwd_simt(const BwdParams p) {
           const int col = n0 + c;
           // (the Variant's answer first, outside the && chain: inside it, the inlined call
           // reordered the machine code; tools/sass_identity.py)
-          const bool var_visible = Var::visible(p, row, col);
+          const bool var_visible = Var::visible(p.var, row, col);
           const bool visible = row_live && c < n_valid && var_visible;
-          const Acc pij = visible ? fast_exp2(acc_fma(Var::transform(p, acc_s[i][j]), scale_log2, -l2)) : Acc(0);
+          const Acc pij = visible ? fast_exp2(acc_fma(Var::transform(p.var, acc_s[i][j]), scale_log2, -l2)) : Acc(0);
           sP[r * LDS + c] = pij;
           sdS[r * LDS + c] = visible ? pij * (acc_dp[i][j] - d_i) : Acc(0);
         }
@@ -270,7 +268,7 @@ bwd_simt(const BwdParams p) {
       Acc acc_dq[TileQ::TR][TileQ::TC];
       bwd::zero(acc_dq);
       TileQ::template mma<LDS, 1, 1, LDH>(acc_dq, sdS, sK, n_valid, tid);
-      const Acc scale = Acc(p.scale);
+      const Acc scale = Acc(p.var.scale);
 #pragma unroll
       for (int i = 0; i < TileQ::TR; ++i) {
         const int r = TileQ::r0(tid) + i * TileQ::THREADS_R;
@@ -292,7 +290,7 @@ bwd_simt(const BwdParams p) {
   //        item; the launcher sums them over broadcast dimensions). Every key of K_j is
   //        written, also those no query sees (0).
   if (TileKV::active(tid)) {
-    const Acc scale = Acc(p.scale);
+    const Acc scale = Acc(p.var.scale);
     Acc* const gdk = reinterpret_cast<Acc*>(p.dk_acc) + (long long)b * p.Lk * p.d;
     Acc* const gdv = reinterpret_cast<Acc*>(p.dv_acc) + (long long)b * p.Lk * p.dv;
 #pragma unroll

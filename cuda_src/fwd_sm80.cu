@@ -57,7 +57,7 @@ struct Sm80Traits {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
-fwd_sm80(const FwdParams p) {
+fwd_sm80(const Params p) {
   using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, SLICES, MIN_BLOCKS>;
   constexpr int MS = SLICES;
   using QTile = typename Tr::QTile;
@@ -76,26 +76,24 @@ fwd_sm80(const FwdParams p) {
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
-  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
-  const float sl2 = static_cast<float>(p.scale_log2);  // softmax scale * log2(e)
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
+  const float sl2 = static_cast<float>(p.var.scale_log2);  // softmax scale * log2(e)
 
   // Key tiles [0, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
   // under the causal mask those j <= i + causal_offset of its last row). n_blocks can be 0
   // (every row fully masked): the loop is skipped and the epilogue writes O = 0, lse = -inf.
-  const int n_end = Var::key_end(p, m0 + kBlockM, p.Lk);
+  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // K_j and V_j into stage `stage`
   auto load_kv = [&](int n0, int stage) {
     const unsigned sK = sKV + stage * kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, n0, p.Lk, p.dv);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, n0, p.Lk, p.dv);
   };
 
   // -- load Q_i, K_0 and V_0
-  load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
   cp_async_wait<0>();
@@ -143,7 +141,7 @@ fwd_sm80(const FwdParams p) {
     // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
     // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp
     // skips its math; it still takes part in the loads and the barrier above.
-    if (Var::tile_invisible(p, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
+    if (Var::tile_invisible(p.var, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
 
     // -- S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
@@ -178,18 +176,18 @@ fwd_sm80(const FwdParams p) {
       // -- the Variant's score transform (identity today), then the mask: keys past Lk, and
       //    the pairs the Variant masks (causal: keys j > i + causal_offset). Only tiles that
       //    cross the end of the keys or this slice's mask boundary pay for it.
-      Var::transform_tile(p, s[ms]);
+      Var::transform_tile(p.var, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             Var::needs_mask(p, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                             Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
       if (need_mask) {
         // the first and last visible key of each of this thread's two rows, relative to this
         // thread's first column in the tile
         int first[2], last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          last[r] = Var::key_last(p, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
-          first[r] = Var::key_first(p, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
+          last[r] = Var::key_last(p.var, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p.var, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
         }
         mask_scores<Var::kKeyLo>(s[ms], first, last);
       }
@@ -229,7 +227,7 @@ fwd_sm80(const FwdParams p) {
   for (int ms = 0; ms < MS; ++ms)
     stage_o_slice<QTile, T>(sQ, warp * Tr::kWarpRows + 16 * ms, o[ms], inv_l[ms]);
   __syncthreads();
-  store_o_tile<QTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
+  store_o_tile<QTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
 }
 
 }  // namespace cuflash

@@ -57,7 +57,7 @@ struct Sm90Traits {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
-fwd_sm90(const FwdParams p) {
+fwd_sm90(const Params p) {
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
@@ -76,10 +76,8 @@ fwd_sm90(const FwdParams p) {
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
-  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
-  const float sl2 = static_cast<float>(p.scale_log2);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
+  const float sl2 = static_cast<float>(p.var.scale_log2);
 
   // Key tiles [0, n_blocks) of the block: those holding keys its rows can see (Variant: all,
   // or under the causal mask those up to its last row's diagonal). n_blocks can be 0
@@ -87,15 +85,15 @@ fwd_sm90(const FwdParams p) {
   // computes on tiles before n_wg only (a tile past what its rows can see changes nothing for
   // them), and takes part in the loads and barriers of all the block's tiles.
   const int wg_row_first = m0 + 64 * wg;
-  const int n_end = Var::key_end(p, m0 + kBlockM, p.Lk);
-  const int n_end_wg = Var::key_end(p, wg_row_first + 64, p.Lk);
+  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
+  const int n_end_wg = Var::key_end(p.var, wg_row_first + 64, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
   auto load_kv = [&](int j) {   // K_j and V_j into stage j % Tr::kStages
     const unsigned sK = sKV + (j % Tr::kStages) * Tr::kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
   };
 
   // Descriptors of stage 0 at k-step 0 (this warpgroup's 64 rows of Q); a k-step or a stage
@@ -131,16 +129,16 @@ fwd_sm90(const FwdParams p) {
   //    including, the rescale of O
   auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
     const int n0 = j * BLOCK_N;
-    Var::transform_tile(p, s);
+    Var::transform_tile(p.var, s);
     const int warp_row_first = wg_row_first + 16 * warp;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           Var::needs_mask(p, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                           Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
     if (need_mask) {
       int first[2], last[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        last[r] = Var::key_last(p, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
-        first[r] = Var::key_first(p, row0 + 8 * r) - (n0 + col_in_tile);
+        last[r] = Var::key_last(p.var, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+        first[r] = Var::key_first(p.var, row0 + 8 * r) - (n0 + col_in_tile);
       }
       mask_scores<Var::kKeyLo>(s, first, last);
     }
@@ -150,7 +148,7 @@ fwd_sm90(const FwdParams p) {
   // -- load Q_i, K_0 and V_0
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
-  load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0);
   cp_async_commit();
 
@@ -195,7 +193,7 @@ fwd_sm90(const FwdParams p) {
   __syncthreads();
   stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
   __syncthreads();
-  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
+  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
 }
 
 }  // namespace sm90

@@ -62,11 +62,11 @@ struct Variant {
   //      softmax. Identity today: the scale tau is folded into exp2 (P = exp2(S tau log2(e) - m)),
   //      not applied here. A softcap (cap tanh(S tau / cap)) goes here, with its derivative in
   //      the backward's dS.
-  template <typename VP, typename Acc>
-  static __device__ __forceinline__ Acc transform(const VP&, Acc s) { return s; }
+  template <typename Acc>
+  static __device__ __forceinline__ Acc transform(const VariantParams&, Acc s) { return s; }
 
-  template <typename VP, int NT>
-  static __device__ __forceinline__ void transform_tile(const VP& v, float (&s)[NT][4]) {
+  template <int NT>
+  static __device__ __forceinline__ void transform_tile(const VariantParams& v, float (&s)[NT][4]) {
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -75,62 +75,50 @@ struct Variant {
 
   // ---- tile classification
   // One past the last key that query rows [., m_end) can see (at most Lk).
-  template <typename VP>
-  static __device__ __forceinline__ int key_end(const VP& v, const int& m_end, const int& Lk) {
+  static __device__ __forceinline__ int key_end(const VariantParams& v, const int& m_end, const int& Lk) {
     return CAUSAL ? min(Lk, m_end + v.causal_offset) : Lk;
   }
   // The first key that query rows [m_begin, .) can see (a window would raise it; no kernel
   // loop starts here yet: see the header).
-  template <typename VP>
-  static __device__ __forceinline__ int key_begin(const VP&, const int& /*m_begin*/) { return 0; }
+  static __device__ __forceinline__ int key_begin(const VariantParams&, const int& /*m_begin*/) { return 0; }
   // The first query that can see a key of [n_begin, .): under causal, i >= j - causal_offset.
-  template <typename VP>
-  static __device__ __forceinline__ int query_begin(const VP& v, const int& n_begin) {
+  static __device__ __forceinline__ int query_begin(const VariantParams& v, const int& n_begin) {
     return CAUSAL ? max(0, n_begin - v.causal_offset) : 0;
   }
   // One past the last query that can see a key of [., n_end) (a window would lower it; no
   // kernel loop ends here yet: see the header).
-  template <typename VP>
-  static __device__ __forceinline__ int query_end(const VP&, const int& /*n_end*/, const int& Lq) { return Lq; }
+  static __device__ __forceinline__ int query_end(const VariantParams&, const int& /*n_end*/, const int& Lq) { return Lq; }
 
   // Rows [m_begin, m_end) x keys [n_begin, n_end) hold no visible pair (past the diagonal of
   // the last row): the tile changes nothing for these rows, so their math can be skipped.
-  template <typename VP>
-  static __device__ __forceinline__ bool tile_invisible(const VP& v, const int& /*m_begin*/, const int& m_end,
+  static __device__ __forceinline__ bool tile_invisible(const VariantParams& v, const int& /*m_begin*/, const int& m_end,
                                                         const int& n_begin, const int& /*n_end*/) {
     return CAUSAL && n_begin > m_end - 1 + v.causal_offset;
   }
   // Some pair of the tile is masked by the variant (keys past Lk are the caller's question):
   // the last key crosses the diagonal of the first row.
-  template <typename VP>
-  static __device__ __forceinline__ bool needs_mask(const VP& v, const int& m_begin, const int& /*m_end*/,
+  static __device__ __forceinline__ bool needs_mask(const VariantParams& v, const int& m_begin, const int& /*m_end*/,
                                                     const int& /*n_begin*/, const int& n_end) {
     return CAUSAL && n_end - 1 > m_begin + v.causal_offset;
   }
 
   // ---- element mask
   // The last key query row i sees, clipped to the keys that exist.
-  template <typename VP>
-  static __device__ __forceinline__ int key_last(const VP& v, const int& i, const int& Lk) {
+  static __device__ __forceinline__ int key_last(const VariantParams& v, const int& i, const int& Lk) {
     return CAUSAL ? min(Lk - 1, i + v.causal_offset) : Lk - 1;
   }
   // The first key query row i sees (only evaluated where kKeyLo).
-  template <typename VP>
-  static __device__ __forceinline__ int key_first(const VP&, const int& /*i*/) { return 0; }
+  static __device__ __forceinline__ int key_first(const VariantParams&, const int& /*i*/) { return 0; }
   // The first query that sees key j (only evaluated where kKeyHi; may be negative).
-  template <typename VP>
-  static __device__ __forceinline__ int query_first(const VP& v, const int& j) { return j - v.causal_offset; }
+  static __device__ __forceinline__ int query_first(const VariantParams& v, const int& j) { return j - v.causal_offset; }
   // The last query that sees key j (only evaluated where kKeyLo).
-  template <typename VP>
-  static __device__ __forceinline__ int query_last(const VP&, const int& /*j*/) { return 1 << 30; }
+  static __device__ __forceinline__ int query_last(const VariantParams&, const int& /*j*/) { return 1 << 30; }
   // Whether the pair (query i, key j < Lk) is masked, and its negation (both, so that each
   // kernel keeps the comparison it had: the compiler does not turn one into the other).
-  template <typename VP>
-  static __device__ __forceinline__ bool masked(const VP& v, const int& i, const int& j) {
+  static __device__ __forceinline__ bool masked(const VariantParams& v, const int& i, const int& j) {
     return CAUSAL && j > i + v.causal_offset;
   }
-  template <typename VP>
-  static __device__ __forceinline__ bool visible(const VP& v, const int& i, const int& j) {
+  static __device__ __forceinline__ bool visible(const VariantParams& v, const int& i, const int& j) {
     return !CAUSAL || j <= i + v.causal_offset;
   }
 };

@@ -259,23 +259,33 @@ def all_specialisations(arch: str) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The parameter block (cuflash::FwdParams in cuda_src/common.cuh, field for field)
+# The parameter block of every kernel, forward and backward (cuflash::Params in
+# cuda_src/common.cuh, field for field; ``var`` is cuflash::VariantParams, cuda_src/variant.cuh)
 # ---------------------------------------------------------------------------------------------
 
 _B = MAX_BATCH_DIMS
-FWD_PARAMS = numpy.dtype([
-    ("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("o", "<u8"), ("lse", "<u8"),
+VARIANT_PARAMS = numpy.dtype([
+    ("scale", "<f8"), ("scale_log2", "<f8"), ("causal_offset", "<i4"), ("pad_", "<i4"),
+], align=True)
+PARAMS = numpy.dtype([
+    ("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("o", "<u8"), ("lse", "<u8"), ("dout", "<u8"),
+    ("dpsum", "<u8"), ("dq_acc", "<u8"), ("dk_acc", "<u8"), ("dv_acc", "<u8"), ("dq_sem", "<u8"),
     ("q_batch_stride", "<i8", (_B,)), ("k_batch_stride", "<i8", (_B,)),
     ("v_batch_stride", "<i8", (_B,)), ("o_batch_stride", "<i8", (_B,)),
+    ("dout_batch_stride", "<i8", (_B,)),
     ("q_row_stride", "<i8"), ("q_col_stride", "<i8"),
     ("k_row_stride", "<i8"), ("k_col_stride", "<i8"),
     ("v_row_stride", "<i8"), ("v_col_stride", "<i8"),
     ("o_row_stride", "<i8"), ("o_col_stride", "<i8"),
-    ("scale_log2", "<f8"),
+    ("dout_row_stride", "<i8"), ("dout_col_stride", "<i8"),
+    ("dq_block_stride", "<i8"),
+    ("var", VARIANT_PARAMS),
     ("batch_shape", "<i4", (_B,)),
     ("nbatch", "<i4"), ("Lq", "<i4"), ("Lk", "<i4"), ("d", "<i4"), ("dv", "<i4"),
-    ("causal_offset", "<i4"), ("num_m_blocks", "<i4"), ("grid_order", "<i4"),
+    ("num_m_blocks", "<i4"), ("num_n_blocks", "<i4"),
+    ("grid_order", "<i4"), ("out_flags", "<i4"),
 ], align=True)
+FWD_PARAMS = PARAMS   # the forward fills its part; the backward's fields stay 0
 
 
 def _elem_strides(a) -> tuple[int, ...]:
@@ -449,11 +459,11 @@ def forward(prob: AttentionProblem, o, lse) -> None:
         for name, t in zip("qkvo", tensors):
             st = _elem_strides(t)
             p[f"{name}_row_stride"], p[f"{name}_col_stride"] = st[-2], st[-1]
-        p["scale_log2"] = prob.scale * LOG2E
+        p["var"]["scale"], p["var"]["scale_log2"] = prob.scale, prob.scale * LOG2E
         p["batch_shape"] = (1,) * (MAX_BATCH_DIMS - len(inner)) + inner
         p["nbatch"] = inner_n
         p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
-        p["causal_offset"] = prob.causal_offset
+        p["var"]["causal_offset"] = prob.causal_offset
         p["num_m_blocks"] = num_m_blocks
         p["grid_order"] = grid_order(launch, prob.causal)
         pad = MAX_BATCH_DIMS - len(inner)

@@ -75,7 +75,7 @@ import math
 import numpy
 
 from . import _jit
-from ._launch import MAX_BATCH_DIMS, LOG2E, _ctype, _elem_strides, merge_batch_dims
+from ._launch import MAX_BATCH_DIMS, LOG2E, PARAMS, _ctype, _elem_strides, merge_batch_dims
 from ._problem import AttentionProblem, broadcast_axes
 from ._simt_config import HEAD_DIM_BUCKETS, head_dim_bucket
 
@@ -384,23 +384,7 @@ def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
 _B = MAX_BATCH_DIMS
 _TENSORS = ("q", "k", "v", "o", "dout")   # the strided tensors, in BwdParams order
 DK_OUT, DV_OUT = 1, 2                      # BwdParams::out_flags (kBwdDkOut, kBwdDvOut)
-BWD_PARAMS = numpy.dtype([
-    ("q", "<u8"), ("k", "<u8"), ("v", "<u8"), ("o", "<u8"), ("dout", "<u8"), ("lse", "<u8"),
-    ("dpsum", "<u8"), ("dq_acc", "<u8"), ("dk_acc", "<u8"), ("dv_acc", "<u8"),
-    ("q_batch_stride", "<i8", (_B,)), ("k_batch_stride", "<i8", (_B,)),
-    ("v_batch_stride", "<i8", (_B,)), ("o_batch_stride", "<i8", (_B,)),
-    ("dout_batch_stride", "<i8", (_B,)),
-    ("q_row_stride", "<i8"), ("q_col_stride", "<i8"),
-    ("k_row_stride", "<i8"), ("k_col_stride", "<i8"),
-    ("v_row_stride", "<i8"), ("v_col_stride", "<i8"),
-    ("o_row_stride", "<i8"), ("o_col_stride", "<i8"),
-    ("dout_row_stride", "<i8"), ("dout_col_stride", "<i8"),
-    ("dq_block_stride", "<i8"),
-    ("scale", "<f8"), ("scale_log2", "<f8"),
-    ("batch_shape", "<i4", (_B,)),
-    ("nbatch", "<i4"), ("Lq", "<i4"), ("Lk", "<i4"), ("d", "<i4"), ("dv", "<i4"),
-    ("causal_offset", "<i4"), ("num_n_blocks", "<i4"), ("out_flags", "<i4"), ("grid_order", "<i4"), ("pad_", "<i4"),
-], align=True)
+BWD_PARAMS = PARAMS   # cuflash::Params: one parameter block for forward and backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,13 +540,12 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
         for name, st in zip(_TENSORS, strides):
             p[f"{name}_batch_stride"] = (0,) * pad + st[len(outer):]
         p["dq_block_stride"] = nbatch * Lq * d if dq_parts > 1 else 0
-        p["scale"] = prob.scale
-        p["scale_log2"] = prob.scale * LOG2E
+        p["var"]["scale"], p["var"]["scale_log2"] = prob.scale, prob.scale * LOG2E
         p["batch_shape"] = (1,) * pad + inner
         p["nbatch"] = inner_n
         p["Lq"], p["Lk"], p["d"], p["dv"] = Lq, Lk, d, d_v
-        p["causal_offset"] = prob.causal_offset
-        p["num_n_blocks"] = num_n_blocks
+        p["var"]["causal_offset"] = prob.causal_offset
+        p["num_m_blocks"], p["num_n_blocks"] = num_m_blocks, num_n_blocks
         p["out_flags"] = (DK_OUT if dk_direct else 0) | (DV_OUT if dv_direct else 0)
         p["grid_order"] = grid_order(launch, prob.causal)
 
@@ -582,12 +565,8 @@ def backward(prob: AttentionProblem, do, o, lse, dq, dk, dv, *, deterministic: b
             dot((max(1, dot_blocks),), (AUX_THREADS,), (p[()],))   # rows by grid stride
             # -- 5-19: one block per (batch item, key tile)
             grid = (inner_n * num_n_blocks,)
-            if launch.sm80:
-                sem = 0 if semaphore is None else semaphore.data.ptr + 4 * first * num_m_blocks
-                main(grid, (launch.threads,), (p[()], numpy.uint64(sem)),
-                     shared_mem=launch.smem_bytes)
-            else:   # bwd_sm90, bwd_simt
-                main(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
+            p["dq_sem"] = 0 if semaphore is None else semaphore.data.ptr + 4 * first * num_m_blocks
+            main(grid, (launch.threads,), (p[()],), shared_mem=launch.smem_bytes)
 
         if dq_parts > 1:
             dq_sum = _kernel(PREP_SOURCE, launch.dq_sum, prob.device_id, 0)

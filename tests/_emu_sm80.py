@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy
 
 from cuflash import _launch_bwd, _problem
-from cuflash._launch import MAX_BATCH_DIMS, FWD_PARAMS, LOG2E, _elem_strides, merge_batch_dims
+from cuflash._launch import MAX_BATCH_DIMS, PARAMS, LOG2E, _elem_strides, merge_batch_dims
 from cuflash._paths import cuda_src_dir
 
 EMU = Path(__file__).resolve().parent / "emu"
@@ -155,17 +155,14 @@ namespace cuflash { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
 
 
 def _entry_points(kernels: list[tuple[str, str]]) -> str:
-    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'."""
+    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'; every
+    kernel takes one cuflash::Params."""
     cases = []
-    for i, (kind, expr) in enumerate(kernels):
-        if kind == "bwd":
-            call = f"{expr}(*static_cast<const cuflash::BwdParams*>(params), static_cast<int*>(extra));"
-        else:
-            call = f"{expr}(*static_cast<const cuflash::FwdParams*>(params));"
+    for i, (_kind, expr) in enumerate(kernels):
+        call = f"{expr}(*static_cast<const cuflash::Params*>(params));"
         cases.append(f"    case {i}: body = [=] {{ {call} }}; break;")
     return """
-extern "C" int emu_launch(int which, const void* params, void* extra, int grid, int threads,
-                          unsigned smem_bytes) {
+extern "C" int emu_launch(int which, const void* params, int grid, int threads, unsigned smem_bytes) {
   std::function<void()> body;
   switch (which) {
 %s
@@ -188,21 +185,20 @@ class Library:
 
     def __init__(self, path: Path, kernels: list[tuple[str, str]]):
         self.lib = ctypes.CDLL(str(path))
-        self.lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_int, ctypes.c_int, ctypes.c_uint]
+        self.lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_uint]
         self.lib.emu_message.restype = ctypes.c_char_p
         self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         self.index = {k: i for i, k in enumerate(kernels)}
 
-    def launch(self, kind: str, expr: str, params: numpy.ndarray, extra: int, grid: int,
-               threads: int, smem_bytes: int, readable=()) -> None:
+    def launch(self, kind: str, expr: str, params: numpy.ndarray, grid: int, threads: int,
+               smem_bytes: int, readable=()) -> None:
         self.lib.emu_clear_readable()
         for a in readable:
             lo, hi = _span(a)
             self.lib.emu_readable(lo, hi - lo)
         buf = numpy.ascontiguousarray(params).view(numpy.uint8)
-        rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, extra, grid, threads,
-                                 smem_bytes)
+        rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, grid, threads, smem_bytes)
         if rc:
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
 
@@ -236,6 +232,41 @@ def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | N
             raise RuntimeError(f"g++ failed on {source_name}:\n{run.stderr[:5000]}")
         Path(str(so) + ".tmp").rename(so)
     return Library(so, kernels)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter block: the one place the emulation packs cuflash::Params (to be replaced by
+# cuflash's shared packer)
+# ---------------------------------------------------------------------------------------------
+
+def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, **buffers):
+    """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
+    tensors ``strided`` (names q, k, v, o, dout; broadcast batch dims merged as the launcher
+    does), the contiguous ``buffers`` (lse, dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0),
+    and ``prob``'s sizes and variant (scale, causal offset)."""
+    nb = len(prob.batch_shape)
+    names = list(strided)
+    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(strided[n])[:nb] for n in names])
+    if len(shape) > MAX_BATCH_DIMS:
+        raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
+    pad = MAX_BATCH_DIMS - len(shape)
+    p = numpy.zeros((), dtype=PARAMS)
+    for name, st in zip(names, strides):
+        t = strided[name]
+        p[name] = t.ctypes.data
+        est = _elem_strides(t)
+        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
+        p[f"{name}_batch_stride"] = (0,) * pad + st
+    for name, buf in buffers.items():
+        p[name] = 0 if buf is None else buf.ctypes.data
+    p["var"]["scale"], p["var"]["scale_log2"] = prob.scale, prob.scale * LOG2E
+    p["var"]["causal_offset"] = prob.causal_offset
+    p["batch_shape"] = (1,) * pad + shape
+    nbatch = math.prod(prob.batch_shape)
+    p["nbatch"] = nbatch
+    p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
+    p["num_m_blocks"], p["num_n_blocks"] = num_m_blocks, num_n_blocks
+    return p, nbatch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,28 +314,12 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
     semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
 
-    tensors = (q, k, v, o, do)
-    nb = len(prob.batch_shape)
-    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
-    if len(shape) > MAX_BATCH_DIMS:
-        raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
-    pad = MAX_BATCH_DIMS - len(shape)
-    p = numpy.zeros((), dtype=_launch_bwd.BWD_PARAMS)
-    for name, t, st in zip(_launch_bwd._TENSORS, tensors, strides):
-        p[name] = t.ctypes.data
-        est = _elem_strides(t)
-        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
-        p[f"{name}_batch_stride"] = (0,) * pad + st
-    p["lse"], p["dpsum"] = lse.ctypes.data, D.ctypes.data
-    p["dq_acc"], p["dk_acc"], p["dv_acc"] = dq_acc.ctypes.data, dk_acc.ctypes.data, dv_acc.ctypes.data
-    p["scale"], p["scale_log2"] = prob.scale, prob.scale * LOG2E
-    p["batch_shape"] = (1,) * pad + shape
-    p["nbatch"] = nbatch
-    p["Lq"], p["Lk"], p["d"], p["dv"] = Lq, Lk, d, dv
-    p["causal_offset"] = prob.causal_offset
-    p["num_n_blocks"] = num_n_blocks
-    lib.launch("bwd", expr, p, semaphore.ctypes.data if deterministic else 0,
-               nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes, readable=(q, k, v, do))
+    p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
+                       num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
+                       lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
+                       dq_sem=semaphore if deterministic else None)
+    lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
+               readable=(q, k, v, do))
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
         visits = numpy.zeros(num_m_blocks, numpy.int32)
         for n in range(num_n_blocks):
@@ -326,25 +341,9 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
-    tensors = (prob.q, prob.k, prob.v, o)
-    nb = len(prob.batch_shape)
-    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
-    pad = MAX_BATCH_DIMS - len(shape)
-    p = numpy.zeros((), dtype=FWD_PARAMS)
-    for name, t, st in zip("qkvo", tensors, strides):
-        p[name] = t.ctypes.data
-        est = _elem_strides(t)
-        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
-        p[f"{name}_batch_stride"] = (0,) * pad + st
-    p["lse"] = lse.ctypes.data
-    p["scale_log2"] = prob.scale * LOG2E
-    p["batch_shape"] = (1,) * pad + shape
-    nbatch = math.prod(prob.batch_shape)
-    p["nbatch"] = nbatch
-    p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
-    p["causal_offset"] = prob.causal_offset
     num_m_blocks = -(-prob.Lq // block_m)
-    p["num_m_blocks"] = num_m_blocks
-    lib.launch("fwd", expr, p, 0, nbatch * num_m_blocks, threads, smem_bytes,
+    p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
+                            num_m_blocks=num_m_blocks, lse=lse)
+    lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v))
     return o, lse

@@ -381,20 +381,25 @@ def test_cupy_arguments_mixed_with_numpy_are_errors():
     assert isinstance(q, cupy.ndarray)
 
 
-# -- the parameter block: BWD_PARAMS (NumPy) mirrors cuflash::BwdParams (C++) ----------------
+# -- the parameter block: PARAMS (NumPy) mirrors cuflash::Params (C++) ------------------------
 
 def test_bwd_params_layout_matches_the_struct():
-    """NVRTC checks sizeof and every offsetof of BwdParams against the NumPy dtype (no GPU)."""
+    """NVRTC checks sizeof and every offsetof of Params (and of its VariantParams) against the
+    NumPy dtype (no GPU)."""
     from cuflash import _jit, _launch_bwd
     try:
         nvrtc = _jit._nvrtc_for("sm_80")
     except _jit.KernelCompileError as exc:
         pytest.skip(str(exc))
     dt = _launch_bwd.BWD_PARAMS
-    checks = [f"static_assert(sizeof(BwdParams) == {dt.itemsize}, \"sizeof\");"]
-    checks += [f"static_assert(__builtin_offsetof(BwdParams, {name}) == {offset}, \"{name}\");"
+    checks = [f"static_assert(sizeof(Params) == {dt.itemsize}, \"sizeof\");"]
+    checks += [f"static_assert(__builtin_offsetof(Params, {name}) == {offset}, \"{name}\");"
                for name, (_, offset) in dt.fields.items()]
+    var = dt.fields["var"][0]
+    checks += [f"static_assert(sizeof(VariantParams) == {var.itemsize}, \"sizeof var\");"]
+    checks += [f"static_assert(__builtin_offsetof(VariantParams, {name}) == {offset}, \"var.{name}\");"
+               for name, (_, offset) in var.fields.items()]
     src = (_jit.load_source("common.cuh") + "\nnamespace cuflash {\n" + "\n".join(checks)
-           + "\n__global__ void probe(const BwdParams p) {}\n}\n")
+           + "\n__global__ void probe(const Params p) {}\n}\n")
     log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
     assert lowered is not None, log
