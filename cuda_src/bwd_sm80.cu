@@ -1,6 +1,6 @@
 // cuflash: tensor-core backward for float16 / bfloat16 on sm_80 and newer (mma.sync).
 //
-// FlashAttention-2, Algorithm 2 (lines 5-19; line 4, D = rowsum(dO o O), is bwd_simt.cu's
+// FlashAttention-2, Algorithm 2 (lines 5-19; line 4, D = rowsum(dO o O), is bwd_prep.cu's
 // bwd_dot_do_o, and the launcher, cuflash/_launch_bwd.py, runs it first). One thread block per
 // (batch item, key tile K_j, V_j of 16 keys per warp):
 //   K_j and V_j arrive once by cp.async into XOR-swizzled shared memory; the block then walks

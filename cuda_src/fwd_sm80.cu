@@ -7,8 +7,9 @@
 //   K_{j+1} and V_{j+1} load while the block computes on K_j and V_j, and one barrier per
 //   key tile is all the synchronisation there is;
 //   S and P live in registers, and P is reused directly as the A operand of P V_j;
-//   causal tiles beyond the diagonal are never visited, and only the tiles that straddle the
-//   diagonal or the end of the keys pay for a mask.
+//   tiles with no visible pair (the Variant, variant.cuh; causal: beyond the diagonal) are
+//   never visited, and only the tiles that straddle the mask boundary
+//   or the end of the keys pay for a mask.
 //
 // Requirements the launcher (cuflash/_launch.py) guarantees:
 //   q, k, v have unit column stride, and every row start is 16-byte aligned;
@@ -92,7 +93,7 @@ fwd_sm80(const Params p) {
     load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, n0, p.Lk, p.dv);
   };
 
-  // -- load Q_i, K_0 and V_0
+  // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
@@ -116,7 +117,8 @@ fwd_sm80(const Params p) {
   const typename KVTile::FragAddr k_frag(sKV, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   const typename KVTile::FragAddr v_frag(sKV + KVTile::kBytes, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
-  // Per-thread state, per slice ms: rows row0 + 16 ms and row0 + 16 ms + 8.
+  // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf. Per-thread state, per slice ms:
+  //       rows row0 + 16 ms and row0 + 16 ms + 8.
   float o[MS][Tr::kNTilesO][4];
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
@@ -128,6 +130,7 @@ fwd_sm80(const Params p) {
   const int row0 = m0 + warp * Tr::kWarpRows + lane / 4;
   const int col_in_tile = 2 * (lane % 4);
 
+  // -- 6: for 1 <= j <= T_c (the key tiles this Q tile can see):
   for (int j = 0; j < n_blocks; ++j) {
     const int n0 = j * BLOCK_N;
     const unsigned stage_off = (j & 1) * kStageBytes;
@@ -135,7 +138,7 @@ fwd_sm80(const Params p) {
       cp_async_wait<0>();   // K_j and V_j have landed ...
       __syncthreads();      // ... for every thread, and every warp is done with stage (j+1)&1
     }
-    // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
+    // -- 7: Load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
     if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
     cp_async_commit();
     // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
@@ -143,7 +146,7 @@ fwd_sm80(const Params p) {
     // skips its math; it still takes part in the loads and the barrier above.
     if (Var::tile_invisible(p.var, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
 
-    // -- S_ij = Q_i K_j^T
+    // -- 8: On chip, compute S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
@@ -191,10 +194,12 @@ fwd_sm80(const Params p) {
         }
         mask_scores<Var::kKeyLo>(s[ms], first, last);
       }
+      // -- 9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_i rescaled + rowsum;
+      //    10 (first half): O_i = diag(exp(m_i - m_ij)) O_i
       online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
-    // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
+    // -- 10: O_i += P~_ij V_j, with P taken straight from the S accumulators as the A operand
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       unsigned a[MS][4];
@@ -213,7 +218,8 @@ fwd_sm80(const Params p) {
     }
   }
 
-  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
+  //    written to HBM
   float inv_l[MS][2];
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)

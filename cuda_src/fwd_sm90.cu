@@ -145,20 +145,22 @@ fwd_sm90(const Params p) {
     online_softmax_scores(s, m_i, l_i, alpha, sl2);
   };
 
-  // -- load Q_i, K_0 and V_0
+  // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
   load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0);
   cp_async_commit();
 
+  // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf
   float o[Tr::kNTilesO][4];
 #pragma unroll
   for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
   float s[Tr::kNTilesS][4];
 
-  // Tile j: S_j, softmax, P_j V_j, one after the other; K_{j+1}, V_{j+1} load meanwhile.
+  // -- 6: for 1 <= j <= T_c: S_ij (8), the softmax (9), P~_ij V_j (10), one after the other;
+  //       K_{j+1}, V_{j+1} load meanwhile (7)
   for (int j = 0; j < n_blocks; ++j) {
     cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
@@ -184,7 +186,8 @@ fwd_sm90(const Params p) {
     fence_regs(o);
   }
 
-  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
+  //    written to HBM
   cp_async_wait<0>();   // with no key tile (every row masked) Q's copy is still pending
   float inv_l[2];
   finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);

@@ -42,7 +42,7 @@ Memory (Acc = float32, or float64 for float64 inputs), besides the outputs:
   and rounded once to the input dtype. So grouped-query attention does materialise
   per-group dk, dv here, G times the size of the result; summing inside the kernel is future
   work. Where k (or v) is not broadcast, bwd_sm80 and bwd_sm90 write dk (dv) straight into
-  the result in the input dtype instead (``BwdParams::out_flags``): no buffer, no extra pass.
+  the result in the input dtype instead (``Params::out_flags``): no buffer, no extra pass.
 * dq is rounded into the result by one CuPy copy (after the broadcast sum, if any).
 * ``deterministic=True``, bwd_sm80 (also on Hopper): the same single dq buffer, plus one int32 semaphore per
   (batch item, query tile of BLOCK_M rows): each key tile adds its dQ contribution with plain
@@ -378,12 +378,12 @@ def bwd_specialisations(arch: str) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The parameter block (cuflash::BwdParams in cuda_src/common.cuh, field for field)
+# The parameter block: cuflash::Params (PARAMS in _launch.py), shared with the forward
 # ---------------------------------------------------------------------------------------------
 
 _B = MAX_BATCH_DIMS
-_TENSORS = ("q", "k", "v", "o", "dout")   # the strided tensors, in BwdParams order
-DK_OUT, DV_OUT = 1, 2                      # BwdParams::out_flags (kBwdDkOut, kBwdDvOut)
+_TENSORS = ("q", "k", "v", "o", "dout")   # the strided tensors, in Params order
+DK_OUT, DV_OUT = 1, 2                      # Params::out_flags (kBwdDkOut, kBwdDvOut)
 BWD_PARAMS = PARAMS   # cuflash::Params: one parameter block for forward and backward
 
 

@@ -3,7 +3,7 @@
 This module is the one place where the kernel's tile sizes are chosen. They reach the kernel
 as template arguments inside the NVRTC name expression::
 
-    cuflash::fwd_simt<T, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>
+    cuflash::fwd_simt<T, HEAD_DIM, cuflash::Variant<CAUSAL>, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>
 
 and ``SimtTraits`` in the .cu file derives every other constant from them and
 ``static_assert``s the rules (thread grid, bank-conflict-free pitches, the 64 KB shared-memory
@@ -15,7 +15,7 @@ launched with less dynamic shared memory than it needs, so a drift cannot go unn
 Launch contract (for ``_launch.py``)
 ------------------------------------
 * ``block = (threads, 1, 1)``; ``grid = (nbatch * num_m_blocks, 1, 1)`` with
-  ``num_m_blocks = ceil(Lq / block_m)``, which also goes into ``FwdParams.num_m_blocks``.
+  ``num_m_blocks = ceil(Lq / block_m)``, which also goes into ``Params.num_m_blocks``.
 * Dynamic shared memory: ``smem_bytes`` (the kernel has no static shared memory). When it
   exceeds 48 KB (49152 bytes) set ``kernel.max_dynamic_shared_size_bytes = smem_bytes`` before
   launching; every configuration is at most 64 KB, which every GPU from sm_70 grants.
