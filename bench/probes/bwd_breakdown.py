@@ -9,8 +9,8 @@ tile; what the plan cache (issue 9) takes off "rest".
 
     PYTHONPATH=. python bench/probes/bwd_breakdown.py     # bf16, B*L = 16k tokens, H*d = 2048
 
-It wraps the backward launcher's kernel getter (``cuflash._launch_bwd._kernel``), a private
-name: after the registry refactor point ``_kernel_getter()`` below at the one launcher's.
+It wraps the one launcher's launch (``cuflash._launch.Launch.__call__``, private) with CUDA
+events, named by the kernel each Launch runs.
 
 For each d in {64, 128}, L in {1k, 16k}, causal and not: medians over --reps backward calls
 (after 3 untimed), in ms and as shares of the whole backward; the forward once for o, lse.
@@ -24,37 +24,25 @@ import ml_dtypes
 import numpy
 
 import cuflash
-from cuflash import _launch_bwd
+from cuflash import _launch
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=15)
 a = ap.parse_args()
 
 spans: dict[str, list] = {}
+_launch_call = _launch.Launch.__call__
 
 
-def _kernel_getter():
-    """The private function the backward launches through (a CuPy RawKernel getter)."""
-    return _launch_bwd._kernel
+def timed_launch(self, stream, *pointers):
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    e0.record()
+    _launch_call(self, stream, *pointers)
+    e1.record()
+    spans.setdefault("dot" if "dot_do_o" in self.name else "main", []).append((e0, e1))
 
 
-_kernel = _kernel_getter()
-
-
-def timed_kernel(source, expr, device_id, smem):
-    k = _kernel(source, expr, device_id, smem)
-    name = "dot" if "dot_do_o" in expr else "main"
-
-    def launch(*args, **kw):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record()
-        k(*args, **kw)
-        e1.record()
-        spans.setdefault(name, []).append((e0, e1))
-    return launch
-
-
-_launch_bwd._kernel = timed_kernel
+_launch.Launch.__call__ = timed_launch
 print(f"{'d':>4s} {'L':>6s} {'causal':>6s} {'bwd ms':>8s} {'main':>12s} {'dot':>12s} {'rest':>12s}")
 for d in (64, 128):
     for L in (1024, 16384):
