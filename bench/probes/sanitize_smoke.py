@@ -22,17 +22,20 @@ import numpy
 
 import cuflash
 
-#: the environment the launchers read on every call to keep Hopper on the mma.sync kernels
+#: the overrides that keep Hopper on the mma.sync kernels (read when a plan is built)
 SM80 = {"CUFLASH_FWD": "sm80", "CUFLASH_BWD": "sm80"}
 
 
 def on_sm80(fn, *args, **kw):
-    """``fn(*args, **kw)`` with SM80 set in the environment, restored after."""
+    """``fn(*args, **kw)`` with SM80 set in the environment (and fresh plans), restored after."""
+    from cuflash import _api
     old = {k: os.environ.get(k) for k in SM80}
     os.environ.update(SM80)
+    _api.clear_plans()
     try:
         return fn(*args, **kw)
     finally:
+        _api.clear_plans()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
