@@ -10,7 +10,10 @@ info   versions, kernel source directory, devices
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import math
+import re
 import sys
 import time
 from typing import Sequence
@@ -23,16 +26,44 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def gpu_unavailable_reason(cupy) -> str | None:
+    """Why CuPy cannot use a GPU here, in a user's words, or None when it can.
+
+    Without an NVIDIA driver CUDA says "CUDA driver version is insufficient for CUDA runtime
+    version" (the driver version reads as 0); that is reported as no GPU found. A real but
+    old driver is reported with both versions.
+    """
+    rt = cupy.cuda.runtime
+    try:
+        driver = rt.driverGetVersion()
+    except Exception as e:
+        return f"no CUDA GPU found (the NVIDIA driver cannot be queried: {_short(e)})"
+    if driver == 0:
+        return "no CUDA GPU found (no NVIDIA driver is installed or loaded)"
+    try:
+        n = rt.getDeviceCount()
+    except Exception as e:
+        text = str(e)
+        if "NoDevice" in text or "no CUDA-capable device" in text:
+            return "no CUDA GPU found"
+        if "InsufficientDriver" in text:
+            def ver(v: int) -> str:
+                return f"{v // 1000}.{v % 1000 // 10}"
+            return (f"the NVIDIA driver (CUDA {ver(driver)}) is older than this CuPy's CUDA "
+                    f"runtime ({ver(rt.runtimeGetVersion())}): update the driver or install "
+                    f"the CuPy build for it (cuflash[cuda12])")
+        return f"CUDA is not usable: {_short(e)}"
+    return None if n > 0 else "no CUDA GPU found"
+
+
 def usable_gpu():
     """``(cupy, None)`` when CuPy imports and sees at least one device, else ``(None, why)``."""
     try:
         import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:        # no CuPy, no driver, no device: all mean "CPU path"
-        return None, _short(e)
-    if n <= 0:
-        return None, "CUDA reports no device"
-    return cupy, None
+    except Exception as e:        # no CuPy: the CPU path
+        return None, f"CuPy is not installed ({_short(e)}); pip install cuflash[cuda13]"
+    why = gpu_unavailable_reason(cupy)
+    return (None, why) if why else (cupy, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +218,7 @@ def cmd_demo(args) -> int:
         print("times: median of 20 calls, CUDA events; naive = matmul, float32 softmax, matmul "
               "in CuPy.")
     else:
-        print("times: median of 3 calls on the host (the CPU path is a specification, not a "
-              "fast path).")
+        print("times: median of 3 calls on the host (the blocked CPU path, threads over tiles).")
     if failures:
         print(f"demo FAILED: {failures} case(s)")
         return 1
@@ -204,7 +234,7 @@ def cmd_info(args) -> int:
     import platform
     from cuflash._bench import cuflash_version, version_of
     rows = [("cuflash", cuflash_version()), ("python", platform.python_version())]
-    for dist in ("numpy", "scipy", "ml_dtypes"):
+    for dist in ("numpy", "ml_dtypes"):
         rows.append((dist, version_of(dist) or "not installed"))
     try:
         from cuflash._paths import cuda_src_dir
@@ -233,8 +263,11 @@ def cmd_info(args) -> int:
             rows.append(("NVRTC", ".".join(map(str, cupy.cuda.nvrtc.getVersion()))))
         except Exception as e:
             rows.append(("NVRTC", f"unavailable ({_short(e)})"))
+        why = gpu_unavailable_reason(cupy)
+        if why:
+            devices.append(why)
         try:
-            for i in range(rt.getDeviceCount()):
+            for i in range(0 if why else rt.getDeviceCount()):
                 p = rt.getDeviceProperties(i)
                 name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
                 devices.append(f"device {i}: {name}, compute capability {p['major']}.{p['minor']}"
@@ -251,7 +284,7 @@ def cmd_info(args) -> int:
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
-    for line in devices or ["no CUDA device"]:
+    for line in devices or ["no CUDA GPU found"]:
         print(line)
     return 0
 
@@ -291,14 +324,73 @@ def check_failed(r) -> bool:
     return bool(r.error or r.spill_stores or r.spill_loads or r.stack)
 
 
+_ARCH = re.compile(r"sm_(\d+)a?")
+
+
+class UsageError(Exception):
+    """A bad command-line argument: printed as one line, exit status 2."""
+
+
+def targetable_archs(archs: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(kept, skipped)``: the arches an NVRTC found here compiles for, and one line for each
+    other arch saying why it is skipped. Raises UsageError for a malformed arch."""
+    for arch in archs:
+        if not _ARCH.fullmatch(arch):
+            raise UsageError(f"--arch {arch!r} is not an architecture: use sm_<NN> or "
+                             f"sm_<NN>a, e.g. sm_80 or sm_90a")
+    try:
+        from cuflash import _jit
+        libs = _jit._nvrtc_libraries()
+    except Exception as e:        # no NVRTC, or the module changed: let the gate report it
+        return list(archs), [] if archs else [f"(NVRTC not inspected: {_short(e)})"]
+    if not libs:
+        return [], [f"{arch}: no NVRTC found (pip install cuflash[cuda13])" for arch in archs]
+    kept, skipped = [], []
+    found = ", ".join(f"{v[0]}.{v[1]}" for v in (lib.version for lib in libs))
+    for arch in archs:
+        num = int(_ARCH.fullmatch(arch).group(1))
+        if any(num in lib.archs for lib in libs):
+            kept.append(arch)
+            continue
+        why = f"{arch}: the NVRTC here ({found}) does not target it"
+        if num < 75 and not any(lib.version[0] == 12 for lib in libs):
+            why += "; NVRTC 12 still does: pip install nvidia-cuda-nvrtc-cu12"
+        skipped.append(why)
+    return kept, skipped
+
+
+def run_check_all(check_all, archs: list[str], bar) -> list:
+    """``check_all(archs, progress=callback)`` where it takes a progress callback (called as
+    ``callback(done, total)``), else ``check_all([arch])`` arch by arch."""
+    try:
+        params = inspect.signature(check_all).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "progress" in params:
+        return list(check_all(archs, progress=bar.callback))
+    bar.update(0, len(archs))
+    reports = []
+    for arch in archs:
+        reports.extend(check_all([arch]))
+        bar.advance()
+    return reports
+
+
 def cmd_check(args) -> int:
-    archs = args.arch or list(DEFAULT_ARCHS)
+    archs, skipped = targetable_archs(args.arch or list(DEFAULT_ARCHS))
+    for why in skipped:
+        print(f"skipped {why}", file=sys.stderr)
+    if not archs:
+        print("compile gate: no requested architecture can be compiled here", file=sys.stderr)
+        return 1
     try:
         from cuflash._jit import check_all
     except Exception as e:        # ImportError, or the lead's module not there yet
         print(f"compile gate unavailable: {_short(e)}", file=sys.stderr)
         return 2
-    reports = list(check_all(archs))
+    from cuflash._progress import Progress
+    with Progress(label=f"compiling for {', '.join(archs)}") as bar:
+        reports = run_check_all(check_all, archs, bar)
     if not reports:
         print(f"compile gate: nothing to compile for {', '.join(archs)}", file=sys.stderr)
         return 1
@@ -315,14 +407,22 @@ def cmd_check(args) -> int:
               + "\n  ".join(text.splitlines()[:20]))
     print()
     print(f"{len(reports)} compilations ({', '.join(archs)}): "
-          + ("all ok, 0 bytes spilled, 0 bytes stack" if not bad else f"{len(bad)} failed"))
+          + ("all ok, 0 bytes spilled, 0 bytes stack" if not bad else f"{len(bad)} failed")
+          + (f"; skipped {len(skipped)} arch(es) this NVRTC cannot target" if skipped else ""))
     return 1 if bad else 0
 
 
 # ---------------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors as one line (exit 2) instead of usage plus error."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cuflash", description="cuflash command line")
+    p = _Parser(prog="python -m cuflash", description="cuflash command line")
     sub = p.add_subparsers(dest="cmd", metavar="{demo,bench,check,info}")
     d = sub.add_parser("demo", help="run and check cuflash.attention on random inputs")
     d.add_argument("--cpu", action="store_true", help="use the NumPy CPU path even with a GPU")
@@ -337,17 +437,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bench(argv: list[str]) -> int:
+    """The suite's own main (cuflash/_bench.py); a bad argument or file is one line, exit 2."""
+    from cuflash._bench import main as bench_main
+    try:
+        return bench_main(argv)
+    except OSError as e:                       # --load of a missing or unreadable file
+        name = e.filename or ""
+        raise UsageError(f"cannot read {name}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not a JSON file: {e}") from None
+    except KeyError as e:                      # --load of a JSON without the suite's fields
+        raise UsageError(f"not a cuflash benchmark result (no {e} field)") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad benchmark input: {_short(e)}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":           # everything after `bench` is the suite's
-        from cuflash._bench import main as bench_main
-        return bench_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.cmd is None:
-        parser.print_help()
+    try:
+        if argv and argv[0] == "bench":        # everything after `bench` is the suite's
+            return _bench(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.cmd is None:
+            parser.print_help()
+            return 2
+        return {"demo": cmd_demo, "check": cmd_check, "info": cmd_info}[args.cmd](args)
+    except UsageError as e:
+        print(f"python -m cuflash: error: {e}", file=sys.stderr)
         return 2
-    return {"demo": cmd_demo, "check": cmd_check, "info": cmd_info}[args.cmd](args)
+    except KeyboardInterrupt:
+        print("python -m cuflash: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
