@@ -42,6 +42,9 @@ MAX_BLOCK_N = 512
 THREADS: int | None = None
 #: Problems with fewer scores (batch * Lq * Lk) than this run inline, without threads.
 INLINE_SCORES = 1 << 20
+#: The backward of fewer batch groups than this splits the keys into this many ranges, each
+#: task with its own dq buffer (summed in range order: the result depends on the shape only).
+KEY_SPLITS = 4
 
 
 def _threads() -> int:
@@ -57,14 +60,17 @@ def _run(tasks: Iterable[Callable[[], None]], inline: bool) -> None:
     """Run the tasks: on a thread pool with single-threaded BLAS where BLAS's threads can be
     set (cuflash._blas), else inline, leaving the parallelism to BLAS."""
     tasks = list(tasks)
-    workers = min(_threads(), len(tasks))
-    if inline or workers <= 1 or not _blas.available():
-        for task in tasks:
-            task()
-        return
-    with _blas.single_threaded(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for future in [pool.submit(task) for task in tasks]:
-            future.result()  # re-raises a task's exception here
+    workers = 1 if inline else min(_threads(), len(tasks))
+    # BLAS on one thread always (where it can be set), so that results never depend on how
+    # many threads ran: the same inputs give bitwise the same outputs on any thread count.
+    with _blas.single_threaded() as single:
+        if workers <= 1 or not single:
+            for task in tasks:
+                task()
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(task) for task in tasks]:
+                future.result()  # re-raises a task's exception here
 
 
 def _batch_groups(batch_shape: tuple[int, ...], scores_per_item: int) -> list[tuple]:
@@ -223,20 +229,32 @@ def backward(prob: AttentionProblem, do: numpy.ndarray, o: numpy.ndarray, lse: n
     items = math.prod(full[len(groups[0]):]) if groups else 1
     bm, bn = _tiles(items, prob.Lq, prob.Lk, block_m, block_n)
 
-    def task(index: tuple) -> None:
-        _backward_items(prob, acc, prob.q[index], prob.k[index], prob.v[index],
-                        do_full[index], o_full[index], lse[index], dq_acc[index],
-                        dk_acc[index], dv_acc[index], bm, bn)
+    # Few groups: split the key tiles into ranges too, so that every thread has work.
+    n_tiles = -(-prob.Lk // bn)
+    splits = min(KEY_SPLITS, n_tiles) if len(groups) < KEY_SPLITS else 1
+    cuts = [min(prob.Lk, (n_tiles * s // splits) * bn) for s in range(splits + 1)]
+    ranges = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    dq_parts = [dq_acc] + [numpy.empty_like(dq_acc) for _ in ranges[1:]]
 
-    _run([lambda g=g: task(g) for g in groups],
+    def task(index: tuple, part: int) -> None:
+        _backward_items(prob, acc, prob.q[index], prob.k[index], prob.v[index],
+                        do_full[index], o_full[index], lse[index], dq_parts[part][index],
+                        dk_acc[index], dv_acc[index], bm, bn, ranges[part])
+
+    _run([lambda g=g, r=r: task(g, r) for g in groups for r in range(len(ranges))],
          inline=math.prod(full) * prob.Lq * prob.Lk < INLINE_SCORES)
+    for part in dq_parts[1:]:  # in key order, whatever order the tasks ran in
+        dq_acc += part
+    dq_acc *= acc(prob.scale)  # -- dQ = tau sum_j dS_ij K_j
     dq[...] = _problem.sum_to_shape(dq_acc, dq.shape, dq.dtype)
     dk[...] = _problem.sum_to_shape(dk_acc, dk.shape, dk.dtype)
     dv[...] = _problem.sum_to_shape(dv_acc, dv.shape, dv.dtype)
 
 
-def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int) -> None:
-    """The gradients of one group of batch items into its slices of the accumulators."""
+def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int,
+                    keys: tuple[int, int]) -> None:
+    """The gradients of one group of batch items, for the keys ``keys[0]:keys[1]``, into its
+    slices of the accumulators: dk, dv of those keys, and their (unscaled) share of dq."""
     no_key = lse == -numpy.inf                                   # rows with no visible key
     with numpy.errstate(invalid="ignore", over="ignore"):  # inf - inf in a row with Inf: NaN
         # -- Q scaled, dO with the rows of no visible key zeroed, D_i = rowsum(dO_i o O_i)
@@ -247,9 +265,9 @@ def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int
         # Subtracting +inf for those rows makes their P = exp(s - inf) = 0, never NaN.
         lse_sub = numpy.where(no_key, acc(numpy.inf), lse).astype(acc, copy=False)
         dq[...] = 0
-        # -- for 1 <= j <= T_c:
-        for j0 in range(0, prob.Lk, bn):
-            j1 = min(j0 + bn, prob.Lk)
+        # -- for 1 <= j <= T_c (this task's key tiles):
+        for j0 in range(keys[0], keys[1], bn):
+            j1 = min(j0 + bn, keys[1])
             # -- load K_j, V_j; dK_j = 0, dV_j = 0
             k_j = k[..., j0:j1, :].astype(acc, copy=False)
             v_j = v[..., j0:j1, :].astype(acc, copy=False)
@@ -284,4 +302,3 @@ def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int
                 # -- dQ_i += dS_ij K_j (tau applied once at the end);  dK_j += dS_ij^T (tau Q_i)
                 dq[..., i0:i1, :] += ds @ k_j
                 dk_j += ds.swapaxes(-1, -2) @ q_i
-        dq *= acc(prob.scale)

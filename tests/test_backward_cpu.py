@@ -256,9 +256,10 @@ def test_backward_memory_is_linear_in_sequence_length():
         finally:
             tracemalloc.stop()
     score_matrix = 4096 * 4096 * 4
-    assert peaks[4096] < score_matrix / 8, f"peak {peaks}; the score matrix is {score_matrix}"
-    # 16x the scores, the same tiles: the peak grows by the O(L * d) buffers only
-    assert peaks[4096] < peaks[1024] + 16 * 4096 * 16 * 4, f"peak {peaks}"
+    assert peaks[4096] < score_matrix / 4, f"peak {peaks}; the score matrix is {score_matrix}"
+    # 16x the scores, the same tiles: the peak grows by the O(L * d) buffers only (times the
+    # tasks in flight), far from 16x
+    assert peaks[4096] < 2.5 * peaks[1024], f"peak {peaks}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
