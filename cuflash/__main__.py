@@ -359,6 +359,17 @@ def targetable_archs(archs: Sequence[str]) -> tuple[list[str], list[str]]:
     return kept, skipped
 
 
+def gate_function():
+    """The compile gate's entry point: ``_families.check(archs, progress=...)`` (the registry),
+    else the older ``_jit.check_all(archs)``."""
+    try:
+        from cuflash._families import check
+        return check
+    except ImportError:
+        from cuflash._jit import check_all
+        return check_all
+
+
 def run_check_all(check_all, archs: list[str], bar) -> list:
     """``check_all(archs, progress=callback)`` where it takes a progress callback (called as
     ``callback(done, total)``), else ``check_all([arch])`` arch by arch."""
@@ -384,8 +395,8 @@ def cmd_check(args) -> int:
         print("compile gate: no requested architecture can be compiled here", file=sys.stderr)
         return 1
     try:
-        from cuflash._jit import check_all
-    except Exception as e:        # ImportError, or the lead's module not there yet
+        check_all = gate_function()
+    except Exception as e:        # ImportError, or the lead's module changed
         print(f"compile gate unavailable: {_short(e)}", file=sys.stderr)
         return 2
     from cuflash._progress import Progress

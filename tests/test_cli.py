@@ -200,3 +200,25 @@ def test_blas_single_threaded_restores_the_thread_count():
             assert get() == 1
         assert get() == 1
     assert get() == before
+
+
+def test_check_uses_the_registry_gate_with_progress(monkeypatch, capsys):
+    """check runs the registry's gate (``_families.check``) with a progress callback, only for
+    the arches an NVRTC here targets, and prints the table and the summary."""
+    from cuflash import _families, _jit
+    monkeypatch.setattr(_jit, "_nvrtc_libraries", lambda: (fake_nvrtc((13, 0), [80, 90]),))
+    seen = {}
+
+    def check(archs, progress=None, workers=None):
+        seen["archs"] = list(archs)
+        progress(1, 2)
+        progress(2, 2)
+        return [_jit.CompileReport(arch=a, source="fwd_simt.cu", expr=f"k<{a}>", registers=32,
+                                   spill_stores=0, spill_loads=0, stack=0, shared=0)
+                for a in archs]
+    monkeypatch.setattr(_families, "check", check)
+    rc, out, err = run(capsys, "check", "--arch", "sm_70", "--arch", "sm_80")
+    assert rc == 0 and seen["archs"] == ["sm_80"]
+    assert "skipped sm_70: the NVRTC here (13.0) does not target it" in err
+    assert "compiling for sm_80 [" in err and "2/2 100%" in err
+    assert "1 compilations (sm_80): all ok" in out and "skipped 1 arch(es)" in out
