@@ -7,6 +7,10 @@ same signature.
 ``cuflash.attention_backward`` and ``cuflash.attention_vjp`` give the gradients (FlashAttention-2
 backward, recomputing the probabilities from the stored log-sum-exp);
 ``cuflash.reference.attention_backward`` is their float64 oracle.
+Arrays of other frameworks (PyTorch, JAX, Numba: anything with ``__dlpack__`` or
+``__cuda_array_interface__``) are taken without a copy; results are CuPy (GPU) or NumPy (CPU)
+arrays. ``enable_gqa=True`` accepts grouped-query attention in the 4-D layout. The user guide
+is docs/guide.md.
 """
 
 from cuflash import reference
