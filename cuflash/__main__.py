@@ -275,6 +275,9 @@ def cmd_info(args) -> int:
                                f"{p['totalGlobalMem'] / 2**30:.1f} GiB")
         except Exception as e:
             devices.append(f"no usable device ({_short(e)})")
+    except ImportError:
+        rows.append(("cupy", "not installed: the CPU path only (pip install \"cuflash[cuda13]\" "
+                             "or \"cuflash[cuda12]\" for the GPU)"))
     except Exception as e:
         rows.append(("cupy", f"not usable ({_short(e)})"))
     for dist in ("torch", "jax"):
