@@ -1,4 +1,5 @@
-"""Markdown tables of the H200 benchmark suites, generated from bench/results/h200/*.json.
+"""Markdown tables of the H200 benchmark suites, generated from bench/results/h200/*.json
+(and of the CPU path against naive NumPy, from the newest bench/results/cpu/*.json).
 
     python docs/bench_table.py            # print the tables
     python docs/bench_table.py --write    # replace the generated block in docs/guide.md
@@ -63,8 +64,34 @@ def suite_table(name: str, ours: str, peers: tuple[str, ...]) -> str | None:
     return "\n".join(lines)
 
 
+def cpu_table() -> str | None:
+    """The CPU path against naive NumPy, from the newest bench/results/cpu/*.json."""
+    files = sorted((RESULTS.parent / "cpu").glob("*.json"))
+    if not files:
+        return None
+    doc = json.loads(files[-1].read_text())
+    h = doc["header"]
+    lines = [f"**CPU path** (`bench/results/cpu/{files[-1].name}`: {h['cpus']} CPUs "
+             f"({h['cpu']}), NumPy {h['numpy']}, {h['date'][:10]}, load average "
+             f"{h['loadavg_before'][0]:.1f} before the run); milliseconds, median of "
+             f"{h['reps']} interleaved calls; naive = the score matrix materialised in the "
+             f"same dtype; naive, BLAS 1 thread = the same with NumPy's BLAS on one thread",
+             "",
+             "| B×H | L | d | dtype | causal | pass | cuflash | naive | ÷ naive | "
+             "naive, BLAS 1 thread | ÷ that |",
+             "|" + "---|" * 11]
+    for r in doc["rows"]:
+        lines.append(f"| {r['B']}×{r['H']} | {r['L']} | {r['d']} | {r['dtype']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {r['direction']} | "
+                     f"{r['cuflash_ms']:.0f} | {r['naive_ms']:.0f} | "
+                     f"{r['speedup_vs_naive']:.2f}× | {r['naive_blas1_ms']:.0f} | "
+                     f"{r['speedup_vs_naive_blas1']:.2f}× |")
+    return "\n".join(lines)
+
+
 def tables() -> str:
     parts = [t for t in (suite_table(*s) for s in SUITES) if t]
+    parts += [t for t in (cpu_table(),) if t]
     return "\n\n".join(parts) if parts else "(no results in bench/results/h200/ yet)"
 
 
