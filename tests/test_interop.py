@@ -260,3 +260,30 @@ def test_numba_device_arrays():
     import cupy
     ref = cuflash.reference.attention(*(x.copy_to_host() for x in (q, k, v)))
     numpy.testing.assert_allclose(cupy.asnumpy(o), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [numpy.float16, ml_dtypes.bfloat16, numpy.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_enable_gqa_on_the_gpu(dtype, causal):
+    """4-D GQA on CuPy arrays: forward, lse, out= and backward against the float64 reference."""
+    import cupy
+    q, k, v, do = gqa_inputs(B=2, Hq=8, Hkv=2, Lq=200, Lk=333, d=64, dv=64, dtype=dtype)
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True, enable_gqa=True)
+    assert o.shape == (2, 8, 200, 64) and lse.shape == (2, 8, 200)
+    ref_o, ref_lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True,
+                                                 enable_gqa=True)
+    tol = 2e-2 if dtype != numpy.float32 else 1e-4
+    got = cupy.asnumpy(o).astype(numpy.float64)
+    assert numpy.max(numpy.abs(got - ref_o)) <= tol * numpy.max(numpy.abs(ref_o))
+    numpy.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-3, atol=1e-3)
+    out = cupy.empty((2, 200, 8, 64), o.dtype).transpose(0, 2, 1, 3)
+    assert cuflash.attention(qd, kd, vd, causal=causal, out=out, enable_gqa=True) is out
+    assert bool((out == o).all())
+    grads = cuflash.attention_backward(dod, qd, kd, vd, o, lse, causal=causal, enable_gqa=True)
+    refs = cuflash.reference.attention_backward(do, q, k, v, causal=causal, enable_gqa=True)
+    for g, r, x in zip(grads, refs, (q, k, v)):
+        assert g.shape == x.shape
+        g = cupy.asnumpy(g).astype(numpy.float64)
+        assert numpy.max(numpy.abs(g - r)) <= 5 * tol * max(numpy.max(numpy.abs(r)), 1e-30)
