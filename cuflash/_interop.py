@@ -129,11 +129,10 @@ def as_array(x: Any, name: str) -> Any:
             raise TypeError(f"{name} ({_type_name(x)}) has __dlpack__ but its "
                             f"__dlpack_device__() failed: {e}") from None
         if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            cupy = _cupy_for(x, name)
             try:
-                return _cupy_for(x, name).from_dlpack(x)
-            except TypeError:
-                raise
-            except Exception as e:
+                return cupy.from_dlpack(x)  # on CuPy's current stream (DLPack's stream rule)
+            except Exception as e:  # e.g. PyTorch: "Can't export tensors that require gradient"
                 raise TypeError(f"{name} ({_type_name(x)}) cannot be read through DLPack: "
                                 f"{e}") from None
         if device_type in (_DL_CPU, _DL_CUDA_HOST):
@@ -150,6 +149,7 @@ def as_array(x: Any, name: str) -> Any:
         f"other frameworks are taken through __dlpack__, __cuda_array_interface__ or "
         f"__array_interface__; convert lists and scalars with numpy.asarray)"
     )
+
 
 def _split_axis(x: Any, axis: int, parts: tuple[int, int]) -> Any:
     """A view of ``x`` with axis ``axis`` (negative) split into ``parts``; never a copy."""
