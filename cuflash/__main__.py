@@ -230,7 +230,44 @@ def cmd_demo(args) -> int:
 # info
 # ---------------------------------------------------------------------------------------------
 
+def cmd_explain(args) -> int:
+    """``info --explain Q_SHAPE [K_SHAPE [V_SHAPE]]``: the dispatcher's choice and its reasons
+    (``cuflash.explain``), for a device profile or a GPU id; no GPU needed for a profile."""
+    import numpy as np
+    import cuflash
+
+    def shape(text: str) -> tuple[int, ...]:
+        try:
+            dims = tuple(int(x) for x in text.replace("x", ",").strip("()").split(",") if x)
+        except ValueError:
+            raise UsageError(f"--explain takes shapes like 4,16,1024,128, got {text!r}") from None
+        if len(dims) < 2 or min(dims) < 0:
+            raise UsageError(f"a shape needs at least (length, head_dim), got {text!r}")
+        return dims
+    shapes = [shape(t) for t in args.explain]
+    if len(shapes) > 3:
+        raise UsageError("--explain takes at most three shapes: q, k and v")
+    q_shape = shapes[0]
+    k_shape = shapes[1] if len(shapes) > 1 else q_shape
+    v_shape = shapes[2] if len(shapes) > 2 else k_shape
+    dtype = _dtype({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                    "fp64": "float64"}.get(args.dtype, args.dtype))
+    zero = np.zeros((), dtype)              # stride-0 views: no memory behind the shapes
+    q, k, v = (np.broadcast_to(zero, s) for s in (q_shape, k_shape, v_shape))
+    causal = {"false": False, "true": True}.get(args.causal, args.causal)
+    device = int(args.gpu) if args.gpu.isdigit() else args.gpu
+    try:
+        print(cuflash.explain(q, k, v, causal=causal, backward=args.backward,
+                              deterministic=args.deterministic, device=device,
+                              enable_gqa=args.enable_gqa))
+    except (TypeError, ValueError) as e:
+        raise UsageError(_short(e)) from None
+    return 0
+
+
 def cmd_info(args) -> int:
+    if args.explain:
+        return cmd_explain(args)
     import platform
     from cuflash._bench import cuflash_version, version_of
     rows = [("cuflash", cuflash_version()), ("python", platform.python_version())]
@@ -313,7 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", action="append", default=None,
                    help=f"target such as sm_80 or sm_90a; repeat for several "
                         f"(default: {' '.join(DEFAULT_ARCHS)})")
-    sub.add_parser("info", help="versions, kernel sources, devices")
+    i = sub.add_parser("info", help="versions, kernel sources, devices; --explain: which kernel "
+                                    "a call runs and why")
+    i.add_argument("--explain", nargs="+", metavar="SHAPE",
+                   help="q's shape (k's and v's, if they differ), e.g. 4,16,1024,128: print the "
+                        "kernel family, tiles and reasons the dispatcher picks")
+    i.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp64"])
+    i.add_argument("--causal", default="false", choices=["false", "true", "top_left"])
+    i.add_argument("--backward", action="store_true", help="explain attention_backward")
+    i.add_argument("--deterministic", action="store_true")
+    i.add_argument("--enable-gqa", action="store_true")
+    i.add_argument("--gpu", default="h200",
+                   help="a device profile (h200, h100, a100, l40s, v100) or a GPU id (default h200)")
     return p
 
 

@@ -361,7 +361,8 @@ def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = Fa
 
 
 def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-            backward: bool = False, deterministic: bool = False, device: Any = None) -> str:
+            backward: bool = False, deterministic: bool = False, device: Any = None,
+            enable_gqa: bool = False) -> str:
     """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
 
     ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
@@ -369,10 +370,12 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
+    ``python -m cuflash info --explain 4,16,1024,128`` prints the same.
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    call = _problem.Call(q, k, v, enable_gqa)
+    prob = _problem.make_problem(call.q, call.k, call.v, scale=scale, causal=causal)
     _problem.check_deterministic(deterministic)
     if device is None:
         device = prob.device_id if prob.device_id is not None else "h200"
