@@ -1,4 +1,4 @@
-"""``python -m cuflash demo|bench|check|info``.
+"""``python -m cuflash demo|bench|check|info|fuzz``.
 
 demo   run cuflash.attention on random inputs (GPU if one is usable, else the NumPy CPU path),
        check it against the float64 reference and print errors and times; exit 1 on failure
@@ -6,6 +6,7 @@ bench  the benchmark suite (cuflash/_bench.py; ``python -m cuflash bench --help`
 check  the offline compile gate: every kernel specialisation through NVRTC for the given
        architectures, no GPU needed; exit 1 on any error, spill or stack use
 info   versions, kernel source directory, devices
+fuzz   a correctness campaign against the float64 reference (``python -m cuflash fuzz --help``)
 """
 from __future__ import annotations
 
@@ -342,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "bench":           # everything after `bench` is the suite's
         from cuflash._bench import main as bench_main
         return bench_main(argv[1:])
+    if argv and argv[0] == "fuzz":            # correctness campaign (cuflash/_fuzz.py)
+        from cuflash._fuzz import main as fuzz_main
+        return fuzz_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

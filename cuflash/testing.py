@@ -123,7 +123,7 @@ register_feature(Feature("causal", _draw_causal, _causal_visible))
 # -- a case ------------------------------------------------------------------------------------
 
 def _lay_out(values: numpy.ndarray, layout: str) -> numpy.ndarray:
-    if layout == "c":
+    if layout in ("c", "asis"):   # asis: an array handed to AttentionCase.from_arrays
         return values
     if layout == "f":
         return numpy.asfortranarray(values)
@@ -157,8 +157,11 @@ class _Operand:
     values: numpy.ndarray      # C-contiguous, extent 1 on the expanded dims
     layout: str
     shape: tuple               # the operand's shape (expanded dims at full extent)
+    device: Any = None         # the CuPy array itself, for AttentionCase.from_arrays
 
     def build(self, xp: Any) -> Any:
+        if self.device is not None and xp is not numpy:
+            return self.device
         x = _lay_out(self.values, self.layout)
         if xp is not numpy:
             x = to_device(x, xp)
@@ -242,6 +245,9 @@ class AttentionCase:
         lines.append(f"  rebuild: cuflash.testing.{self!r}")
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer, cycle):   # Hypothesis and IPython print this, not fields
+        printer.text(repr(self))
+
     def __repr__(self) -> str:
         ops = self.operands
         shapes = ", ".join(repr(ops[n].shape) for n in "qkv")
@@ -280,6 +286,31 @@ class AttentionCase:
             operands[name] = _Operand(values, layout, tuple(shape))
         meta = dict(seed=seed, logit_scale=logit_scale, value_scale=value_scale)
         return cls(operands, dict(kwargs), xp, meta)
+
+    @classmethod
+    def from_arrays(cls, q: Any, k: Any, v: Any, *, do: Any = None, **kwargs) -> "AttentionCase":
+        """A case of given arrays (NumPy, or CuPy: then used as they are, strides included)
+        and keywords; ``do`` defaults to random normal values (seed 0) of the output's shape.
+        :meth:`to_npz` keeps their values, not their strides."""
+        xp = numpy
+        if not isinstance(q, numpy.ndarray):
+            import cupy as xp
+        batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        if do is None:
+            do = numpy.random.default_rng(0).standard_normal(
+                batch + (q.shape[-2], v.shape[-1])).astype(q.dtype)
+            do = do if xp is numpy else xp.asarray(do)
+        operands = {}
+        for name, x in zip(("q", "k", "v", "do"), (q, k, v, do)):
+            host = x if xp is numpy else x.get()
+            operands[name] = _Operand(host, "asis", tuple(x.shape),
+                                      None if xp is numpy else x)
+        return cls(operands, dict(kwargs), xp, {})
+
+    def with_xp(self, xp: Any) -> "AttentionCase":
+        """The same case with arrays of module ``xp`` (e.g. a drawn NumPy case on the GPU,
+        strides and NaN-filled gaps kept)."""
+        return type(self)(dict(self.operands), dict(self.kwargs), xp, dict(self.meta))
 
     def to_npz(self, path: Any) -> None:
         """Save the case (values, layouts, keywords) to ``path``; :meth:`from_npz` reloads it."""
