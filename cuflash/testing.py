@@ -39,15 +39,12 @@ import ml_dtypes
 import numpy
 
 from cuflash import _tolerance, reference
+from cuflash._testing_arrays import LAYOUTS, _Operand, to_device
 
 __all__ = ["AttentionCase", "Feature", "FEATURES", "attention_cases", "assert_attention_close",
            "register_feature"]
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-#: Memory layouts of an operand: C order; Fortran order; stored as (..., d, L) and swapped;
-#: every other row and column of a NaN-filled buffer; rows in reverse order (negative stride).
-#: Gaps are NaN, so a kernel that reads outside the view gets NaN in its result.
-LAYOUTS = ("c", "f", "transposed", "strided", "reversed")
 #: Lengths that find tiling bugs: 1, primes, tile sizes and tile sizes +- 1.
 AWKWARD_LENGTHS = (1, 2, 3, 5, 7, 11, 13, 15, 16, 17, 31, 32, 33, 37, 61, 63, 64, 65, 97, 127,
                    128, 129, 191, 192, 193, 251, 255, 256, 257, 509, 511, 512, 513)
@@ -88,15 +85,17 @@ class Feature:
     visible: Callable[[dict, int, int], numpy.ndarray | None] | None = None
 
 
-def _draw_scale(draw, info) -> dict:
-    return {"scale": draw(st.none() | st.floats(0.05, 4.0))}
-
-
+_SCALES = st.none() | st.floats(0.05, 4.0)   # built once: strategies cost to construct
 CAUSAL_VALUES = (False, True, "bottom_right", "top_left")
+_CAUSALS = st.sampled_from(CAUSAL_VALUES)
+
+
+def _draw_scale(draw, info) -> dict:
+    return {"scale": draw(_SCALES)}
 
 
 def _draw_causal(draw, info) -> dict:
-    return {"causal": draw(st.sampled_from(CAUSAL_VALUES))}
+    return {"causal": draw(_CAUSALS)}
 
 
 def _causal_visible(kwargs, Lq, Lk):
@@ -121,52 +120,6 @@ register_feature(Feature("causal", _draw_causal, _causal_visible))
 
 
 # -- a case ------------------------------------------------------------------------------------
-
-def _lay_out(values: numpy.ndarray, layout: str) -> numpy.ndarray:
-    if layout in ("c", "asis"):   # asis: an array handed to AttentionCase.from_arrays
-        return values
-    if layout == "f":
-        return numpy.asfortranarray(values)
-    if layout == "transposed":
-        return values.swapaxes(-1, -2).copy().swapaxes(-1, -2)
-    if layout == "strided":
-        base = numpy.full(values.shape[:-2] + (2 * values.shape[-2], 2 * values.shape[-1]),
-                          numpy.nan, values.dtype)
-        base[..., ::2, ::2] = values
-        return base[..., ::2, ::2]
-    if layout == "reversed":
-        return values[..., ::-1, :].copy()[..., ::-1, :]
-    raise ValueError(f"unknown layout {layout!r}; known: {LAYOUTS}")
-
-
-def to_device(x: numpy.ndarray, cupy: Any) -> Any:
-    """A CuPy array with the values, shape *and strides* of ``x``; bytes of the span that ``x``
-    does not cover are NaN (so a kernel that reads outside the view gets NaN)."""
-    if x.size == 0 or 0 in x.strides:
-        return cupy.asarray(x)
-    lo = sum(min(0, s * (n - 1)) for n, s in zip(x.shape, x.strides))
-    hi = sum(max(0, s * (n - 1)) for n, s in zip(x.shape, x.strides)) + x.itemsize
-    buf = cupy.full((hi - lo) // x.itemsize, numpy.nan, dtype=x.dtype)
-    view = cupy.ndarray(x.shape, x.dtype, memptr=buf.data + (-lo), strides=x.strides)
-    view[...] = cupy.asarray(numpy.ascontiguousarray(x))
-    return view
-
-
-@dataclass
-class _Operand:
-    values: numpy.ndarray      # C-contiguous, extent 1 on the expanded dims
-    layout: str
-    shape: tuple               # the operand's shape (expanded dims at full extent)
-    device: Any = None         # the CuPy array itself, for AttentionCase.from_arrays
-
-    def build(self, xp: Any) -> Any:
-        if self.device is not None and xp is not numpy:
-            return self.device
-        x = _lay_out(self.values, self.layout)
-        if xp is not numpy:
-            x = to_device(x, xp)
-        return x if x.shape == self.shape else xp.broadcast_to(x, self.shape)
-
 
 @dataclass(eq=False)
 class AttentionCase:
@@ -394,34 +347,41 @@ def attention_cases(*, dtypes: Any = DTYPE_NAMES, head_dims: Any = None, max_seq
     small = st.integers(min_seqlen, min(max_seqlen, 8))
     awkward = sorted({n for n in AWKWARD_LENGTHS + (max_seqlen,) if min_seqlen <= n <= max_seqlen})
     lengths = small | st.sampled_from(awkward)
+    dtype_st, layout_st = st.sampled_from(dts), st.sampled_from(tuple(layouts))
+    bools, seeds, covers = st.booleans(), st.integers(0, 2**32 - 1), st.sampled_from(BATCH_COVER)
+    logit_st, value_st = st.sampled_from(LOGIT_SCALES), st.sampled_from(VALUE_SCALES)
+    ints: dict = {}
+
+    def integers(lo: int, hi: int) -> st.SearchStrategy:   # cached: constructing costs
+        return ints.setdefault((lo, hi), st.integers(lo, hi))
 
     @st.composite
     def cases(draw):
-        dtype = draw(st.sampled_from(dts))
+        dtype = draw(dtype_st)
         Lq, Lk = draw(lengths), draw(lengths)
         d = draw(dims)
-        dv = d if draw(st.booleans()) else draw(dims)
+        dv = d if draw(bools) else draw(dims)
         # batch dims, their product bounded by the work budget
         budget = max(1, max_work // max(1, Lq * Lk))
         batch: list[int] = []
-        for _ in range(draw(st.integers(0, max_batch_dims))):
-            batch.append(draw(st.integers(1, max(1, min(4, budget // math.prod(batch))))))
+        for _ in range(draw(integers(0, max_batch_dims))):
+            batch.append(draw(integers(1, max(1, min(4, budget // math.prod(batch))))))
         # grouped-query attention, half the time: the last batch dim is the group of query
         # heads that share one key/value head (k, v have extent 1 there)
-        gqa = broadcast and bool(batch) and draw(st.booleans())
+        gqa = broadcast and bool(batch) and draw(bools)
         if gqa:
             if len(batch) == 1 and max_batch_dims >= 2:    # (key/value heads, group)
-                batch.insert(0, draw(st.integers(2, 3)))
-            batch[-1] = draw(st.integers(2, max(2, min(4, budget // math.prod(batch[:-1])))))
+                batch.insert(0, draw(integers(2, 3)))
+            batch[-1] = draw(integers(2, max(2, min(4, budget // math.prod(batch[:-1])))))
         shapes, expanded = [], []
         for which, (L, last) in enumerate(((Lq, d), (Lk, d), (Lk, dv))):
             own, exp = list(batch), []
             if gqa and which > 0:
                 own[-1] = 1
             if broadcast and batch and not gqa:
-                own = own[draw(st.integers(0, len(batch))):] if draw(st.booleans()) else own
+                own = own[draw(integers(0, len(batch))):] if draw(bools) else own
                 for i, n in enumerate(own):
-                    cover = draw(st.sampled_from(BATCH_COVER)) if n > 1 else "full"
+                    cover = draw(covers) if n > 1 else "full"
                     if cover == "one":
                         own[i] = 1
                     elif cover == "expanded":
@@ -434,15 +394,23 @@ def attention_cases(*, dtypes: Any = DTYPE_NAMES, head_dims: Any = None, max_seq
         for name in feats:
             kwargs.update(FEATURES[name].draw(draw, info))
         return AttentionCase.make(
-            dtype, *shapes, seed=draw(st.integers(0, 2**32 - 1)),
-            layouts=tuple(draw(st.sampled_from(tuple(layouts))) for _ in range(4)),
-            expanded=tuple(expanded), logit_scale=draw(st.sampled_from(LOGIT_SCALES)),
-            value_scale=draw(st.sampled_from(VALUE_SCALES)), xp=xp, **kwargs)
+            dtype, *shapes, seed=draw(seeds),
+            layouts=tuple(draw(layout_st) for _ in range(4)),
+            expanded=tuple(expanded), logit_scale=draw(logit_st),
+            value_scale=draw(value_st), xp=xp, **kwargs)
 
     return cases()
 
 
 # -- the assertion -----------------------------------------------------------------------------
+
+class _Described:
+    def __init__(self, case):
+        self.case = case
+
+    def __str__(self) -> str:
+        return self.case.describe()
+
 
 def _check_result(name: str, x: Any, shape: tuple, dtype: Any, case: AttentionCase) -> None:
     if tuple(x.shape) != tuple(shape):
@@ -476,7 +444,7 @@ def assert_attention_close(actual: Any, case: AttentionCase, *, lse: Any = None,
     if actual is None and grads is None:
         raise TypeError("assert_attention_close needs the output, the gradients or both")
     g = case.geometry()
-    text = case.describe()
+    text = _Described(case)   # the case's description, written only into a failure message
     batch = g.batch_shape
     worst = 0.0
     if actual is not None:

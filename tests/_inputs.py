@@ -10,7 +10,8 @@ from typing import Any
 import ml_dtypes
 import numpy
 
-from cuflash.testing import CAUSAL_VALUES as CAUSAL, LAYOUTS, _lay_out  # noqa: F401
+from cuflash._testing_arrays import LAYOUTS, lay_out as _lay_out  # noqa: F401
+from cuflash.testing import CAUSAL_VALUES as CAUSAL  # noqa: F401
 
 DTYPES = tuple(numpy.dtype(t) for t in (numpy.float16, ml_dtypes.bfloat16, numpy.float32,
                                         numpy.float64))

@@ -184,3 +184,85 @@ def test_drawn_inputs_are_never_zero_and_are_fresh(case):
     for name in ("q", "k", "v", "do"):
         values = case.operands[name].values.astype(numpy.float64)
         assert numpy.isfinite(values).all() and (values != 0).all()
+
+
+# -- python -m cuflash fuzz --------------------------------------------------------------------
+
+def test_fuzz_campaign_on_the_cpu_passes_and_reports(tmp_path, capsys):
+    import json
+    from cuflash import _fuzz
+    report = tmp_path / "fuzz.json"
+    rc = _fuzz.main(["--examples", "30", "--device", "cpu", "--seed", "3", "--report",
+                     str(report), "--grads", "0.5"])
+    assert rc == 0
+    data = json.loads(report.read_text())
+    assert data["examples"] == 30 and data["n_failures"] == 0 and data["passed"]
+    assert sum(data["counts"]["dtype"].values()) == 30
+    assert set(data["counts"]) >= {"dtype", "causal", "scale", "grads"}
+    assert data["counts"]["grads"].get("True", 0) > 0
+    assert data["device"].startswith("cpu") and data["wall_s"] > 0
+    assert "30 examples, 0 failures" in capsys.readouterr().out
+
+
+def test_fuzz_records_failures_with_reproducers(tmp_path, monkeypatch):
+    """A planted bug in what the campaign runs: every failure is collected, each with an npz
+    that rebuilds its case, and the exit status is 1."""
+    import json
+    import cuflash
+    from cuflash import _fuzz
+    real = cuflash.attention
+
+    def ignores_causal(q, k, v, *, causal=False, **kw):   # the mask is silently dropped
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(cuflash, "attention", ignores_causal)
+    report = tmp_path / "fuzz.json"
+    rc = _fuzz.main(["--examples", "40", "--device", "cpu", "--report", str(report),
+                     "--grads", "0", "--quiet"])
+    assert rc == 1
+    data = json.loads(report.read_text())
+    assert data["examples"] == 40 and data["n_failures"] >= 1
+    assert data["n_failures"] < data["examples"]            # collected, not stopped
+    for failure in data["failures"]:
+        case = AttentionCase.from_npz(failure["npz"])
+        assert case.kwargs["causal"] is not False
+        assert failure["describe"] == case.describe()
+        assert failure["reproduce"] == "cuflash.testing." + repr(case)
+        o, lse = real(case.q, case.k, case.v, return_lse=True, **case.kwargs)
+        assert_attention_close(o, case, lse=lse)            # the real thing passes it
+
+
+def test_fuzz_stop_on_failure_shrinks(tmp_path, monkeypatch):
+    import json
+    import cuflash
+    from cuflash import _fuzz
+    real = cuflash.attention
+
+    def base2_lse(*args, **kw):
+        o, lse = real(*args, **kw)
+        return o, lse / math.log(2)
+
+    monkeypatch.setattr(cuflash, "attention", base2_lse)
+    report = tmp_path / "fuzz.json"
+    rc = _fuzz.main(["--examples", "50", "--device", "cpu", "--report", str(report),
+                     "--stop-on-failure", "--quiet"])
+    assert rc == 1
+    data = json.loads(report.read_text())
+    assert data["n_failures"] == 1
+    case = AttentionCase.from_npz(data["failures"][0]["npz"])
+    assert max(case.operands[n].shape[-2] for n in "qk") <= 2, repr(case)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--examples", "0"], "--examples must be at least 1"),
+    (["--features", "window"], "unknown features ['window']; known: ['causal', 'scale']"),
+    (["--dtypes", "int8"], "dtype 'int8' is not one of"),
+    (["--grads", "2"], "--grads must be a share in [0, 1]"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_fuzz_bad_arguments_exit_2_in_one_line(argv, message, capsys, tmp_path):
+    from cuflash import _fuzz
+    assert _fuzz.main(argv + ["--device", "cpu", "--report", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m cuflash fuzz: error: ") and message in err[-1]
+    assert "Traceback" not in "\n".join(err)
