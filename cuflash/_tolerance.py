@@ -285,7 +285,7 @@ def check_nonfinite(name: str, ours: numpy.ndarray, ref: numpy.ndarray, case: st
         idx = tuple(int(i) for i in numpy.argwhere(bad)[0])
         raise AssertionError(f"{name}: non-finite values differ from the reference at "
                              f"{int(bad.sum())} positions, first at index {idx}: result "
-                             f"{ours[idx]!r}, reference {ref[idx]!r}\n{case}")
+                             f"{float(ours[idx])!r}, reference {float(ref[idx])!r}\n{case}")
 
 
 def _max_err(x: numpy.ndarray, ref: numpy.ndarray, where: Any) -> tuple[float, tuple]:
@@ -310,8 +310,8 @@ def check_bound(name: str, ours: numpy.ndarray, ref: numpy.ndarray, naive: numpy
     bound = factor * naive_err + floor
     if not err <= bound:
         raise AssertionError(
-            f"{name}: max abs error {err:.3g} at index {idx} (result {ours[idx]!r}, reference "
-            f"{ref[idx]!r}) exceeds the bound {bound:.3g} = {factor} x naive {what} error "
+            f"{name}: max abs error {err:.3g} at index {idx} (result {float(ours[idx])!r}, reference "
+            f"{float(ref[idx])!r}) exceeds the bound {bound:.3g} = {factor} x naive {what} error "
             f"{naive_err:.3g} + floor {floor:.3g}\n{case}")
     return err / bound if bound > 0 else 0.0
 
@@ -328,7 +328,7 @@ def check_forward(g: Geometry, o: Any, lse: Any, o_ref: numpy.ndarray, lse_ref: 
     if (o64[numpy.broadcast_to(no_key, o64.shape)] != 0).any():
         idx = tuple(int(i) for i in numpy.argwhere(no_key & (o64 != 0))[0])
         raise AssertionError(f"o: a row with no visible key is not exactly 0: index {idx} "
-                             f"holds {o64[idx]!r}\n{case}")
+                             f"holds {float(o64[idx])!r}\n{case}")
     lse_ok = numpy.isfinite(lse_ref)
     if not lse_ok.any():
         return 0.0   # every row saw no key (or is NaN): all checked exactly above
@@ -364,10 +364,10 @@ def check_gradients(g: Geometry, do: Any, grads, ref_grads, case: str) -> float:
             idx = tuple(int(i) for i in numpy.argwhere(z & (x != 0))[0])
             who = "a query row that sees no key" if name == "dq" else "a key that no query sees"
             raise AssertionError(f"{name}: {who} has a gradient that is not exactly 0: index "
-                                 f"{idx} holds {x[idx]!r}\n{case}")
+                                 f"{idx} holds {float(x[idx])!r}\n{case}")
         if not numpy.isfinite(x).all():
             idx = tuple(int(i) for i in numpy.argwhere(~numpy.isfinite(x))[0])
-            raise AssertionError(f"{name}: not finite at index {idx}: {x[idx]!r}\n{case}")
+            raise AssertionError(f"{name}: not finite at index {idx}: {float(x[idx])!r}\n{case}")
     naive = [to_host64(x) for x in naive_attention_backward(g, do)]
     floors = gradient_floors(g, do, ref_grads)
     worst = 0.0

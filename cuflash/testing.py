@@ -350,6 +350,7 @@ def attention_cases(*, dtypes: Any = DTYPE_NAMES, head_dims: Any = None, max_seq
     dtype_st, layout_st = st.sampled_from(dts), st.sampled_from(tuple(layouts))
     bools, seeds, covers = st.booleans(), st.integers(0, 2**32 - 1), st.sampled_from(BATCH_COVER)
     logit_st, value_st = st.sampled_from(LOGIT_SCALES), st.sampled_from(VALUE_SCALES)
+    orders = st.sampled_from(("any", "q_longer", "k_longer"))
     ints: dict = {}
 
     def integers(lo: int, hi: int) -> st.SearchStrategy:   # cached: constructing costs
@@ -359,6 +360,14 @@ def attention_cases(*, dtypes: Any = DTYPE_NAMES, head_dims: Any = None, max_seq
     def cases(draw):
         dtype = draw(dtype_st)
         Lq, Lk = draw(lengths), draw(lengths)
+        # a third of the time each, Lq > Lk (rows that see no key under bottom-right causal)
+        # and Lq < Lk, so that equal lengths do not hide an alignment bug
+        order = draw(orders)
+        if order != "any":
+            lo, hi = sorted((Lq, Lk))
+            if lo == hi:
+                lo, hi = (lo - 1, hi) if lo > min_seqlen else (lo, min(hi + 1, max_seqlen))
+            Lq, Lk = (hi, lo) if order == "q_longer" else (lo, hi)
         d = draw(dims)
         dv = d if draw(bools) else draw(dims)
         # batch dims, their product bounded by the work budget
