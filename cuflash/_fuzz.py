@@ -32,6 +32,11 @@ class _Usage(Exception):
     """A bad argument: reported in one line, exit status 2."""
 
 
+class _TimeUp(BaseException):
+    """Raised inside the Hypothesis test to end the campaign at --time-limit (a BaseException,
+    so that Hypothesis lets it through at once instead of treating it as a failure)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage block, no traceback
         raise _Usage(message)
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default="fuzz-report.json",
                    help="JSON report path (default fuzz-report.json); reproducers go to "
                         "<report>.failures/")
+    p.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
+                   help="stop starting new examples after this many seconds and report those "
+                        "run (default: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -186,6 +194,8 @@ def run_campaign(args, xp, device: str, log=sys.stderr) -> dict:
               verbosity=Verbosity.quiet, print_blob=False)
     @given(case=strategy)
     def campaign(case):
+        if args.time_limit and time.perf_counter() - start > args.time_limit:
+            raise _TimeUp
         # a share of the cases also run the backward: a hash of the case decides (uniform,
         # unlike a Hypothesis draw, which favours small values; and the same for the same case,
         # so that shrinking keeps it)
@@ -209,8 +219,11 @@ def run_campaign(args, xp, device: str, log=sys.stderr) -> dict:
         progress.update(state["done"], len(failures))
 
     start = time.perf_counter()
+    stopped = None
     try:
         campaign()
+    except _TimeUp:
+        stopped = f"time limit of {args.time_limit:g} s"
     except Exception:
         if not failures:             # Hypothesis itself failed: not a finding about cuflash
             raise
@@ -218,7 +231,8 @@ def run_campaign(args, xp, device: str, log=sys.stderr) -> dict:
     progress.update(state["done"], len(failures), final=True)
     import cuflash
     return dict(
-        examples=state["done"], failures=failures, n_failures=len(failures),
+        examples=state["done"], examples_requested=args.examples, stopped_early=stopped,
+        failures=failures, n_failures=len(failures),
         passed=not failures, wall_s=round(wall, 2),
         ms_per_example=round(1e3 * wall / max(1, state["done"]), 2),
         worst_error_over_bound=round(state["worst"], 4), device=device, seed=args.seed,
@@ -237,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _Usage(f"--examples must be at least 1, got {args.examples}")
         if not 0.0 <= args.grads <= 1.0:
             raise _Usage(f"--grads must be a share in [0, 1], got {args.grads}")
+        if args.time_limit < 0:
+            raise _Usage(f"--time-limit must be >= 0, got {args.time_limit}")
         if args.max_seqlen < 1:
             raise _Usage(f"--max-seqlen must be at least 1, got {args.max_seqlen}")
         try:
@@ -261,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     more = report["n_failures"] - 5
     if more > 0:
         print(f"... and {more} more in {args.report}", file=sys.stderr)
+    if report["stopped_early"]:
+        print(f"stopped early at the {report['stopped_early']}: {report['examples']} of "
+              f"{args.examples} examples run", file=sys.stderr)
     print(f"{report['examples']} examples, {report['n_failures']} failures, "
           f"{report['wall_s']} s ({report['ms_per_example']} ms each) on {report['device']}; "
           f"worst error/bound {report['worst_error_over_bound']}; report: {args.report}")

@@ -266,3 +266,14 @@ def test_fuzz_bad_arguments_exit_2_in_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m cuflash fuzz: error: ") and message in err[-1]
     assert "Traceback" not in "\n".join(err)
+
+
+def test_fuzz_time_limit_stops_and_still_reports(tmp_path):
+    import json
+    from cuflash import _fuzz
+    report = tmp_path / "fuzz.json"
+    assert _fuzz.main(["--examples", "100000", "--device", "cpu", "--report", str(report),
+                       "--time-limit", "1", "--quiet"]) == 0
+    data = json.loads(report.read_text())
+    assert data["stopped_early"] == "time limit of 1 s"
+    assert 0 < data["examples"] < 100000 and data["wall_s"] < 30
