@@ -277,3 +277,38 @@ def test_fuzz_time_limit_stops_and_still_reports(tmp_path):
     data = json.loads(report.read_text())
     assert data["stopped_early"] == "time limit of 1 s"
     assert 0 < data["examples"] < 100000 and data["wall_s"] < 30
+
+
+def test_without_hypothesis_the_import_error_names_the_extra():
+    import pathlib
+    import subprocess
+    import sys
+    script = """
+import sys
+sys.modules["hypothesis"] = None   # `import hypothesis` now raises ImportError
+try:
+    import cuflash.testing
+except ImportError as e:
+    assert "pip install cuflash[testing]" in str(e), e
+else:
+    raise SystemExit("imported without Hypothesis")
+from cuflash import _fuzz
+assert _fuzz.main(["--device", "cpu"]) == 2
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=pathlib.Path(cuflash.testing.__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip() == ("python -m cuflash fuzz: error: fuzz needs Hypothesis: "
+                                  "pip install cuflash[testing]")
+
+
+def test_no_test_file_picks_its_own_number_of_examples():
+    """Profiles (tests/conftest.py, HYPOTHESIS_PROFILE) decide how many examples run; only
+    this file, whose bound is what it tests, sets max_examples."""
+    import pathlib
+    import re
+    here = pathlib.Path(__file__).parent
+    for path in here.glob("test_*.py"):
+        if path.name != pathlib.Path(__file__).name:
+            text = path.read_text()
+            assert not re.search(r"max_examples\s*=|load_profile", text), path.name
