@@ -99,8 +99,11 @@ def lse_tolerance(naive_err: float, dtype: Any, *, max_abs_lse: float, logit_bou
 
 
 def to_host64(x: Any) -> numpy.ndarray:
-    """A float64 NumPy copy of a NumPy or CuPy array."""
-    return (x if isinstance(x, numpy.ndarray) else x.get()).astype(numpy.float64)
+    """A float64 NumPy copy of a NumPy or CuPy array (or of anything ``numpy.asarray`` takes:
+    a JAX array, a PyTorch CPU tensor)."""
+    if not isinstance(x, numpy.ndarray):
+        x = x.get() if hasattr(x, "get") and hasattr(x, "device") else numpy.asarray(x)
+    return x.astype(numpy.float64)
 
 
 def broadcast_axes(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
