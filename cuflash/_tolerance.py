@@ -55,7 +55,7 @@ exactly 0, keys no query sees get dk and dv exactly 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
@@ -137,6 +137,7 @@ class Geometry:
     scale: float
     visible: numpy.ndarray | None
     shapes: tuple
+    cache: dict = field(default_factory=dict, repr=False)   # float64 work shared by checks
 
     @property
     def dtype(self) -> numpy.dtype:
@@ -222,6 +223,12 @@ def naive_attention_backward(g: Geometry, do: Any) -> tuple[Any, Any, Any]:
 
 def _reference_p(g: Geometry) -> numpy.ndarray:
     """The attention probabilities in float64 (0 for masked keys and rows with no key)."""
+    if "p" not in g.cache:
+        g.cache["p"] = _compute_reference_p(g)
+    return g.cache["p"]
+
+
+def _compute_reference_p(g: Geometry) -> numpy.ndarray:
     q, k = (numpy.nan_to_num(to_host64(x), nan=0.0, posinf=0.0, neginf=0.0) for x in (g.q, g.k))
     s = g.scale * (q @ k.swapaxes(-1, -2))
     if g.visible is not None:

@@ -152,6 +152,12 @@ class AttentionCase:
         return self.operands[name].build(numpy)
 
     def geometry(self) -> _tolerance.Geometry:
+        """What the tolerance rule needs (built once: it caches float64 work)."""
+        if "geometry" not in self._cache:
+            self._cache["geometry"] = self._geometry()
+        return self._cache["geometry"]
+
+    def _geometry(self) -> _tolerance.Geometry:
         q, v = self.operands["q"].shape, self.operands["v"].shape
         Lq, d, Lk = q[-2], q[-1], v[-2]
         scale = self.kwargs.get("scale")
