@@ -112,9 +112,10 @@ def test_planted_bug_is_found_and_shrunk(bug):
     assert error is not None, f"{bug} not found in {BOUND} examples"
     _, small, error = run_until_failure(bug, BOUND, shrink=True)
     q, k, v = (small.operands[x].shape for x in "qkv")
-    # shrunk: short sequences, small head dims, at most a small batch
+    # shrunk: short sequences, small head dims, a small batch (the overflow bug may keep a
+    # few batch items of one element: more draws, one of them large enough to overflow)
     assert max(q[-2], k[-2]) <= 8 and max(q[-1], v[-1]) <= 8, repr(small)
-    assert math.prod(small.batch_shape) <= 4, repr(small)
+    assert math.prod(small.batch_shape) * q[-2] * k[-2] <= 64, repr(small)
     assert "AttentionCase" in str(error) and "rebuild" in str(error)
 
 
