@@ -1,6 +1,6 @@
 """Thin adapter: the tolerance rule lives in ``cuflash.testing`` (arithmetic in
 ``cuflash/_tolerance.py``). This keeps the old call shape, ``(prob, ...)`` with a cuflash
-``AttentionProblem``, for tests/test_bwd_sm80_emulated.py and bench/bwd_sm80_smoke.py; new
+``AttentionProblem``, for tests/test_emulated_sm80.py; new
 tests call ``cuflash.testing.assert_attention_close(o, case, lse=..., grads=...)``."""
 
 from __future__ import annotations
