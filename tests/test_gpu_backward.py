@@ -21,7 +21,7 @@ from hypothesis import example, given, target
 import cuflash
 from _inputs import make_array
 from cuflash.testing import AttentionCase, assert_attention_close, attention_cases
-from test_gpu import to_device
+from test_gpu_forward import to_device
 
 pytestmark = pytest.mark.gpu
 
