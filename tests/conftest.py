@@ -22,6 +22,10 @@ import os
 import pytest
 from hypothesis import settings
 
+# JAX (the interop tests) takes 75% of the GPU's memory at its first array unless told not to:
+# with several test processes on one GPU (pytest -n), the second would find none left.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 settings.register_profile("ci", derandomize=True, max_examples=50, deadline=None,
                           print_blob=True)
 settings.register_profile("gpu", max_examples=300, deadline=None, print_blob=True)
