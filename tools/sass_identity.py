@@ -51,46 +51,68 @@ def _load(path: str) -> dict[str, dict]:
     return out
 
 
-def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str = "") -> dict[str, dict | None]:
+#: the order in which sources are compiled (the tensor-core kernels first: a run cut short still
+#: has them); any other source follows in the dispatcher's order
+PRIORITY = ("bwd_sm90.cu", "bwd_sm80.cu", "fwd_sm90.cu", "fwd_sm80.cu", "bwd_prep.cu", "bwd_simt.cu", "fwd_simt.cu")
+
+
+def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str = "",
+                 path: str | None = None) -> dict[str, dict | None]:
+    """Fingerprint the selected specialisations; with ``path``, resume from what that JSON file
+    already holds and rewrite it after every (arch, source) compiled, so that a run cut short
+    keeps what it finished."""
     from cuda import pathfinder
 
     from cuflash import _families, _jit
     tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
     out: dict[str, dict | None] = {}
+    if path:
+        try:
+            out = json.load(open(path))
+        except FileNotFoundError:
+            pass
+    work = []
     for arch in archs:
         by_source: dict[str, list[str]] = {}
         for src, expr in _families.specialisations(arch):
             if src.startswith(prefixes) and re.search(match, _normalise(expr)):
                 by_source.setdefault(src, []).append(expr)
-        for src, exprs in by_source.items():
-            nvrtc = _jit._nvrtc_for(arch)
-            log, lowered, cubin = nvrtc.compile(_jit.load_source(src), src, exprs,
-                                                _jit._options(arch, ("--ptxas-options=-v",)))
-            if lowered is None:
-                raise SystemExit(f"{src} does not compile for {arch}:\n{log}")
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(cubin)
-                f.flush()
-                sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
-            sections = {}
-            for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
-                name = section.split(",", 1)[0]
-                text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
-                # branch labels are numbered across the whole cubin, in the order of its
-                # functions (which follows their mangled names): number them per function
-                labels: dict[str, str] = {}
-                text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
-                text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
-                lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
-                body = "\n".join(lines)
-                sections[name] = {"sha": hashlib.sha256(body.encode()).hexdigest(),
-                                  "instructions": sum(1 for x in lines if "NOP" not in x)}
-            for expr in exprs:
-                rec = sections.get(lowered[expr])
-                if rec is not None:
-                    rec = dict(rec, **_jit._parse_ptxas(log, lowered[expr]))
-                out[f"{arch} {expr}"] = rec
-            print(f"{arch} {src}: {len(exprs)}", flush=True)
+        work += [(arch, src, exprs) for src, exprs in by_source.items()
+                 if not all(f"{arch} {e}" in out for e in exprs)]
+    rank = {s: i for i, s in enumerate(PRIORITY)}
+    work.sort(key=lambda w: (rank.get(w[1], len(rank)), w[0]))
+    for arch, src, exprs in work:
+        nvrtc = _jit._nvrtc_for(arch)
+        log, lowered, cubin = nvrtc.compile(_jit.load_source(src), src, exprs,
+                                            _jit._options(arch, ("--ptxas-options=-v",)))
+        if lowered is None:
+            raise SystemExit(f"{src} does not compile for {arch}:\n{log}")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+        sections = {}
+        for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
+            name = section.split(",", 1)[0]
+            text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
+            # branch labels are numbered across the whole cubin, in the order of its
+            # functions (which follows their mangled names): number them per function
+            labels: dict[str, str] = {}
+            text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
+            text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
+            lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
+            body = "\n".join(lines)
+            sections[name] = {"sha": hashlib.sha256(body.encode()).hexdigest(),
+                              "instructions": sum(1 for x in lines if "NOP" not in x)}
+        for expr in exprs:
+            rec = sections.get(lowered[expr])
+            if rec is not None:
+                rec = dict(rec, **_jit._parse_ptxas(log, lowered[expr]))
+            out[f"{arch} {expr}"] = rec
+        print(f"{arch} {src}: {len(exprs)}", flush=True)
+        if path:
+            with open(path, "w") as f:
+                json.dump(out, f, indent=0, sort_keys=True)
     return out
 
 
@@ -138,9 +160,7 @@ def main(argv: list[str]) -> int:
         return resources(*a.resources)
     if not a.json:
         ap.error("give a JSON path to write, or --compare A B, or --resources A B")
-    fp = fingerprints(tuple(a.source.split(",")), tuple(a.arch or ("sm_80", "sm_90a")), a.match)
-    with open(a.json, "w") as f:
-        json.dump(fp, f, indent=0, sort_keys=True)
+    fp = fingerprints(tuple(a.source.split(",")), tuple(a.arch or ("sm_80", "sm_90a")), a.match, a.json)
     print(f"{len(fp)} specialisations")
     return 0
 
