@@ -351,11 +351,15 @@ def compile_many(jobs, progress=None, workers: int | None = None) -> list[Compil
     groups: dict[tuple[str, str], list[str]] = {}
     for source, expr, arch in unique:
         groups.setdefault((source, arch), []).append(expr)
-    chunk = 6
+    workers = workers or os.cpu_count() or 1
+    # The C++ front end runs once per NVRTC program and costs seconds on the large sources, so
+    # programs hold as many specialisations as balance allows: about four tasks per worker
+    # over all groups (a group of one source and arch is split only where it is large).
+    chunk = max(4, -(-len(unique) // (4 * workers)))
     tasks = [(source, exprs[i:i + chunk], arch) for (source, arch), exprs in groups.items()
              for i in range(0, len(exprs), chunk)]
+    tasks.sort(key=lambda t: -len(t[1]))        # the largest first, so the last ones are short
     done: dict[tuple[str, str, str], CompileReport] = {}
-    workers = workers or os.cpu_count() or 1
 
     def collect(reports):
         for r in reports:
