@@ -97,9 +97,10 @@ def backward(prob, mods: Modifiers, do, o, lse, dq, dk, dv, dbias=None, dsink=No
             dk_j = numpy.zeros(prob.batch_shape + (j1 - j0, prob.d), acc)
             dv_j = numpy.zeros(prob.batch_shape + (j1 - j0, prob.dv), acc)
             lo, hi = pipe.query_range(j0, j1)
+            # whole tiles from the aligned start (rows outside [lo, hi) are masked): the same
+            # tiles, so the same sums in the same order, as _numpy.backward
             for i0 in range(lo - lo % block_m, hi, block_m):
-                i1 = min(i0 + block_m, hi)
-                i0 = max(i0, lo)
+                i1 = min(i0 + block_m, prob.Lq)
                 kind = pipe.tile_kind(i0, i1, j0, j1)
                 if kind == "empty":
                     continue

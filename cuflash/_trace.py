@@ -409,3 +409,61 @@ def topological(out: Sym) -> list[Sym]:
         stack.append((node, True))
         stack.extend((a, False) for a in reversed(node.args) if id(a) not in seen)
     return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Reusing traces: a key of everything a trace can depend on
+# ---------------------------------------------------------------------------------------------
+
+_SCALARS = (int, float, bool, complex, str, bytes, type(None), numpy.generic)
+_CACHE: dict = {}
+_CACHE_SIZE = 256
+
+
+def _snapshot(x: Any, depth: int) -> Any:
+    """A hashable stand-in for a value a traced function reads, or raise KeyError when the
+    value could change without our seeing it (a mutable object of unknown type)."""
+    if isinstance(x, _SCALARS):
+        return (type(x), x)
+    if isinstance(x, Captured):
+        return ("captured", id(x))             # the cached trace holds it: the id stays valid
+    if isinstance(x, tuple):
+        return tuple(_snapshot(e, depth) for e in x)
+    if isinstance(x, type(numpy)) or isinstance(x, (numpy.ufunc, type(len))):
+        return ("id", id(x))                    # modules, ufuncs and builtins by identity
+    if callable(x) and hasattr(x, "__code__") and depth > 0:
+        return function_key(x, depth - 1)
+    raise KeyError(type(x))
+
+
+def function_key(fn: Callable, depth: int = 3) -> tuple:
+    """What the trace of ``fn`` depends on: its code, defaults, closure cells and the globals
+    its code names (numbers by value, so a new float constant is a new key; captured arrays by
+    identity; functions it calls, recursively). KeyError when some value is of a type whose
+    changes could go unseen (then the function is traced on every call)."""
+    code = fn.__code__
+    cells = tuple(_snapshot(c.cell_contents, depth) for c in (fn.__closure__ or ()))
+    names = []
+    g = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in g:
+            names.append((name, _snapshot(g[name], depth)))
+    return (code, _snapshot(fn.__defaults__ or (), depth), cells, tuple(names))
+
+
+def cached_trace(fn: Callable, role: str) -> Trace:
+    """``trace_score_mod`` / ``trace_mask_mod``, reusing an earlier trace of ``fn`` when nothing
+    it reads has changed (see :func:`function_key`)."""
+    tracer = trace_score_mod if role == "score_mod" else trace_mask_mod
+    try:
+        key = (role, id(fn), function_key(fn))
+    except (KeyError, AttributeError, ValueError):   # unknown values, or a cell not yet set
+        return tracer(fn)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    trace = tracer(fn)
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = (fn, trace)                        # holding fn keeps id(fn) unique
+    return trace

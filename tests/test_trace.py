@@ -334,3 +334,41 @@ def _same(ours, ref, what):
     scale = numpy.maximum(numpy.abs(ref[fin]), 1.0)
     err = numpy.abs(ours[fin] - ref[fin]) / scale
     assert err.max(initial=0) <= 8 * numpy.finfo(numpy.float32).eps, (what, err.max())
+
+
+def test_cached_traces_follow_what_the_function_reads():
+    import types
+
+    def make(value):
+        return lambda s, b, h, q, kv: s * value
+
+    f = make(2.0)
+    t1 = _trace.cached_trace(f, "score_mod")
+    assert _trace.cached_trace(f, "score_mod") is t1          # nothing changed: reused
+    g = make(3.0)
+    assert _trace.cached_trace(g, "score_mod").source != t1.source
+    # a global float read by name: a new value is a new trace
+    ns = {"np": np, "SCALE": 2.0}
+    exec("def k(s, b, h, q, kv):\n    return s * SCALE", ns)
+    a = _trace.cached_trace(ns["k"], "score_mod")
+    ns["SCALE"] = 4.0
+    b = _trace.cached_trace(ns["k"], "score_mod")
+    assert a is not b and a.source != b.source
+    assert "0x1.0000000000000p+2f" in b.source
+    # a global of a mutable unknown type: traced every time (never stale)
+    ns["CFG"] = types.SimpleNamespace(scale=2.0)
+    exec("def m(s, b, h, q, kv):\n    return s * CFG.scale", ns)
+    x = _trace.cached_trace(ns["m"], "score_mod")
+    ns["CFG"].scale = 5.0
+    y = _trace.cached_trace(ns["m"], "score_mod")
+    assert x is not y and x.source != y.source
+    # a captured array: the same object reuses the trace, a new one gets its own (its pointer)
+    d1 = _captured.captured(numpy.arange(4))
+    d2 = _captured.captured(numpy.arange(4))
+    ns.update(DOC=d1)
+    exec("def mm(b, h, q, kv):\n    return DOC[q] == DOC[kv]", ns)
+    p = _trace.cached_trace(ns["mm"], "mask_mod")
+    assert _trace.cached_trace(ns["mm"], "mask_mod") is p and p.captures[0] is d1
+    ns["DOC"] = d2
+    r = _trace.cached_trace(ns["mm"], "mask_mod")
+    assert r.captures[0] is d2 and r.source == p.source
