@@ -32,6 +32,14 @@ def _caches():
     return _FWD_PLANS, _BWD_PLANS
 
 
+def clear_plans() -> None:
+    """Forget every cached plan (lab code: after changing a ``CUFLASH_*`` override, which is
+    read when a plan is built, not on every call)."""
+    if _FWD_PLANS is not None:
+        _FWD_PLANS.clear()
+        _BWD_PLANS.clear()
+
+
 def _layout(x) -> tuple:
     """What a plan depends on in one array: shape, strides, dtype, device and the 16-byte
     alignment of its start (the tensor-core families read 16-byte chunks)."""

@@ -117,6 +117,12 @@ class ForwardPlan:
 # Backward
 # ---------------------------------------------------------------------------------------------
 
+#: the arguments of bwd_finish_dq(partial, dq, n, parts), packed for Launch
+FINISH_ARGS = numpy.dtype([("partial", "<u8"), ("dq", "<u8"), ("n", "<i8"), ("parts", "<i4")],
+                          align=True)
+FINISH_OFFSETS = tuple(FINISH_ARGS.fields[f][1] for f in FINISH_ARGS.names)
+
+
 def _align(n: int) -> int:
     return -(-n // 256) * 256
 
@@ -145,6 +151,7 @@ class BackwardPlan:
         # dimension needs summing (the result then has every batch item, C-contiguous)
         self.dk_direct = self.tc and dk.size == nbatch * Lk * d
         self.dv_direct = self.tc and dv.size == nbatch * Lk * d_v
+        self.dq_direct = dq.size == nbatch * Lq * d
         a = self.acc.itemsize
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  "dq_sem": 4 * nbatch * self.num_m_blocks if (deterministic and
@@ -161,8 +168,17 @@ class BackwardPlan:
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
         self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
-        dot = FAMILIES["bwd_dot"]
+        dot, fin = FAMILIES["bwd_dot"], FAMILIES["bwd_finish_dq"]
         self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
+        n = nbatch * Lq * d
+        args = numpy.zeros((), FINISH_ARGS)
+        args["n"], args["parts"] = n, self.parts
+        grid = max(1, min(-(-n // AUX_THREADS), 8 * dev.num_sms))
+        out = "T" if self.dq_direct else "Acc"     # the result itself, or a buffer to sum
+        self.finish = Launch(_launch.kernel(fin.source, fin.expr(prob.dtype, out=out),
+                                            prob.device_id, 0),
+                             grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS,
+                             name="bwd_finish_dq")
         self.num_sms = dev.num_sms
         self._build(prob.q, prob.k, prob.v, o, do)
 
@@ -215,26 +231,25 @@ class BackwardPlan:
                     (word("dq_sem"), base + off["dq_sem"] + first * sem_row))
             self.dot(stream, *ptrs)      # -- 4: D = rowsum(dO o O)
             self.main(stream, *ptrs)     # -- 5-19: one block per (batch item, key tile)
-        self._finish(ws, dq, dk, dv)
+        self._finish(ws, stream, dq, dk, dv)
 
-    def _finish(self, ws, dq, dk, dv) -> None:
-        """dQ (and dK, dV where broadcast) from the accumulation buffers into the results."""
+    def _finish(self, ws, stream: int, dq, dk, dv) -> None:
+        """dQ (and dK, dV where broadcast) from the accumulation buffers into the results: one
+        kernel where dq is not broadcast (it then has every batch item, C-contiguous), which
+        sums the deterministic partials and rounds; else in Acc, then summed by CuPy."""
         import cupy
         prob, off, acc = self.prob, self.offsets, self.acc
         bs = prob.batch_shape
 
         def view(name, shape):
             return cupy.ndarray(shape, acc, memptr=ws + off[name])
-        summed = view("dq_acc", bs + (prob.Lq, prob.d))
-        if self.parts > 1:     # deterministic bwd_simt: the key tiles' partials, in order
-            parts = view("dq_acc", (self.parts,) + bs + (prob.Lq, prob.d))
+        partial = ws.ptr + off["dq_acc"]
+        if self.dq_direct:
+            self.finish(stream, (0, partial), (1, dq.data.ptr))
+        else:
             summed = cupy.empty(bs + (prob.Lq, prob.d), acc)
-            fam = FAMILIES["bwd_sum_dq"]
-            k = _launch.kernel(fam.source, fam.expr(prob.dtype), self.device_id, 0)
-            total = summed.size
-            k((max(1, min(-(-total // AUX_THREADS), 65535)),), (AUX_THREADS,),
-              (parts, summed, numpy.int64(total), numpy.int32(self.parts)))
-        _sum_into(dq, summed)
+            self.finish(stream, (0, partial), (1, summed.data.ptr))
+            _sum_into(dq, summed)
         if not self.dk_direct:
             _sum_into(dk, view("dk_acc", bs + (prob.Lk, prob.d)))
         if not self.dv_direct:
