@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy
 
-from cuflash import _numpy, _problem
+from cuflash import _modifiers, _numpy, _problem
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -71,6 +71,9 @@ class _FastBackward:
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
+              window: Any = None, softcap: Any = None, alibi_slopes: Any = None,
+              sink: Any = None, bias: Any = None, mask: Any = None, score_mod: Any = None,
+              mask_mod: Any = None, block_mask: Any = None,
               return_lse: bool = False, out: Any = None) -> Any:
     """Exact softmax attention ``softmax(scale * q @ k.T + mask) @ v``, computed tile by tile.
 
@@ -95,6 +98,22 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         key ``j`` iff ``j <= i + Lk - Lq`` (aligned to the bottom-right corner, as in
         FlashAttention; right for a KV cache). 'top_left': iff ``j <= i`` (PyTorch's
         ``is_causal``).
+    window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
+        The modifiers of DESIGN.md, applied in this order to each score: softcap
+        ``c * tanh(s / c)``; ALiBi ``s -= slope * |i + Lk - Lq - j|`` (``alibi_slopes``
+        broadcasting to the batch shape, e.g. ``(H,)``); ``bias`` (a float array broadcasting to
+        ``batch_shape + (Lq, Lk)``, read in place; -inf hides a pair); ``score_mod(score, b, h,
+        q_idx, kv_idx)``; then the pairs hidden by ``causal``, ``window=(left, right)`` (key j
+        visible iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``, None unbounded),
+        ``mask`` (bool, broadcastable like bias, True = keep), ``mask_mod(b, h, q_idx, kv_idx)``
+        (or the one of ``block_mask``, see :func:`cuflash.block_mask`); ``sink`` (broadcasting
+        to the batch shape) adds ``exp(sink)`` to each row's denominator (``lse`` includes it;
+        a row with no visible key gets ``o = 0`` and ``lse = sink``). ``b`` is the index along
+        the first batch dim and ``h`` the flat index over the others (with one batch dim,
+        ``b = 0``; with none, both 0). User functions are written with operators and NumPy
+        functions; arrays they read are wrapped with :func:`cuflash.captured`. NumPy inputs
+        run every modifier on the CPU path; on CuPy inputs the GPU kernels do not implement
+        the modifiers yet and raise NotImplementedError naming them.
     return_lse : bool, optional
         Also return the log-sum-exp of each row of scaled, masked scores.
     out : array, optional
@@ -132,7 +151,10 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         non-positive scale, an unknown causal alignment, ``out`` of the wrong shape or
         overlapping an input.
     """
-    if out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY:
+    plain = (window is None and softcap is None and alibi_slopes is None and sink is None
+             and bias is None and mask is None and score_mod is None and mask_mod is None
+             and block_mask is None)
+    if plain and out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY:
         key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                causal.__class__)
         try:
@@ -152,9 +174,15 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                                        memptr=mem + fast.lse_offset)
 
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _modifiers.check_modifiers(
+        xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
+        Lk=prob.Lk, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     _problem.check_return_lse(return_lse)
     if out is not None:
         _problem.check_out(prob, out)
+    if prob.xp is not numpy:
+        _modifiers.check_gpu_support(mods, "attention")
 
     xp = prob.xp
     with _problem.device_scope(prob):
@@ -164,9 +192,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             pass  # Lq == 0 or a batch dimension of 0: nothing to compute
         elif prob.Lk == 0:
             o[...] = 0  # every row sees no key
-            lse[...] = -numpy.inf
+            lse[...] = -numpy.inf if mods.sink is None else mods.sink[..., None]
         elif xp is numpy:
-            _numpy.forward(prob, o, lse)
+            _numpy.forward(prob, o, lse, mods=mods)
         else:
             _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
     return (o, lse) if return_lse else o
@@ -186,7 +214,10 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
-                       causal: Any = False, deterministic: bool = False) -> tuple[Any, Any, Any]:
+                       causal: Any = False, window: Any = None, softcap: Any = None,
+                       alibi_slopes: Any = None, sink: Any = None, bias: Any = None,
+                       mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                       block_mask: Any = None, deterministic: bool = False) -> tuple[Any, ...]:
     """Gradients of :func:`attention` with respect to q, k and v (FlashAttention-2 backward).
 
     Only ``o`` and ``lse`` of the forward pass are needed: the attention probabilities are
@@ -203,7 +234,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         What ``attention(q, k, v, ..., return_lse=True)`` returned for the same arguments:
         ``o`` of shape ``batch_shape + (Lq, dv)`` in the inputs' dtype (any strides), ``lse``
         of shape ``batch_shape + (Lq,)`` in float32 (float64 for float64 inputs).
-    scale, causal
+    scale, causal, window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
         As for :func:`attention`; must be those of the forward call.
     deterministic : bool, optional
         False (default): on the GPU, the key tiles add their dq contributions with atomics, so
@@ -212,6 +243,11 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
 
     Returns
     -------
+    dq, dk, dv[, dbias][, dsink] : arrays
+        ``dbias`` (when ``bias`` is given: shape and dtype of ``bias``) and ``dsink`` (when
+        ``sink`` is given: shape and dtype of ``sink``) follow dq, dk, dv in this order, summed
+        over the dimensions broadcasting added. ``alibi_slopes``, ``softcap``, ``window`` and
+        the arrays user functions read are constants (no gradient).
     dq, dk, dv : arrays of the inputs' dtype, shapes ``q.shape``, ``k.shape``, ``v.shape``
         New C-contiguous arrays. The gradient of a broadcast input is summed over the
         dimensions broadcasting added (NumPy/JAX semantics): for grouped-query attention,
@@ -248,7 +284,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         (TypeError), of the wrong shape or on another device (ValueError); a
         ``deterministic`` that is not a bool (TypeError).
     """
-    if type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool:
+    plain = (window is None and softcap is None and alibi_slopes is None and sink is None
+             and bias is None and mask is None and score_mod is None and mask_mod is None
+             and block_mask is None)
+    if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool:
         key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
                scale, scale.__class__, causal, causal.__class__, deterministic)
         try:
@@ -265,19 +304,31 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
                 return dq, dk, dv
 
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _modifiers.check_modifiers(
+        xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
+        Lk=prob.Lk, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
+    if prob.xp is not numpy:
+        _modifiers.check_gpu_support(mods, "attention_backward")
 
     xp = prob.xp
     with _problem.device_scope(prob):
+        extra = [xp.zeros(shape, dtype) for shape, dtype in
+                 ((mods.bias_shape, mods.bias_dtype), (mods.sink_shape, mods.sink_dtype))
+                 if shape is not None]
         if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
             # nothing to compute: no query sees a key, or there is nothing to differentiate
-            return tuple(xp.zeros(x.shape, prob.dtype) for x in (q, k, v))
+            return tuple(xp.zeros(x.shape, prob.dtype) for x in (q, k, v)) + tuple(extra)
         dq = xp.empty(q.shape, prob.dtype)
         dk = xp.empty(k.shape, prob.dtype)
         dv = xp.empty(v.shape, prob.dtype)
         if xp is numpy:
-            _numpy.backward(prob, do, o, lse, dq, dk, dv)
+            dbias = extra[0] if mods.bias is not None else None
+            dsink = extra[-1] if mods.sink is not None else None
+            _numpy.backward(prob, do, o, lse, dq, dk, dv, dbias, dsink, mods=mods)
+            return (dq, dk, dv) + tuple(extra)
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
                           (do, q, k, v, o, lse, scale, causal, deterministic))
@@ -300,21 +351,27 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-                  deterministic: bool = False) -> tuple[Any, Any]:
+                  deterministic: bool = False, **modifiers: Any) -> tuple[Any, Any]:
     """The forward pass and its pullback: ``o, pullback = attention_vjp(q, k, v)``.
 
     ``o`` is ``attention(q, k, v, scale=scale, causal=causal)``; ``pullback(do)`` returns
     ``(dq, dk, dv)`` as :func:`attention_backward` does for that ``do``, using the ``o`` and
     log-sum-exp of this forward pass (kept by the pullback; nothing else is stored). The
     pullback may be called any number of times. Arguments are validated here, before the
-    forward pass runs; ``do`` is validated when the pullback is called.
+    forward pass runs; ``do`` is validated when the pullback is called. ``modifiers`` are the
+    modifier keywords of :func:`attention` (``window``, ``softcap``, ``alibi_slopes``, ``sink``,
+    ``bias``, ``mask``, ``score_mod``, ``mask_mod``, ``block_mask``); with ``bias`` or ``sink`` the
+    pullback also returns ``dbias``, ``dsink`` (in that order, after dv).
     """
     _problem.check_deterministic(deterministic)
-    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True)
+    unknown = sorted(set(modifiers) - set(_modifiers.KEYWORDS))
+    if unknown:
+        raise TypeError(f"attention_vjp() got unexpected keyword arguments {unknown}")
+    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True, **modifiers)
 
-    def pullback(do: Any) -> tuple[Any, Any, Any]:
+    def pullback(do: Any) -> tuple[Any, ...]:
         return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, **modifiers)
 
     return o, pullback
 

@@ -315,3 +315,18 @@ def heads_of(batch_shape: tuple[int, ...]) -> int:
     """``H`` of :func:`batch_indices` (at least 1)."""
     dims = batch_shape[1:] if len(batch_shape) >= 2 else batch_shape
     return max(1, int(numpy.prod(dims, dtype=numpy.int64)))
+
+
+#: Modifiers the GPU kernel families implement today (issue 10 adds them family by family)
+GPU_FEATURES: frozenset[str] = frozenset()
+
+
+def check_gpu_support(mods: Modifiers, what: str) -> None:
+    """NotImplementedError, before any GPU work, for a CuPy call with a modifier no kernel
+    family implements yet: never a result computed without it."""
+    missing = sorted(mods.features - GPU_FEATURES)
+    if missing:
+        raise NotImplementedError(
+            f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "
+            f"GPU kernels gain the modifiers in issue 10); the same call on NumPy arrays runs "
+            f"them on the CPU path, and cuflash.reference.{what} computes them in float64")

@@ -9,7 +9,7 @@ import numpy
 import pytest
 from hypothesis import given, strategies as st
 
-from cuflash import _captured, _modifiers, _modifiers_cpu, _problem
+from cuflash import _captured, _modifiers, _modifiers_cpu, _numpy, _problem
 from cuflash._block_mask import EMPTY, FULL, PARTIAL, block_mask
 
 DOC = _captured.captured(numpy.repeat(numpy.arange(8), 40)[None, :].repeat(2, axis=0))
@@ -97,7 +97,7 @@ def test_the_blocked_path_skips_empty_tiles_and_full_tiles_skip_the_mask_mod():
                                           Lk=Lk, **kw)
         o, lse = numpy.empty((Lq, 8)), numpy.empty(Lq)
         calls.clear()
-        _modifiers_cpu.forward(prob, mods, o, lse, block_m=64, block_n=64)
+        _numpy.forward(prob, o, lse, mods=mods, block_m=64, block_n=64)
         outs.append((o, lse, list(calls)))
     (o1, l1, c1), (o2, l2, c2) = outs
     numpy.testing.assert_allclose(o1, o2, rtol=1e-14, atol=1e-14)
@@ -134,6 +134,6 @@ def test_a_broadcast_block_mask_serves_every_head():
         mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2, 3),
                                           Lq=320, Lk=320, **kw)
         o, lse = numpy.empty((2, 3, 320, 4)), numpy.empty((2, 3, 320))
-        _modifiers_cpu.forward(prob, mods, o, lse, block_m=64, block_n=32)
+        _numpy.forward(prob, o, lse, mods=mods, block_m=64, block_n=32)
         res.append(o)
     numpy.testing.assert_allclose(res[0], res[1], rtol=1e-14, atol=1e-14)

@@ -1,4 +1,4 @@
-"""Gradients with modifiers on the CPU: the blocked backward (cuflash._modifiers_cpu.backward)
+"""Gradients with modifiers on the CPU: the blocked backward (cuflash._numpy.backward)
 and the float64 reference backward against central finite differences of the independent
 naive forward (tests/_naive_modifiers), on tiny float64 shapes: dq, dk, dv, dbias (summed over
 broadcast dimensions) and dsink; rows with no visible key get exactly zero gradients.
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import _naive_modifiers as naive
-from cuflash import _captured, _modifiers, _modifiers_cpu, _problem
+from cuflash import _captured, _modifiers, _modifiers_cpu, _numpy, _problem
 from cuflash._block_mask import block_mask
 
 TAB = _captured.captured(numpy.linspace(-1, 1, 24).reshape(3, 8))
@@ -32,11 +32,11 @@ def _loss_and_grads(q, k, v, do, causal, kw, tiles):
                                       Lq=prob.Lq, Lk=prob.Lk, **kw)
     o = numpy.empty(prob.batch_shape + (prob.Lq, prob.dv))
     lse = numpy.empty(prob.batch_shape + (prob.Lq,))
-    _modifiers_cpu.forward(prob, mods, o, lse, **tiles)
+    _numpy.forward(prob, o, lse, mods=mods, **tiles)
     grads = [numpy.full(x.shape, numpy.nan) for x in (q, k, v)]
     dbias = numpy.full(mods.bias_shape, numpy.nan) if "bias" in kw else None
     dsink = numpy.full(mods.sink_shape, numpy.nan) if "sink" in kw else None
-    _modifiers_cpu.backward(prob, mods, do, o, lse, *grads, dbias, dsink, **tiles)
+    _numpy.backward(prob, do, o, lse, *grads, dbias, dsink, mods=mods, **tiles)
     grads += [g for g in (dbias, dsink) if g is not None]
     ref = _modifiers_cpu.reference_backward(prob, mods, do, (q.shape, k.shape, v.shape))
     return prob, lse, grads, ref
