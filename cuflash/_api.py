@@ -377,7 +377,8 @@ def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = Fa
 
 
 def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-            backward: bool = False, deterministic: bool = False, device: Any = None) -> str:
+            backward: bool = False, deterministic: bool = False, device: Any = None,
+            **modifiers: Any) -> str:
     """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
 
     ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
@@ -385,10 +386,20 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
+    Modifier keywords (``window``, ``softcap``, ..., ``score_mod``, ``mask_mod``) are validated;
+    the text names them and shows the CUDA source traced from ``score_mod`` / ``mask_mod``.
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    unknown = sorted(set(modifiers) - set(_modifiers.KEYWORDS))
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {unknown}")
+    mods = _modifiers.check_modifiers(xp=prob.xp, device_id=prob.device_id,
+                                      batch_shape=prob.batch_shape, Lq=prob.Lq, Lk=prob.Lk,
+                                      **modifiers)
+    if mods.features:
+        return _modifiers.explain(mods, "attention_backward" if backward else "attention")
     _problem.check_deterministic(deterministic)
     if device is None:
         device = prob.device_id if prob.device_id is not None else "h200"

@@ -330,3 +330,26 @@ def check_gpu_support(mods: Modifiers, what: str) -> None:
             f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "
             f"GPU kernels gain the modifiers in issue 10); the same call on NumPy arrays runs "
             f"them on the CPU path, and cuflash.reference.{what} computes them in float64")
+
+
+def explain(mods: Modifiers, what: str) -> str:
+    """What ``cuflash.explain`` says of a call with modifiers: which are on, where they run,
+    and the CUDA source traced from the user functions (what the GPU Variant will compile)."""
+    from cuflash import _trace
+    lines = [f"{what} with modifiers: {', '.join(sorted(mods.features))}"]
+    missing = sorted(mods.features - GPU_FEATURES)
+    if missing:
+        lines.append(f"GPU: not implemented yet for {', '.join(missing)} (NotImplementedError); "
+                     f"NumPy inputs run them on the CPU path")
+    for role, fn in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
+        if fn is None:
+            continue
+        try:
+            trace = _trace.cached_trace(fn, role)
+        except TypeError as exc:
+            lines.append(f"{role}: cannot be traced for the GPU: {exc}")
+            continue
+        lines.append(f"{role}: traced to {trace.struct_name} "
+                     f"({len(trace.captures)} captured arrays):")
+        lines.append(trace.source)
+    return "\n".join(lines)

@@ -117,3 +117,17 @@ def test_cupy_calls_with_modifiers_raise_not_implemented_before_gpu_work():
     with pytest.raises(NotImplementedError, match="bias"):
         cuflash.attention_backward(q, q, q, q, q, cupy.zeros((2, 4), cupy.float32),
                                    bias=cupy.zeros((4, 4), cupy.float16))
+
+
+def test_explain_shows_the_traced_source():
+    from cuflash import _api
+    q = numpy.ones((2, 4, 8), numpy.float16)
+    text = _api.explain(q, q, q, softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0,
+                        mask_mod=lambda b, h, i, j: i >= j)
+    assert "with modifiers: mask_mod, score_mod, softcap" in text
+    assert "not implemented yet" in text
+    assert "struct ScoreMod_" in text and "struct MaskMod_" in text and "0x1.0" in text
+    bad = _api.explain(q, q, q, score_mod=lambda s, b, h, i, j: np.arctan(s))
+    assert "cannot be traced for the GPU" in bad and "numpy.arctan" in bad
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        _api.explain(q, q, q, softcapp=1.0)
