@@ -1,48 +1,161 @@
-"""Host (Python) time of one cuflash.attention call on the GPU path, and where it goes.
+#!/usr/bin/env python3
+"""Host time per call, in µs: cuflash forward and backward, PyTorch SDPA flash, an empty CuPy
+kernel, in one process on one tiny problem.
 
-    PYTHONPATH=. python bench/host_overhead.py
+    PYTHONPATH=. python bench/host_overhead.py [--calls 2000] [--out DIR] [--profile]
 
-A tiny problem keeps the kernel far shorter than the host work, so calls/second measures the
-Python side: validation, dispatch, the parameter block and CuPy's launch. At L = 1k the
-benchmark's kernels take ~0.4 ms, so a host cost near that would starve the GPU.
+The problem (B=1, H=1, L=64, d=64, bf16) makes every kernel far shorter than the host work,
+so the time to issue ``--calls`` calls back to back, after a warm-up, divided by the calls, is
+the host (Python + launch) cost of one call: ``us_per_call``. To check that the GPU was not the
+bottleneck, the same loop is timed again up to a synchronisation after its last call
+(``us_per_call_drained``); when that is more than 25% above ``us_per_call`` the row says
+``gpu_bound: true`` and its figure is not a host time. Each figure is the median of
+``--repeats`` loops.
+
+Implementations: ``cuflash`` (``cuflash.attention``), ``cuflash_backward``
+(``cuflash.attention_backward`` with ``o`` and ``lse`` from one forward), ``sdpa_flash``
+(``torch.nn.functional.scaled_dot_product_attention`` on DLPack views of the same arrays,
+with the flash backend forced once outside the loop and autograd off) and
+``cupy_empty_kernel`` (a ``cupy.RawKernel`` with an empty body, one thread): the floor of a
+launch from Python. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
+"us_per_call", ...}`` and the header of bench/bench_attention.py) and prints a table.
+``--profile`` also prints the 25 functions with the most own time in cuflash's forward call.
 """
-import cProfile
-import pstats
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
 import time
+from typing import Any, Callable, Sequence
 
-import cupy
-import ml_dtypes
-import numpy
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_attention as ba  # noqa: E402  (also puts the checkout's cuflash on sys.path)
+from cuflash._bench import write_json  # noqa: E402
 
-import cuflash
+SHAPE = (1, 1, 64, 64)
+GPU_BOUND_RATIO = 1.25
+WARMUP = 50
 
 
-def main():
-    rng = cupy.random.default_rng(0)
-    q, k, v = (rng.standard_normal((16, 32, 1024, 64), dtype=numpy.float32).astype(ml_dtypes.bfloat16)
+def overhead_row(impl: str, calls: int, issue_s: Sequence[float],
+                 drained_s: Sequence[float]) -> dict:
+    """One result row from the loop times (seconds for ``calls`` calls): the median issue
+    time and the median time to the end of the GPU work, in µs per call."""
+    if calls < 1 or not issue_s or not drained_s:
+        raise ValueError(f"{calls=} and the loop times must be non-empty ({issue_s=}, "
+                         f"{drained_s=})")
+    host = statistics.median(issue_s) / calls * 1e6
+    drained = statistics.median(drained_s) / calls * 1e6
+    return {"impl": impl, "us_per_call": host, "us_per_call_drained": drained, "calls": calls,
+            "repeats": len(issue_s), "gpu_bound": drained > GPU_BOUND_RATIO * host}
+
+
+def time_loop(fn: Callable[[], Any], calls: int, sync: Callable[[], None],
+              clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """Seconds to issue ``calls`` calls, and to the end of their GPU work."""
+    sync()
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    t1 = clock()
+    sync()
+    return t1 - t0, clock() - t0
+
+
+def measure(impl: str, fn: Callable[[], Any], calls: int, repeats: int,
+            sync: Callable[[], None]) -> dict:
+    for _ in range(WARMUP):
+        fn()
+    times = [time_loop(fn, calls, sync) for _ in range(repeats)]
+    return overhead_row(impl, calls, [t[0] for t in times], [t[1] for t in times])
+
+
+def format_rows(rows: Sequence[dict]) -> str:
+    ref = next((r["us_per_call"] for r in rows if r["impl"] == "sdpa_flash"), None)
+    body = [[r["impl"], f"{r['us_per_call']:.1f}", f"{r['us_per_call_drained']:.1f}",
+             f"{r['us_per_call'] / ref:.2f}" if ref else "-",
+             "GPU-BOUND" if r["gpu_bound"] else "ok"] for r in rows]
+    return ba.render_table(["impl", "us/call", "us/call drained", "/ sdpa_flash", "check"], body)
+
+
+def build(q, k, v) -> dict[str, Callable[[], Any]]:
+    """The calls to time, on the same (tiny) arrays; a peer that cannot run is left out with
+    a note."""
+    import cupy as cp
+    import cuflash
+    fns: dict[str, Callable[[], Any]] = {"cuflash": lambda: cuflash.attention(q, k, v)}
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    do = cp.asarray(cp.random.RandomState(1).standard_normal(o.shape, dtype=cp.float32)
+                    .astype(o.dtype))
+    fns["cuflash_backward"] = lambda: cuflash.attention_backward(do, q, k, v, o, lse)
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))     # zero copy
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        torch.set_grad_enabled(False)
+        # entered once for the whole run: the calls themselves carry no context manager
+        sdpa_kernel(SDPBackend.FLASH_ATTENTION).__enter__()
+        fns["sdpa_flash"] = lambda: sdpa(tq, tk, tv)
+    except Exception as e:
+        print(f"sdpa_flash left out: {ba.short_error(e)}", file=sys.stderr)
+    empty = cp.RawKernel(r'extern "C" __global__ void cuflash_empty() {}', "cuflash_empty")
+    fns["cupy_empty_kernel"] = lambda: empty((1,), (1,), ())
+    return fns
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops per implementation")
+    p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
+                   help="folder for host_overhead.json (default bench/results/<gpu>/)")
+    p.add_argument("--no-json", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward call")
+    args = p.parse_args(argv)
+    try:
+        import cupy as cp
+        import ml_dtypes
+        cp.cuda.runtime.getDeviceProperties(0)
+    except Exception as e:
+        print(f"error: host_overhead needs a CUDA GPU and CuPy: {ba.short_error(e)}",
+              file=sys.stderr)
+        return 2
+    header = ba.device_header(["bench/host_overhead.py", *(argv or sys.argv[1:])])
+    header.update(suite="host_overhead", shape=list(SHAPE), dtype="bf16", calls=args.calls)
+    rs = cp.random.RandomState(0)        # random normal inputs, never zeros
+    q, k, v = (rs.standard_normal(SHAPE, dtype=cp.float32).astype(ml_dtypes.bfloat16)
                for _ in range(3))
-    small = [x[:1, :1, :16] for x in (q, k, v)]
-    for args, label in ((small, "tiny (1,1,16,64)"), ((q, k, v), "bench (16,32,1024,64)")):
-        for _ in range(20):
-            cuflash.attention(*args)
-        cupy.cuda.Device().synchronize()
-        n = 300
-        t0 = time.perf_counter()
-        for _ in range(n):
-            cuflash.attention(*args)
-        t1 = time.perf_counter()
-        cupy.cuda.Device().synchronize()
-        t2 = time.perf_counter()
-        print(f"{label}: host {1e6 * (t1 - t0) / n:.1f} us/call, with the queue drained "
-              f"{1e6 * (t2 - t0) / n:.1f} us/call")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(300):
-        cuflash.attention(*small)
-    pr.disable()
-    cupy.cuda.Device().synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    sync = cp.cuda.Device().synchronize
+    rows = []
+    for impl, fn in build(q, k, v).items():
+        try:
+            rows.append(measure(impl, fn, args.calls, args.repeats, sync))
+        except Exception as e:
+            print(f"{impl}: FAILED ({ba.short_error(e)})", file=sys.stderr)
+    print(format_rows(rows))
+    if any(r["gpu_bound"] for r in rows):
+        print(f"GPU-BOUND rows: draining the queue took > {GPU_BOUND_RATIO}x the issue time, "
+              "so those figures are not host times")
+    if not args.no_json:
+        path = (args.out or ba.results_dir_for(header["gpu"])) / "host_overhead.json"
+        write_json(path, header, rows)
+        print(f"wrote {path}", file=sys.stderr)
+    if args.profile:
+        import cProfile
+        import pstats
+        import cuflash
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(300):
+            cuflash.attention(q, k, v)
+        pr.disable()
+        sync()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -57,6 +57,42 @@ __device__ __forceinline__ void zero_rows(unsigned sbase, Dead dead) {
   }
 }
 
+// -- 9 of Algorithm 2, the statistics of query tile Q_i into shared memory: thread tid <
+// BLOCK_M stages row m0 + tid's L_i * log2(e) into sL2 and D_i into sDi, from the lse and D it
+// loaded one tile ahead. A dead row (L_i = -inf: no visible key) or a row past Lq gets
+// L = +inf and D = 0, so that P = exp2(S tau log2(e) - inf) = 0 and dS = P (dP - D) = 0 there
+// (exp2(-inf - -inf) would be NaN). Returns whether this thread's row is dead (in range).
+template <int BLOCK_M>
+__device__ __forceinline__ bool stage_stats(float* sL2, float* sDi, int tid, int m0, int Lq,
+                                            float lse, float d) {
+  const float kInf = __int_as_float(0x7f800000);
+  const float kLog2e = 1.4426950408889634f;
+  bool dead = false;
+  if (tid < BLOCK_M) {
+    const bool in = m0 + tid < Lq;
+    dead = in && lse == -kInf;
+    sL2[tid] = (in && !dead) ? lse * kLog2e : kInf;
+    sDi[tid] = (in && !dead) ? d : 0.f;
+  }
+  return dead;
+}
+
+// Row r of query tile m0 takes part in the products and gets a dQ row: it exists (< Lq) and is
+// not dead (stage_stats marked it with L = +inf otherwise). Its dQ stays exactly 0 if not.
+__device__ __forceinline__ bool row_live(const float* sL2, int m0, int r, int Lq) {
+  return m0 + r < Lq && sL2[r] != __int_as_float(0x7f800000);
+}
+
+// Zero the dead rows of the tiles Q_i and dO_i (rare: the first rows under the bottom-right
+// causal mask with Lq > Lk), so that the 0 of P or dS never meets a NaN or Inf in them
+// (0 * NaN = NaN) in dV += P^T dO and dK += dS^T Q. The caller barriers around it.
+template <typename Tile, int ROWS, int THREADS>
+__device__ __forceinline__ void zero_dead_rows(unsigned sq, unsigned sdo, const float* sL2, int m0, int Lq) {
+  const auto is_dead = [&](int r) { return m0 + r < Lq && sL2[r] == __int_as_float(0x7f800000); };
+  zero_rows<Tile, ROWS, THREADS>(sq, is_dead);
+  zero_rows<Tile, ROWS, THREADS>(sdo, is_dead);
+}
+
 // Two adjacent float32 values (columns col, col + 1 of a row of n) to global memory: one 8-byte
 // store when both exist and n is even (then col is even and the address 8-byte aligned).
 __device__ __forceinline__ void store2(float* row, int col, int n, float x, float y) {
@@ -69,7 +105,7 @@ __device__ __forceinline__ void store2(float* row, int col, int n, float x, floa
 }
 
 // Columns col, col + 1 of row `row` (of n columns) of dK_j or dV_j at the end of a key tile:
-// into the float32 buffer, or, AS_T (kBwdDkOut / kBwdDvOut, see BwdParams::out_flags),
+// into the float32 buffer, or, AS_T (kBwdDkOut / kBwdDvOut, see Params::out_flags),
 // straight into the gradient in T, rounded once (as the launcher's cast of the buffer
 // would): one 4-byte store of the pair where the row length is even.
 template <typename T>
@@ -91,10 +127,10 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
 // -- 18 of Algorithm 2: write this thread's rows of dK_j = tau dK_j and dV_j (accumulators in
 // the mma.sync / wgmma C layout: rows key0 and key0 + 8, columns 8 t + 2 t4 and + 1) for batch
 // item b: float32, one slice per batch item, which the launcher sums over broadcast dimensions,
-// or, where there are none, straight to dK, dV in T (BwdParams::out_flags). Keys past Lk are
+// or, where there are none, straight to dK, dV in T (Params::out_flags). Keys past Lk are
 // skipped; every other key of the tile is written, also those no query sees (0).
 template <typename T, int NT>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, int b, int key0, int t4, float scale,
+__device__ __forceinline__ void store_dk_dv(const Params& p, int b, int key0, int t4, float scale,
                                             const float (&dk)[NT][4], const float (&dv)[NT][4]) {
   const bool dk_t = p.out_flags & kBwdDkOut, dv_t = p.out_flags & kBwdDvOut;
   const long long row0 = (long long)b * p.Lk;

@@ -1,15 +1,16 @@
 // cuflash: the generic backward pass (FlashAttention-2, Algorithm 2) on plain CUDA cores.
 //
 // Runs on every GPU from sm_70 and in every dtype (float16, bfloat16, float32, float64); it
-// accumulates in float32 (float64 for float64 inputs). No tensor cores. Three kernels:
+// accumulates in float32 (float64 for float64 inputs). No tensor cores. One kernel, lines 5-19
+// of Algorithm 2 (line 4, D = rowsum(dO o O), and the DETERMINISTIC sum of the dQ partials are
+// bwd_prep.cu's bwd_dot_do_o and bwd_sum_dq, which the launcher runs before and after it):
 //
-//   bwd_dot_do_o<T>     line 4 of Algorithm 2: D = rowsum(dO o O), a group of lanes a query row
-//   bwd_simt<T, ...>    lines 5-19: one thread block per (batch item, key tile K_j, V_j);
+//   bwd_simt<T, ...>    one thread block per (batch item, key tile K_j, V_j);
 //                       it walks the query tiles Q_i that can see K_j, recomputes P_ij from
 //                       the stored log-sum-exp L_i, keeps dK_j and dV_j in registers, and adds
 //                       dS_ij K_j to dQ_i in HBM (float atomics), or, with DETERMINISTIC,
-//                       writes it to a partial-dQ buffer of its own key tile
-//   bwd_sum_dq<Acc>     DETERMINISTIC only: dQ = sum of the partials, in key-tile order
+//                       writes it to a partial-dQ buffer of its own key tile, which
+//                       bwd_sum_dq (bwd_prep.cu) sums in key-tile order
 //
 // What this kernel is, honestly: a correct, simple design, not a fast one. Every operand of the
 // five small matrix products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q,
@@ -32,15 +33,10 @@
 namespace cuflash {
 namespace bwd {
 
-template <typename T> __device__ __forceinline__ T ldg(const T* p) { return __ldg(p); }
-
 __host__ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 template <typename Acc> __device__ __forceinline__ Acc pos_inf() { return -neg_inf<Acc>(); }
-
-__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // One R x C product tile C += A B^T computed by NT threads, each owning a TR x TC micro-tile:
 // rows  r0 + i * THREADS_R  (i < TR)  and  columns  c0 + j * THREADS_C  (j < TC), with the
@@ -111,7 +107,7 @@ __device__ __forceinline__ void load_tile(Acc* s, const T* g, long long rs, long
 }  // namespace bwd
 
 // Every tile constant of bwd_simt. The three free ones (BLOCK_M, BLOCK_N, NTHREADS) are
-// template arguments chosen in cuflash/_launch_bwd.py (BWD_TILES, with the reasons); the rest
+// template arguments chosen in cuflash/_traits.py (BWD_SIMT, with the reasons); the rest
 // follow here, and the rules are static_asserts, so a bad table entry fails to compile.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NTHREADS>
 struct BwdSimtTraits {
@@ -148,72 +144,13 @@ struct BwdSimtTraits {
                     int(sizeof(Acc)) / 4 <= 96, "too many live accumulator registers");
 };
 
-// Line 4 of Algorithm 2: D = rowsum(dO o O) in Acc, C-contiguous batch x Lq. A group of G
-// lanes reads a row and reduces it with shuffles in a fixed order (so D is bitwise
-// reproducible); a warp holds 32 / G rows at a time and walks the nbatch * Lq rows with a
-// grid stride (any grid works; the launcher starts a few blocks per SM). D = 0 for a dead row
-// (L_i = -inf).
-//   Vector path, when every row of o and dO has unit column stride and starts on 16 bytes
-//   (pointers, row and batch strides; the common case: o from the forward, dO copied so by the
-//   tensor-core launchers) and dv is a multiple of 16 / sizeof(T): each lane loads 16 bytes a
-//   step, G = the power of two that covers dv in one step (at most 32: d = 64 in bf16 is 8
-//   lanes, 4 rows a warp). Otherwise (any strides; float64, whose vector path spills on
-//   sm_70) one element a lane and step, G = 32.
-// (Uniform over the grid, so every lane of a warp takes the same path to the shuffles.)
-template <typename T>
-__global__ void __launch_bounds__(256) bwd_dot_do_o(const BwdParams p) {
-  using Acc = typename AccOf<T>::type;
-  constexpr int kVec = 16 / int(sizeof(T));
-  bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
-             ((p.o | p.dout) & 15) == 0 && p.o_row_stride % kVec == 0 && p.dout_row_stride % kVec == 0;
-#pragma unroll
-  for (int i = 0; i < kMaxBatchDims; ++i)
-    vec = vec && p.o_batch_stride[i] % kVec == 0 && p.dout_batch_stride[i] % kVec == 0;
-  int group = 32;   // lanes a row
-  if (vec)
-    while (group > 1 && (group / 2) * kVec >= p.dv) group /= 2;
-  const int lane = int(threadIdx.x) % 32, gl = lane % group;
-  const int rows_per_warp = 32 / group;
-  const long long total = (long long)p.nbatch * p.Lq;
-  const long long warp0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const long long stride = (long long)gridDim.x * blockDim.x / 32 * rows_per_warp;
-  for (long long first = warp0 * rows_per_warp; first < total; first += stride) {
-    const long long r = first + lane / group;   // this lane group's row (b, i)
-    Acc sum = Acc(0);
-    if (r < total) {
-      const int b = int(r / p.Lq), i = int(r % p.Lq);
-      const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-      const T* const go = reinterpret_cast<const T*>(p.o) + off.o + i * p.o_row_stride;
-      const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout + i * p.dout_row_stride;
-      if (vec) {
-        for (int c = gl * kVec; c < p.dv; c += group * kVec) {
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(gdo + c));
-          const uint4 y = __ldg(reinterpret_cast<const uint4*>(go + c));
-          const T* const xv = reinterpret_cast<const T*>(&x);
-          const T* const yv = reinterpret_cast<const T*>(&y);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) sum = bwd::acc_fma(to_acc<Acc>(xv[e]), to_acc<Acc>(yv[e]), sum);
-        }
-      } else {
-        for (int c = gl; c < p.dv; c += group)
-          sum = bwd::acc_fma(to_acc<Acc>(bwd::ldg(gdo + c * p.dout_col_stride)),
-                             to_acc<Acc>(bwd::ldg(go + c * p.o_col_stride)), sum);
-      }
-    }
-    for (int o = group / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (gl == 0 && r < total) {
-      const Acc lse = reinterpret_cast<const Acc*>(p.lse)[r];
-      reinterpret_cast<Acc*>(p.dpsum)[r] = (lse == neg_inf<Acc>()) ? Acc(0) : sum;
-    }
-  }
-}
-
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks; one block = the key tile K_j, V_j
-// (BLOCK_N keys) of one batch item. Heaviest blocks first under CAUSAL: key tile 0 is seen by
-// every query tile, and bid % num_n_blocks = 0 comes first.
-template <typename T, int HEAD_DIM, bool CAUSAL, bool DETERMINISTIC, int BLOCK_M, int BLOCK_N, int NTHREADS>
+// (BLOCK_N keys) of one batch item, in p.grid_order's order (common.cuh: bwd_block_tile).
+// Heaviest blocks first under a causal mask: key tile 0 is seen by every query tile, and comes
+// first.
+template <typename T, int HEAD_DIM, typename Var, bool DETERMINISTIC, int BLOCK_M, int BLOCK_N, int NTHREADS>
 __global__ void __launch_bounds__(NTHREADS, 2)   // 2 blocks per SM: see BwdSimtTraits' register budget
-bwd_simt(const BwdParams p) {
+bwd_simt(const Params p) {
   using Tr = BwdSimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS>;
   using Acc = typename Tr::Acc;
   using TileS = typename Tr::TileS;
@@ -221,7 +158,7 @@ bwd_simt(const BwdParams p) {
   using TileQ = typename Tr::TileQ;
   constexpr int LDH = Tr::LDH, LDS = Tr::LDS;
 
-  // The launcher computes SMEM_BYTES with the same formula (cuflash/_launch_bwd.py); a
+  // The launcher computes SMEM_BYTES with the same formula (cuflash/_traits.py); a
   // mismatch must fail loudly, never read past the allocation.
   {
     unsigned dyn;
@@ -239,22 +176,19 @@ bwd_simt(const BwdParams p) {
   Acc* const sD = sL + BLOCK_M;          // D_i
 
   const int tid = threadIdx.x;
-  const int n_block = int(blockIdx.x % unsigned(p.num_n_blocks));
-  const int b = int(blockIdx.x / unsigned(p.num_n_blocks));
+  const BwdBlockTile tile = bwd_block_tile(p);
+  const int n_block = tile.n_block, b = tile.b;
   const int n0 = n_block * BLOCK_N;
-  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-  const T* const gq = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
-  const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout;
+  const BatchOffsets off = batch_offsets(p, b);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   const Acc* const glse = reinterpret_cast<const Acc*>(p.lse) + (long long)b * p.Lq;
   const Acc* const gD = reinterpret_cast<const Acc*>(p.dpsum) + (long long)b * p.Lq;
   Acc* const gdq = reinterpret_cast<Acc*>(p.dq_acc) + n_block * p.dq_block_stride + (long long)b * p.Lq * p.d;
 
   const auto all_rows = [](int) { return true; };
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
-  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sK, gk, p.k_row_stride, p.k_col_stride, n0, p.Lk, p.d, all_rows, tid);
-  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sV, gv, p.v_row_stride, p.v_col_stride, n0, p.Lk, p.dv, all_rows, tid);
+  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sK, gmem.k, p.k_row_stride, p.k_col_stride, n0, p.Lk, p.d, all_rows, tid);
+  bwd::load_tile<BLOCK_N, HEAD_DIM, NTHREADS, LDH>(sV, gmem.v, p.v_row_stride, p.v_col_stride, n0, p.Lk, p.dv, all_rows, tid);
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (registers; the softmax scale tau is applied
   //       to dK_j once, at the end)
@@ -262,12 +196,12 @@ bwd_simt(const BwdParams p) {
   bwd::zero(acc_dk);
   bwd::zero(acc_dv);
 
-  const Acc scale_log2 = Acc(p.scale_log2);
+  const Acc scale_log2 = Acc(p.var.scale_log2);
   const Acc log2e = Acc(1.4426950408889634073599246810018921374266459541529859);
   const int n_valid = min(BLOCK_N, p.Lk - n0);   // keys of K_j that exist
-  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
-  // holding row n0 - causal_offset. (Rows before it in that tile get P = 0 from the mask.)
-  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+  // The query tiles that can see K_j: from the one holding the first query that sees a key of
+  // K_j (causal: row n0 - causal_offset; rows before it in that tile get P = 0 from the mask).
+  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   for (int m0 = m_first; m0 < p.Lq; m0 += BLOCK_M) {
@@ -275,15 +209,15 @@ bwd_simt(const BwdParams p) {
 
     // -- 9: Load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM. Dead rows (L_i = -inf) and rows
     //       past Lq load as zeros and get L = +inf as a marker.
-    const auto live = [&](int r) { return bwd::ldg(glse + m0 + r) != neg_inf<Acc>(); };
-    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sQ, gq, p.q_row_stride, p.q_col_stride, m0, p.Lq, p.d, live, tid);
-    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sdO, gdo, p.dout_row_stride, p.dout_col_stride, m0, p.Lq, p.dv, live, tid);
+    const auto live = [&](int r) { return ldg(glse + m0 + r) != neg_inf<Acc>(); };
+    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sQ, gmem.q, p.q_row_stride, p.q_col_stride, m0, p.Lq, p.d, live, tid);
+    bwd::load_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDH>(sdO, gmem.dout, p.dout_row_stride, p.dout_col_stride, m0, p.Lq, p.dv, live, tid);
     if (tid < BLOCK_M) {
       const int row = m0 + tid;
-      const Acc lse = row < p.Lq ? bwd::ldg(glse + row) : neg_inf<Acc>();
+      const Acc lse = row < p.Lq ? ldg(glse + row) : neg_inf<Acc>();
       const bool dead = (lse == neg_inf<Acc>());
       sL[tid] = dead ? bwd::pos_inf<Acc>() : lse * log2e;
-      sD[tid] = dead ? Acc(0) : bwd::ldg(gD + row);
+      sD[tid] = dead ? Acc(0) : ldg(gD + row);
     }
     __syncthreads();
 
@@ -308,8 +242,11 @@ bwd_simt(const BwdParams p) {
         for (int j = 0; j < TileS::TC; ++j) {
           const int c = TileS::c0(tid) + j * TileS::THREADS_C;
           const int col = n0 + c;
-          const bool visible = row_live && c < n_valid && (!CAUSAL || col <= row + p.causal_offset);
-          const Acc pij = visible ? fast_exp2(bwd::acc_fma(acc_s[i][j], scale_log2, -l2)) : Acc(0);
+          // (the Variant's answer first, outside the && chain: inside it, the inlined call
+          // reordered the machine code; tools/sass_identity.py)
+          const bool var_visible = Var::visible(p.var, row, col);
+          const bool visible = row_live && c < n_valid && var_visible;
+          const Acc pij = visible ? fast_exp2(acc_fma(Var::transform(p.var, acc_s[i][j]), scale_log2, -l2)) : Acc(0);
           sP[r * LDS + c] = pij;
           sdS[r * LDS + c] = visible ? pij * (acc_dp[i][j] - d_i) : Acc(0);
         }
@@ -331,7 +268,7 @@ bwd_simt(const BwdParams p) {
       Acc acc_dq[TileQ::TR][TileQ::TC];
       bwd::zero(acc_dq);
       TileQ::template mma<LDS, 1, 1, LDH>(acc_dq, sdS, sK, n_valid, tid);
-      const Acc scale = Acc(p.scale);
+      const Acc scale = Acc(p.var.scale);
 #pragma unroll
       for (int i = 0; i < TileQ::TR; ++i) {
         const int r = TileQ::r0(tid) + i * TileQ::THREADS_R;
@@ -353,7 +290,7 @@ bwd_simt(const BwdParams p) {
   //        item; the launcher sums them over broadcast dimensions). Every key of K_j is
   //        written, also those no query sees (0).
   if (TileKV::active(tid)) {
-    const Acc scale = Acc(p.scale);
+    const Acc scale = Acc(p.var.scale);
     Acc* const gdk = reinterpret_cast<Acc*>(p.dk_acc) + (long long)b * p.Lk * p.d;
     Acc* const gdv = reinterpret_cast<Acc*>(p.dv_acc) + (long long)b * p.Lk * p.dv;
 #pragma unroll
@@ -368,18 +305,6 @@ bwd_simt(const BwdParams p) {
         if (c < p.dv) gdv[row * p.dv + c] = acc_dv[i][j];
       }
     }
-  }
-}
-
-// DETERMINISTIC only: dq[e] = sum over key tiles t = 0, 1, ..., num_n_blocks - 1 of
-// partial[t * n + e], in that order, so the result is bitwise the same on every run.
-// grid-stride over the n = nbatch * Lq * d elements.
-template <typename Acc>
-__global__ void __launch_bounds__(256) bwd_sum_dq(const Acc* partial, Acc* dq, long long n, int num_n_blocks) {
-  for (long long e = blockIdx.x * 256LL + threadIdx.x; e < n; e += gridDim.x * 256LL) {
-    Acc sum = partial[e];
-    for (int t = 1; t < num_n_blocks; ++t) sum += partial[t * n + e];
-    dq[e] = sum;
   }
 }
 

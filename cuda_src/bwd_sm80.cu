@@ -1,7 +1,7 @@
 // cuflash: tensor-core backward for float16 / bfloat16 on sm_80 and newer (mma.sync).
 //
-// FlashAttention-2, Algorithm 2 (lines 5-19; line 4, D = rowsum(dO o O), is bwd_simt.cu's
-// bwd_dot_do_o, and the launcher, cuflash/_launch_bwd.py, runs it first). One thread block per
+// FlashAttention-2, Algorithm 2 (lines 5-19; line 4, D = rowsum(dO o O), is bwd_prep.cu's
+// bwd_dot_do_o, and the launcher, cuflash/_plan.py, runs it first). One thread block per
 // (batch item, key tile K_j, V_j of 16 keys per warp):
 //   K_j and V_j arrive once by cp.async into XOR-swizzled shared memory; the block then walks
 //   the query tiles Q_i that can see K_j (under the causal mask, from the first one that does),
@@ -43,7 +43,7 @@
 namespace cuflash {
 
 // Every tile constant of bwd_sm80. The free ones (BLOCK_M, SUB_M, WARPS, MIN_BLOCKS per
-// head-dim bucket) are template arguments chosen in cuflash/_launch_bwd.py (BWD_SM80_TILES,
+// head-dim bucket) are template arguments chosen in cuflash/_traits.py (BWD_SM80,
 // with the reasons and register counts); the rest follow here, and the rules are static_asserts.
 //   * BLOCK_N = 16 * WARPS: one 16-row mma M tile of keys per warp. Each warp owns its keys'
 //     rows of dK_j and dV_j, so they need no cross-warp reduction; 8 warps give B_c = 128
@@ -117,12 +117,14 @@ struct BwdSm80Traits {
 };
 
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks; block = (batch item b, key tile
-// n_block), n_block = blockIdx.x % num_n_blocks, so a batch item's key tiles are consecutive
-// blocks in key-tile order: the heaviest causal tile (key tile 0, seen by every query tile)
-// comes first, and DETERMINISTIC relies on the order (below).
+// n_block) in p.grid_order's order (common.cuh: bwd_block_tile; the launcher passes
+// batch-major, 0): a batch item's key tiles are consecutive blocks in key-tile order, the
+// heaviest causal tile (key tile 0, seen by every query tile) first, and DETERMINISTIC relies
+// on the order (below; tile-major, 1, would keep it too: key tile n - 1 of every batch item
+// precedes key tile n).
 //
-// dq_semaphore (DETERMINISTIC only; nullptr otherwise): nbatch * ceil(Lq / BLOCK_M) zeroed
-// ints, one per (batch item, query tile). Ordered accumulation of dQ_i: the block of key tile
+// p.dq_sem (DETERMINISTIC only; 0 otherwise): nbatch * ceil(Lq / BLOCK_M) zeroed ints, one per
+// (batch item, query tile). Ordered accumulation of dQ_i: the block of key tile
 // n adds its dS_ij K_j to dQ_i (plain loads and stores) only once the counter of (b, i) equals
 // n, then increments it. Why n: key tile n visits query tiles i >= i_first(n), and i_first is
 // non-decreasing in n, so every key tile n' < n visits each tile key tile n visits, and each
@@ -132,18 +134,16 @@ struct BwdSm80Traits {
 // has the lower block index, and blocks are dispatched in index order, so it is resident or
 // done before block n starts; by induction on the block index, the lowest unfinished block
 // never waits. Memory stays O(nbatch * Lq * d) (one dQ buffer, no per-key-tile partials).
-template <typename T, int HEAD_DIM, int BLOCK_M, int SUB_M, int WARPS, int MIN_BLOCKS, bool CAUSAL, bool DETERMINISTIC>
+template <typename T, int HEAD_DIM, int BLOCK_M, int SUB_M, int WARPS, int MIN_BLOCKS, typename Var, bool DETERMINISTIC>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
-bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
+bwd_sm80(const Params p) {
   using Tr = BwdSm80Traits<T, HEAD_DIM, BLOCK_M, SUB_M, WARPS, MIN_BLOCKS>;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;
   using DSTile = typename Tr::DSTile;
   constexpr int kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
-  const float kInf = __int_as_float(0x7f800000);
-  const float kLog2e = 1.4426950408889634f;
 
-  // The launcher computes kSmemBytes with the same formula (cuflash/_launch_bwd.py); a mismatch
+  // The launcher computes kSmemBytes with the same formula (cuflash/_traits.py); a mismatch
   // must fail loudly, never read past the allocation.
   if (dynamic_smem_size() < unsigned(Tr::kSmemBytes)) __trap();
   extern __shared__ __align__(128) unsigned char smem[];
@@ -154,27 +154,24 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   float* const sStats = reinterpret_cast<float*>(smem + Tr::kOffStats);
 
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const int n_block = int(blockIdx.x % unsigned(p.num_n_blocks));
-  const int b = int(blockIdx.x / unsigned(p.num_n_blocks));
+  const BwdBlockTile tile = bwd_block_tile(p);
+  const int n_block = tile.n_block, b = tile.b;
   const int n0 = n_block * kBlockN;
-  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-  const T* const gq = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
-  const T* const gdo = reinterpret_cast<const T*>(p.dout) + off.dout;
+  const BatchOffsets off = batch_offsets(p, b);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   const float* const glse = reinterpret_cast<const float*>(p.lse) + (long long)b * p.Lq;
   const float* const gD = reinterpret_cast<const float*>(p.dpsum) + (long long)b * p.Lq;
   float* const gdq = reinterpret_cast<float*>(p.dq_acc) + (long long)b * p.Lq * p.d;
-  const float sl2 = float(p.scale_log2);   // tau * log2(e)
-  const float scale = float(p.scale);      // tau
+  const float sl2 = float(p.var.scale_log2);   // tau * log2(e)
+  const float scale = float(p.var.scale);      // tau
 
-  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
-  // holding row n0 - causal_offset (its earlier rows get P = 0 from the mask).
-  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+  // The query tiles that can see K_j: from the one holding the first query that sees a key of
+  // K_j (causal: row n0 - causal_offset; its earlier rows get P = 0 from the mask).
+  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
-  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
-  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gv, p.v_row_stride, n0, p.Lk, p.dv);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gmem.v, p.v_row_stride, n0, p.Lk, p.dv);
 
   // Q_i, dO_i of the tile at m0 into stage `stage` (cp.async), and its L_i, D_i into registers
   // of the threads tid < BLOCK_M (one row each): they reach shared memory at the top of the
@@ -182,8 +179,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
   float lse_next = 0.f, d_next = 0.f;
   auto load_q_tile = [&](int m0, int stage) {
     const unsigned sq = sQ + stage * Tr::kStageBytes;
-    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, gq, p.q_row_stride, m0, p.Lq, p.d);
-    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, gdo, p.dout_row_stride, m0, p.Lq, p.dv);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, gmem.dout, p.dout_row_stride, m0, p.Lq, p.dv);
     if (tid < BLOCK_M && m0 + tid < p.Lq) {
       lse_next = __ldg(glse + m0 + tid);
       d_next = __ldg(gD + m0 + tid);
@@ -232,21 +229,13 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 
     // -- 9: Load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM (issued one tile ahead). A dead
     //       row (L_i = -inf) or a row past Lq gets L = +inf and D = 0 (see Numerics).
-    bool dead = false;
-    if (tid < BLOCK_M) {
-      const bool in = m0 + tid < p.Lq;
-      dead = in && lse_next == -kInf;
-      sL2[tid] = (in && !dead) ? lse_next * kLog2e : kInf;
-      sDi[tid] = (in && !dead) ? d_next : 0.f;
-    }
+    const bool dead = bwd_io::stage_stats<BLOCK_M>(sL2, sDi, tid, m0, p.Lq, lse_next, d_next);
     cp_async_wait<0>();   // this thread's copies of Q_i, dO_i (and K_j, V_j) have landed ...
     // ... and every thread's; and every warp is done with the previous tile (the other stage,
     // dS^T). Dead rows in Q_i (rare: the first rows under the bottom-right causal mask with
     // Lq > Lk) are zeroed, with one more barrier.
     if (__syncthreads_or(dead)) {
-      const auto is_dead = [&](int r) { return m0 + r < p.Lq && sL2[r] == kInf; };
-      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, is_dead);
-      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off + kDOOff, is_dead);
+      bwd_io::zero_dead_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, sQ + stage_off + kDOOff, sL2, m0, p.Lq);
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
@@ -255,8 +244,7 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
     // for the whole tile and skip lines 10-16; dQ skips their 16-key steps.
-    int key_end = p.Lk;
-    if (CAUSAL) key_end = min(key_end, min(m0 + BLOCK_M, p.Lq) + p.causal_offset);
+    const int key_end = Var::key_end(p.var, min(m0 + BLOCK_M, p.Lq), p.Lk);
     const int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
 
     if (warp < kv_warps) {
@@ -298,19 +286,22 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
 
         // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
         //    14: dS_ij = P_ij o (dP_ij - D_i)
-        // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected
-        // to P = dS = 0; only the chunks that cross the end of the keys or this warp's
-        // diagonal evaluate the mask. first[h]: this thread's first visible query column,
-        // relative to its column 2 t4 of the chunk, for its key rows g (h = 0), g + 8 (h = 1).
-        const bool need_mask = kw0 + 16 > p.Lk || (CAUSAL && kw0 + 15 > m0 + q0 + p.causal_offset);
-        int first[2];
+        // Masked pairs (keys past Lk; the pairs the Variant masks, causal: key > query +
+        // causal_offset) are selected to P = dS = 0; only the chunks that cross the end of the
+        // keys or this warp's mask boundary evaluate the mask. first[h], last[h]: this thread's
+        // first and last visible query column, relative to its column 2 t4 of the chunk, for
+        // its key rows g (h = 0), g + 8 (h = 1).
+        const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, m0 + q0, m0 + q0 + SUB_M, kw0, kw0 + 16);
+        int first[2], last[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int key = kw0 + g + 8 * h;
-          first[h] = key >= p.Lk ? (1 << 30)
-                     : CAUSAL    ? key - p.causal_offset - m0 - q0 - 2 * t4
-                                 : -(1 << 30);
+          first[h] = key >= p.Lk   ? (1 << 30)
+                     : Var::kKeyHi ? Var::query_first(p.var, key) - m0 - q0 - 2 * t4
+                                   : -(1 << 30);
+          last[h] = Var::query_last(p.var, key) - m0 - q0 - 2 * t4;   // used only where kKeyLo
         }
+        Var::transform_tile(p.var, s);
 #pragma unroll
         for (int t = 0; t < Tr::kSubTiles; ++t) {
           const float2 l2 = *reinterpret_cast<const float2*>(sL2 + q0 + 8 * t + 2 * t4);
@@ -319,7 +310,8 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
           for (int e = 0; e < 4; ++e) {
             const float pij = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
             const float dsij = pij * (dp[t][e] - ((e & 1) ? di.y : di.x));
-            const bool visible = !need_mask || 8 * t + (e & 1) >= first[e >> 1];
+            const bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
+                                                (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
             s[t][e] = visible ? pij : 0.f;
             dp[t][e] = visible ? dsij : 0.f;
           }
@@ -400,7 +392,7 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
           if (DETERMINISTIC) {
             *reinterpret_cast<float2*>(sdq + r * HEAD_DIM + (col ^ (8 * (r % 4)))) =
                 make_float2(scale * acc_dq[t][2 * h], scale * acc_dq[t][2 * h + 1]);
-          } else if (m0 + r < p.Lq && sL2[r] != kInf) {
+          } else if (bwd_io::row_live(sL2, m0, r, p.Lq)) {
             // float atomics (red.global.add.f32): the order in which the key tiles'
             // additions land varies run to run
             float* const dst = gdq + (long long)(m0 + r) * p.d;
@@ -413,7 +405,7 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
     if (DETERMINISTIC) {
       // Ordered accumulation (see the kernel comment): wait until key tiles 0 .. n_block - 1
       // have added theirs to dQ_i ...
-      int* const sem = dq_semaphore + (long long)b * num_m_blocks + m0 / BLOCK_M;
+      int* const sem = reinterpret_cast<int*>(p.dq_sem) + (long long)b * num_m_blocks + m0 / BLOCK_M;
       if (tid == 0) {
         while (ld_acquire_gpu(sem) != n_block) {
         }
@@ -424,7 +416,7 @@ bwd_sm80(const BwdParams p, int* __restrict__ dq_semaphore) {
       const bool vec4 = (p.d & 3) == 0;   // then every row of dQ starts 16-byte aligned
       for (int idx = tid; idx < BLOCK_M * (HEAD_DIM / 4); idx += kThreads) {
         const int r = idx / (HEAD_DIM / 4), c = 4 * (idx % (HEAD_DIM / 4));
-        if (m0 + r >= p.Lq || sL2[r] == kInf || c >= p.d) continue;
+        if (!bwd_io::row_live(sL2, m0, r, p.Lq) || c >= p.d) continue;
         const float4 add = *reinterpret_cast<const float4*>(sdq + r * HEAD_DIM + (c ^ (8 * (r % 4))));
         float* const dst = gdq + (long long)(m0 + r) * p.d + c;
         if (vec4) {

@@ -27,7 +27,7 @@
 //
 // deterministic=True runs bwd_sm80 (its semaphore-ordered dQ); this kernel has only atomics.
 //
-// Requirements the launcher (cuflash/_launch_bwd.py) guarantees: as bwd_sm80 (rows of q, k, v,
+// Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
 // dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
 // HEAD_DIM, HEAD_DIM in {64, 128}.
 //
@@ -46,7 +46,7 @@ namespace cuflash {
 namespace sm90 {
 
 // Every tile constant of bwd_sm90. The free ones (HEAD_DIM bucket, BLOCK_M, WARPGROUPS) are
-// template arguments chosen in cuflash/_launch_bwd.py (BWD_SM90_TILES, with the reasons and
+// template arguments chosen in cuflash/_traits.py (BWD_SM90, with the reasons and
 // register counts); the rest follow, and the rules are static_asserts.
 //   * BLOCK_N = 64 * WARPGROUPS: the wgmma M of S^T is 64 keys; each warpgroup owns its keys'
 //     rows of dK_j, dV_j, so they need no reduction across warpgroups.
@@ -107,14 +107,18 @@ struct BwdSm90Traits {
 };
 
 // x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
-// 8t + (e & 1) is visible from first[e >> 1] on (relative columns; see the kernel).
-// Selection, not arithmetic: x may hold Inf or NaN there.
-template <int NT>
-__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2]) {
+// 8t + (e & 1) is visible from first[e >> 1] on and, where QUERY_HI (Variant::kKeyLo), up to
+// last[e >> 1] (relative columns; see the kernel). Selection, not arithmetic: x may hold Inf
+// or NaN there.
+template <bool QUERY_HI, int NT>
+__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2], const int (&last)[2]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[t][e] = 8 * t + (e & 1) >= first[e >> 1] ? x[t][e] : 0.f;
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      x[t][e] = (c >= first[e >> 1] && (!QUERY_HI || c <= last[e >> 1])) ? x[t][e] : 0.f;
+    }
 }
 
 // Two float32 values (columns col, col + 1 of a row of n) added to global memory with
@@ -132,18 +136,16 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, one block per (batch item b, key
 // tile n_block) in p.grid_order's order (common.cuh: bwd_block_tile; the launcher picks
 // tile-major under a causal mask).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL>
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
-bwd_sm90(const BwdParams p) {
+bwd_sm90(const Params p) {
   using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M, WARPGROUPS, MIN_BLOCKS>;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;
   using DSTile = typename Tr::DSTile;
   constexpr int kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
-  const float kInf = __int_as_float(0x7f800000);
-  const float kLog2e = 1.4426950408889634f;
 
-  // The launcher computes kSmemBytes with the same formula (cuflash/_launch_bwd.py).
+  // The launcher computes kSmemBytes with the same formula (cuflash/_traits.py).
   if (dynamic_smem_size() < unsigned(Tr::kSmemBytes)) __trap();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
@@ -158,19 +160,18 @@ bwd_sm90(const BwdParams p) {
   const BwdBlockTile tile = bwd_block_tile(p);
   const int n_block = tile.n_block, b = tile.b;
   const int n0 = n_block * kBlockN;
-  const BwdBatchOffsets off = bwd_batch_offsets(p, b);
-  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
-  const float sl2 = float(p.scale_log2);   // tau * log2(e)
-  const float scale = float(p.scale);      // tau
+  const BatchOffsets off = batch_offsets(p, b);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);   // K_j, V_j's (q, dout: see load_q_tile)
+  const float sl2 = float(p.var.scale_log2);   // tau * log2(e)
+  const float scale = float(p.var.scale);      // tau
 
-  // Under CAUSAL, query rows i < n0 - causal_offset see no key of K_j: start at the query tile
-  // holding row n0 - causal_offset.
-  const int m_first = CAUSAL ? max(0, n0 - p.causal_offset) / BLOCK_M * BLOCK_M : 0;
+  // The query tiles that can see K_j: from the one holding the first query that sees a key of
+  // K_j (causal: row n0 - causal_offset).
+  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
-  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gk, p.k_row_stride, n0, p.Lk, p.d);
-  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gv, p.v_row_stride, n0, p.Lk, p.dv);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
+  bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sV, gmem.v, p.v_row_stride, n0, p.Lk, p.dv);
 
   // Q_i, dO_i of the tile at m0 into stage `stage` (cp.async), its L_i, D_i into registers of
   // the threads tid < BLOCK_M (one row each), stored to shared memory at the top of the
@@ -179,10 +180,10 @@ bwd_sm90(const BwdParams p) {
   // (The pointers are recomputed from p at each call rather than kept: registers are the
   // scarce resource here, see the traits.)
   auto load_q_tile = [&](int m0, int stage) {
-    const BwdBatchOffsets o = bwd_batch_offsets(p, b);
+    const BatchPtrs<T> gi = batch_ptrs<T>(p, batch_offsets(p, b));
     const unsigned sq = sQ + stage * Tr::kStageBytes;
-    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, reinterpret_cast<const T*>(p.q) + o.q, p.q_row_stride, m0, p.Lq, p.d);
-    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, reinterpret_cast<const T*>(p.dout) + o.dout, p.dout_row_stride, m0, p.Lq, p.dv);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq, gi.q, p.q_row_stride, m0, p.Lq, p.d);
+    bwd_io::cp_async_rows<QTile, BLOCK_M, kThreads>(sq + QTile::kBytes, gi.dout, p.dout_row_stride, m0, p.Lq, p.dv);
     if (tid < BLOCK_M && m0 + tid < p.Lq) {
       const long long row = (long long)b * p.Lq + m0 + tid;
       lse_next = __ldg(reinterpret_cast<const float*>(p.lse) + row);
@@ -255,21 +256,13 @@ bwd_sm90(const BwdParams p) {
 
     // -- 9: Load Q_i, dO_i, L_i, D_i from HBM to on-chip SRAM (issued one tile ahead). A dead
     //       row (L_i = -inf) or a row past Lq gets L = +inf and D = 0 (see bwd_sm80.cu).
-    bool dead = false;
-    if (tid < BLOCK_M) {
-      const bool in = m0 + tid < p.Lq;
-      dead = in && lse_next == -kInf;
-      sL2[tid] = (in && !dead) ? lse_next * kLog2e : kInf;
-      sDi[tid] = (in && !dead) ? d_next : 0.f;
-    }
+    const bool dead = bwd_io::stage_stats<BLOCK_M>(sL2, sDi, tid, m0, p.Lq, lse_next, d_next);
     cp_async_wait<0>();    // this thread's copies of Q_i, dO_i (and K_j, V_j) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
     // ... for every thread, and every warpgroup is done with the previous tile (the other
     // stage, dS^T). Dead rows of Q_i, dO_i are zeroed, with one more barrier.
     if (__syncthreads_or(dead)) {
-      const auto is_dead = [&](int r) { return m0 + r < p.Lq && sL2[r] == kInf; };
-      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, is_dead);
-      bwd_io::zero_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off + QTile::kBytes, is_dead);
+      bwd_io::zero_dead_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, sQ + stage_off + QTile::kBytes, sL2, m0, p.Lq);
       fence_proxy_async();
       __syncthreads();
     }
@@ -285,21 +278,24 @@ bwd_sm90(const BwdParams p) {
     issue_transposed_scores(s, desc_k, desc_q + sdesc);
     issue_transposed_scores(dp, desc_v, desc_do + sdesc);
 
-    // Masked pairs (keys past Lk; under CAUSAL key > query + causal_offset) are selected to
-    // P = dS = 0; only warps whose 16 keys cross the end of the keys or the diagonal of the
-    // tile's first row evaluate the mask. first[h]: this thread's first visible query column,
-    // relative to its column 2 t4, for its key rows g (h = 0) and g + 8 (h = 1).
-    const bool need_mask = kw0 + 16 > p.Lk || (CAUSAL && kw0 + 15 > m0 + p.causal_offset);
-    int first[2];
+    // Masked pairs (keys past Lk; the pairs the Variant masks, causal: key > query +
+    // causal_offset) are selected to P = dS = 0; only warps whose 16 keys cross the end of the
+    // keys or the tile's mask boundary evaluate the mask. first[h], last[h]: this thread's first
+    // and last visible query column, relative to its column 2 t4, for its key rows g (h = 0)
+    // and g + 8 (h = 1).
+    const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, m0, m0 + BLOCK_M, kw0, kw0 + 16);
+    int first[2], last[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = kw0 + g + 8 * h;
-      first[h] = key >= p.Lk ? (1 << 30) : CAUSAL ? key - p.causal_offset - m0 - 2 * t4 : -(1 << 30);
+      first[h] = key >= p.Lk ? (1 << 30) : Var::kKeyHi ? Var::query_first(p.var, key) - m0 - 2 * t4 : -(1 << 30);
+      last[h] = Var::query_last(p.var, key) - m0 - 2 * t4;   // used only where kKeyLo
     }
 
     // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
     wgmma_wait<1>();
     fence_regs(s);
+    Var::transform_tile(p.var, s);
 #pragma unroll
     for (int t = 0; t < Tr::kNTilesS; ++t) {
       const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
@@ -308,7 +304,7 @@ bwd_sm90(const BwdParams p) {
         s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
       }
     }
-    if (need_mask) select_visible(s, first);
+    if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
@@ -323,7 +319,7 @@ bwd_sm90(const BwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
     }
-    if (need_mask) select_visible(dp, first);
+    if (need_mask) select_visible<Var::kKeyLo>(dp, first, last);
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
 #pragma unroll
     for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
@@ -366,7 +362,7 @@ bwd_sm90(const BwdParams p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = 64 * dq_rg + 16 * warp + g + 8 * h;
-      if (m0 + r < p.Lq && sL2[r] != kInf) {
+      if (bwd_io::row_live(sL2, m0, r, p.Lq)) {
         float* const dst = reinterpret_cast<float*>(p.dq_acc) + ((long long)b * p.Lq + m0 + r) * p.d;
 #pragma unroll
         for (int t = 0; t < Tr::kNTilesDq; ++t)

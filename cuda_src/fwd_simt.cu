@@ -26,14 +26,12 @@
 // query tile that mask j inside a diagonal key tile, through 0 * NaN in P~V; tiles wholly
 // above the diagonal are never read. The float64 reference spreads it to every row.)
 //
-// Tile sizes come from the launcher (cuflash/_simt_config.py, the one place they are chosen)
+// Tile sizes come from the launcher (cuflash/_traits.py, the one place they are chosen)
 // as template arguments; SimtTraits derives everything else and static_asserts the rules.
 #include "common.cuh"
 
 namespace cuflash {
 namespace simt {
-
-template <typename T> __device__ __forceinline__ T ldg(const T* p) { return __ldg(p); }
 
 // blockIdx.x through a volatile read: the compiler cannot merge two reads, so the epilogue
 // recomputes its output offsets instead of holding them in registers through the main loop.
@@ -47,8 +45,6 @@ __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b);
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float acc_log2(float x) { return log2f(x); }
 __device__ __forceinline__ double acc_log2(double x) { return log2(x); }
-__device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // N consecutive Acc values between shared memory and registers, in 16-byte (or narrower)
 // accesses. The shared address must be aligned to the access width (the layouts below are).
@@ -167,7 +163,7 @@ __host__ __device__ constexpr bool is_pow2(int x) { return x > 0 && (x & (x - 1)
 }  // namespace simt
 
 // Every tile constant of the kernel. The five free ones are template arguments chosen in
-// cuflash/_simt_config.py (see the table there for why each value); the rest follow here.
+// cuflash/_traits.py (FWD_SIMT; see the table there for why each value); the rest follow here.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
 struct SimtTraits {
   using Acc = typename AccOf<T>::type;
@@ -238,16 +234,16 @@ struct SimtTraits {
 };
 
 // grid.x = nbatch * num_m_blocks; one block = BLOCK_M query rows of one batch item.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
-__global__ void __launch_bounds__(NTHREADS, 2)   // 2 = MIN_BLOCKS_PER_SM in cuflash/_simt_config.py
-fwd_simt(const FwdParams p) {
+template <typename T, int HEAD_DIM, typename Var, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
+__global__ void __launch_bounds__(NTHREADS, 2)   // 2 = min_blocks of fwd_simt in cuflash/_traits.py
+fwd_simt(const Params p) {
   using Tr = SimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>;
   using Acc = typename Tr::Acc;
   constexpr int TM = Tr::TM, TN = Tr::TN, DN = Tr::DN, GV = Tr::GV, NG = Tr::NG;
   constexpr int THREADS_N = Tr::THREADS_N;
   constexpr int LDQ = Tr::LDQ, LDK = Tr::LDK, LDV = Tr::LDV, LDP = Tr::LDP;
 
-  // The launcher computes SMEM_BYTES with the same formula (cuflash/_simt_config.py); a
+  // The launcher computes SMEM_BYTES with the same formula (cuflash/_traits.py); a
   // mismatch must fail loudly, never read past the allocation.
   {
     unsigned dyn;
@@ -259,30 +255,27 @@ fwd_simt(const FwdParams p) {
   Acc* const sP = sQ + BLOCK_M * LDQ;
   Acc* const sStage = sP + BLOCK_N * LDP;
 
-  // -- which tile: heaviest causal tiles (last query rows) are scheduled first
-  const unsigned bid = simt::block_id();
-  const int m_block = p.num_m_blocks - 1 - int(bid % unsigned(p.num_m_blocks));
-  const BatchOffsets off = batch_offsets(p, int(bid / unsigned(p.num_m_blocks)));
-  const T* const gq = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* const gk = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* const gv = reinterpret_cast<const T*>(p.v) + off.v;
+  // -- which tile (common.cuh: block_tile): heaviest causal tiles (last query rows) first
+  const BlockTile tile = block_tile(p, simt::block_id());
+  const int m_block = tile.m_block;
+  const BatchOffsets off = batch_offsets(p, tile.b);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
 
   const int tid = threadIdx.x;
   const int ty = tid / THREADS_N;   // row group
   const int tx = tid % THREADS_N;   // lane within the row group
   const int m0 = m_block * BLOCK_M;
 
-  // Keys j >= n_end are invisible to every row of this block: past the end (j >= Lk) or, under
-  // CAUSAL, above the diagonal of the block's last real row (j > i + causal_offset). Key tiles
-  // wholly above the diagonal are never visited.
-  int n_end = p.Lk;
-  if (CAUSAL) n_end = min(n_end, min(m0 + BLOCK_M, p.Lq) + p.causal_offset);
+  // Keys j >= n_end are invisible to every row of this block: past the end (j >= Lk) or masked
+  // by the Variant for the block's last real row (causal: above its diagonal, j > i +
+  // causal_offset). Such key tiles are never visited.
+  const int n_end = Var::key_end(p.var, min(m0 + BLOCK_M, p.Lq), p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // -- Load Q_i from HBM to on-chip SRAM (zero outside Lq x d, so padding adds nothing).
   {
     Acc qreg[Tr::Q_PER_THREAD];
-    simt::fetch_tile<BLOCK_M, HEAD_DIM, NTHREADS>(qreg, gq, p.q_row_stride, p.q_col_stride, m0, p.Lq, 0, p.d, tid);
+    simt::fetch_tile<BLOCK_M, HEAD_DIM, NTHREADS>(qreg, gmem.q, p.q_row_stride, p.q_col_stride, m0, p.Lq, 0, p.d, tid);
     simt::stash_tile<BLOCK_M, HEAD_DIM, NTHREADS, LDQ>(sQ, qreg, tid);
   }
 
@@ -301,15 +294,15 @@ fwd_simt(const FwdParams p) {
   // writes it to a staging buffer (see simt::fetch_tile for the zero fill).
   Acc pf[Tr::PF];
   auto fetch_k = [&](int n0, int kc) {
-    simt::fetch_tile<BLOCK_N, KC, NTHREADS>(pf, gk, p.k_row_stride, p.k_col_stride, n0, n_end, kc * KC, p.d, tid);
+    simt::fetch_tile<BLOCK_N, KC, NTHREADS>(pf, gmem.k, p.k_row_stride, p.k_col_stride, n0, n_end, kc * KC, p.d, tid);
   };
   auto fetch_v = [&](int n0, int vc) {
-    simt::fetch_tile<VC, HEAD_DIM, NTHREADS>(pf, gv, p.v_row_stride, p.v_col_stride, n0 + vc * VC, n_end, 0, p.dv, tid);
+    simt::fetch_tile<VC, HEAD_DIM, NTHREADS>(pf, gmem.v, p.v_row_stride, p.v_col_stride, n0 + vc * VC, n_end, 0, p.dv, tid);
   };
   auto stash_k = [&](Acc* s) { simt::stash_tile<BLOCK_N, KC, NTHREADS, LDK>(s, pf, tid); };
   auto stash_v = [&](Acc* s) { simt::stash_tile<VC, HEAD_DIM, NTHREADS, LDV>(s, pf, tid); };
 
-  const Acc scale_log2 = Acc(p.scale_log2);
+  const Acc scale_log2 = Acc(p.var.scale_log2);
   const int num_k_chunks = (p.d + KC - 1) / KC;   // features past d are zero: skip them
   int buf = 0;                                    // staging buffer the next stash writes
   if (n_blocks > 0) fetch_k(0, 0);
@@ -344,24 +337,25 @@ fwd_simt(const FwdParams p) {
 #pragma unroll
           for (int i = 0; i < TM; ++i)
 #pragma unroll
-            for (int j = 0; j < TN; ++j) acc_s[i][j] = simt::acc_fma(a[i][u], bk[j][u], acc_s[i][j]);
+            for (int j = 0; j < TN; ++j) acc_s[i][j] = acc_fma(a[i][u], bk[j][u], acc_s[i][j]);
       }
       buf ^= 1;
     }
 
-    // Scores in log2 units: x_ij = s_ij * scale * log2(e). Taking the row max of the scaled
-    // scores keeps exp2(x - m) <= 1 for any sign of scale.
+    // Scores in log2 units: x_ij = transform(s_ij) * scale * log2(e) (the Variant's transform
+    // is the identity today). Taking the row max of the scaled scores keeps exp2(x - m) <= 1
+    // for any sign of scale.
     // Masked keys get x = -inf, so they contribute exp2(-inf) = 0 and never win the max;
     // the mask overrides whatever the product was (also NaN from a key's NaN).
-    const bool need_mask = (n0 + BLOCK_N > n_end) || (CAUSAL && n0 + BLOCK_N - 1 > m0 + p.causal_offset);
+    const bool need_mask = (n0 + BLOCK_N > n_end) || Var::needs_mask(p.var, m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       const int row = m0 + ty * TM + i;
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const int col = n0 + tx + j * THREADS_N;
-        Acc x = acc_s[i][j] * scale_log2;
-        if (need_mask && (col >= n_end || (CAUSAL && col > row + p.causal_offset))) x = neg_inf<Acc>();
+        Acc x = Var::transform(p.var, acc_s[i][j]) * scale_log2;
+        if (need_mask && (col >= n_end || Var::masked(p.var, row, col))) x = neg_inf<Acc>();
         acc_s[i][j] = x;
       }
     }
@@ -428,7 +422,7 @@ fwd_simt(const FwdParams p) {
 #pragma unroll
           for (int g = 0; g < NG; ++g)
 #pragma unroll
-            for (int e = 0; e < GV; ++e) acc_o[i][g * GV + e] = simt::acc_fma(a[i], bv[g][e], acc_o[i][g * GV + e]);
+            for (int e = 0; e < GV; ++e) acc_o[i][g * GV + e] = acc_fma(a[i], bv[g][e], acc_o[i][g * GV + e]);
       }
       buf ^= 1;
     }
@@ -436,9 +430,8 @@ fwd_simt(const FwdParams p) {
 
   // -- O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i); write O_i and L_i to HBM
   // (The output offsets are recomputed here rather than kept live through the main loop.)
-  const unsigned bid_end = simt::block_id();
-  const int b = int(bid_end / unsigned(p.num_m_blocks));
-  T* const go = reinterpret_cast<T*>(p.o) + batch_offsets(p, b).o;
+  const int b = block_tile(p, simt::block_id()).b;
+  T* const go = batch_ptrs<T>(p, batch_offsets(p, b)).o;
   Acc* const glse = reinterpret_cast<Acc*>(p.lse) + (long long)b * p.Lq;
   constexpr double kLn2 = 0.69314718055994530941723212145817656807550013436026;
 #pragma unroll

@@ -7,10 +7,11 @@
 //   K_{j+1} and V_{j+1} load while the block computes on K_j and V_j, and one barrier per
 //   key tile is all the synchronisation there is;
 //   S and P live in registers, and P is reused directly as the A operand of P V_j;
-//   causal tiles beyond the diagonal are never visited, and only the tiles that straddle the
-//   diagonal or the end of the keys pay for a mask.
+//   tiles with no visible pair (the Variant, variant.cuh; causal: beyond the diagonal) are
+//   never visited, and only the tiles that straddle the mask boundary
+//   or the end of the keys pay for a mask.
 //
-// Requirements the launcher (cuflash/_launch.py) guarantees:
+// Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees:
 //   q, k, v have unit column stride, and every row start is 16-byte aligned;
 //   d and dv are multiples of 8 (the launcher zero-pads otherwise) and at most HEAD_DIM.
 #include "common.cuh"
@@ -20,7 +21,7 @@
 namespace cuflash {
 
 // Tile constants of one specialisation. The per-head-dim choice of BLOCK_N and WARPS, with the
-// reason for each, is the table SM80_TILES in cuflash/_launch.py; here they are derived and
+// reason for each, is the table FWD_SM80 in cuflash/_traits.py; here they are derived and
 // checked.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS>
 struct Sm80Traits {
@@ -55,9 +56,9 @@ struct Sm80Traits {
   static_assert(MIN_BLOCKS >= 1 && MIN_BLOCKS * kThreads <= 2048, "threads per SM");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
-fwd_sm80(const FwdParams p) {
+fwd_sm80(const Params p) {
   using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, SLICES, MIN_BLOCKS>;
   constexpr int MS = SLICES;
   using QTile = typename Tr::QTile;
@@ -76,27 +77,24 @@ fwd_sm80(const FwdParams p) {
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
-  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
-  const float sl2 = static_cast<float>(p.scale_log2);  // softmax scale * log2(e)
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
+  const float sl2 = static_cast<float>(p.var.scale_log2);  // softmax scale * log2(e)
 
-  // Keys this Q tile can see: all of them, or under CAUSAL those j <= i + causal_offset for
-  // its last row. n_blocks can be 0 (every row fully masked): the loop is skipped and the
-  // epilogue writes O = 0, lse = -inf.
-  int n_end = p.Lk;
-  if (CAUSAL) n_end = min(n_end, m0 + kBlockM + p.causal_offset);
+  // Key tiles [0, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
+  // under the causal mask those j <= i + causal_offset of its last row). n_blocks can be 0
+  // (every row fully masked): the loop is skipped and the epilogue writes O = 0, lse = -inf.
+  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // K_j and V_j into stage `stage`
   auto load_kv = [&](int n0, int stage) {
     const unsigned sK = sKV + stage * kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, n0, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, n0, p.Lk, p.dv);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, n0, p.Lk, p.dv);
   };
 
-  // -- load Q_i, K_0 and V_0
-  load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
+  load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0, 0);
   cp_async_commit();
   cp_async_wait<0>();
@@ -119,7 +117,8 @@ fwd_sm80(const FwdParams p) {
   const typename KVTile::FragAddr k_frag(sKV, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   const typename KVTile::FragAddr v_frag(sKV + KVTile::kBytes, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
-  // Per-thread state, per slice ms: rows row0 + 16 ms and row0 + 16 ms + 8.
+  // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf. Per-thread state, per slice ms:
+  //       rows row0 + 16 ms and row0 + 16 ms + 8.
   float o[MS][Tr::kNTilesO][4];
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
@@ -131,6 +130,7 @@ fwd_sm80(const FwdParams p) {
   const int row0 = m0 + warp * Tr::kWarpRows + lane / 4;
   const int col_in_tile = 2 * (lane % 4);
 
+  // -- 6: for 1 <= j <= T_c (the key tiles this Q tile can see):
   for (int j = 0; j < n_blocks; ++j) {
     const int n0 = j * BLOCK_N;
     const unsigned stage_off = (j & 1) * kStageBytes;
@@ -138,15 +138,15 @@ fwd_sm80(const FwdParams p) {
       cp_async_wait<0>();   // K_j and V_j have landed ...
       __syncthreads();      // ... for every thread, and every warp is done with stage (j+1)&1
     }
-    // -- load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
+    // -- 7: Load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
     if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
     cp_async_commit();
-    // A causal tile wholly past the diagonal of this warp's last row changes nothing for its
-    // rows (every score masked: alpha = 1, P = 0), so the warp skips its math; it still takes
-    // part in the loads and the barrier above.
-    if (CAUSAL && n0 > m0 + (warp + 1) * Tr::kWarpRows - 1 + p.causal_offset) continue;
+    // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
+    // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp
+    // skips its math; it still takes part in the loads and the barrier above.
+    if (Var::tile_invisible(p.var, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
 
-    // -- S_ij = Q_i K_j^T
+    // -- 8: On chip, compute S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
@@ -176,27 +176,30 @@ fwd_sm80(const FwdParams p) {
     }
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms) {
-      // -- mask: keys past Lk, and under CAUSAL keys j > i + causal_offset. Only tiles that
-      //    cross the end of the keys or this warp's diagonal pay for it.
+      // -- the Variant's score transform (identity today), then the mask: keys past Lk, and
+      //    the pairs the Variant masks (causal: keys j > i + causal_offset). Only tiles that
+      //    cross the end of the keys or this slice's mask boundary pay for it.
+      Var::transform_tile(p.var, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             (CAUSAL && n0 + BLOCK_N - 1 > warp_row_first + p.causal_offset);
+                             Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
       if (need_mask) {
-        // the last visible key of each of this thread's two rows, relative to this thread's
-        // first column in the tile
-        int last[2];
+        // the first and last visible key of each of this thread's two rows, relative to this
+        // thread's first column in the tile
+        int first[2], last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          last[r] = p.Lk - 1;
-          if (CAUSAL) last[r] = min(last[r], row0 + 16 * ms + 8 * r + p.causal_offset);
-          last[r] -= n0 + col_in_tile;
+          last[r] = Var::key_last(p.var, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p.var, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
         }
-        mask_scores(s[ms], last);
+        mask_scores<Var::kKeyLo>(s[ms], first, last);
       }
+      // -- 9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_i rescaled + rowsum;
+      //    10 (first half): O_i = diag(exp(m_i - m_ij)) O_i
       online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
-    // -- O_i += P_ij V_j, with P taken straight from the S accumulators as the A operand
+    // -- 10: O_i += P~_ij V_j, with P taken straight from the S accumulators as the A operand
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       unsigned a[MS][4];
@@ -215,7 +218,8 @@ fwd_sm80(const FwdParams p) {
     }
   }
 
-  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
+  //    written to HBM
   float inv_l[MS][2];
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
@@ -229,7 +233,7 @@ fwd_sm80(const FwdParams p) {
   for (int ms = 0; ms < MS; ++ms)
     stage_o_slice<QTile, T>(sQ, warp * Tr::kWarpRows + 16 * ms, o[ms], inv_l[ms]);
   __syncthreads();
-  store_o_tile<QTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
+  store_o_tile<QTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
 }
 
 }  // namespace cuflash

@@ -14,7 +14,7 @@
 // Shared memory: Q_i, and K_j, V_j double-buffered (cp.async, like fwd_sm80), each in
 // Sm90Tile's layout, which is wgmma's 128-byte swizzle. One barrier per key tile.
 //
-// Requirements the launcher (cuflash/_launch.py) guarantees: as fwd_sm80 (rows contiguous and
+// Requirements the launcher (cuflash/_plan.py) guarantees: as fwd_sm80 (rows contiguous and
 // 16-byte aligned, d and dv multiples of 8, at most HEAD_DIM), and HEAD_DIM % 64 == 0.
 #include "common.cuh"
 #include "mma_sm80.cuh"
@@ -26,7 +26,7 @@ namespace cuflash {
 namespace sm90 {
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
-// SM90_TILES in cuflash/_launch.py.
+// FWD_SM90 in cuflash/_traits.py.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS>
 struct Sm90Traits {
   static constexpr int kThreads = 128 * WARPGROUPS;
@@ -55,9 +55,9 @@ struct Sm90Traits {
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, bool CAUSAL, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
-fwd_sm90(const FwdParams p) {
+fwd_sm90(const Params p) {
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
@@ -76,28 +76,24 @@ fwd_sm90(const FwdParams p) {
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
-  const T* __restrict__ q = reinterpret_cast<const T*>(p.q) + off.q;
-  const T* __restrict__ k = reinterpret_cast<const T*>(p.k) + off.k;
-  const T* __restrict__ v = reinterpret_cast<const T*>(p.v) + off.v;
-  const float sl2 = static_cast<float>(p.scale_log2);
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
+  const float sl2 = static_cast<float>(p.var.scale_log2);
 
-  // Key tiles of the block: all, or under CAUSAL those up to its last row's diagonal. n_blocks
-  // can be 0 (every row fully masked): O = 0 and lse = -inf. A warpgroup's own rows end earlier:
-  // it computes on tiles [0, n_wg) only (a causal tile wholly past the diagonal of its last row
-  // changes nothing for its rows), and takes part in the loads and barriers of all n_blocks.
+  // Key tiles [0, n_blocks) of the block: those holding keys its rows can see (Variant: all,
+  // or under the causal mask those up to its last row's diagonal). n_blocks can be 0
+  // (every row fully masked): O = 0 and lse = -inf. A warpgroup's own rows end earlier: it
+  // computes on tiles before n_wg only (a tile past what its rows can see changes nothing for
+  // them), and takes part in the loads and barriers of all the block's tiles.
   const int wg_row_first = m0 + 64 * wg;
-  int n_end = p.Lk, n_end_wg = p.Lk;
-  if (CAUSAL) {
-    n_end = min(n_end, m0 + kBlockM + p.causal_offset);
-    n_end_wg = min(n_end_wg, wg_row_first + 64 + p.causal_offset);
-  }
+  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
+  const int n_end_wg = Var::key_end(p.var, wg_row_first + 64, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
   auto load_kv = [&](int j) {   // K_j and V_j into stage j % Tr::kStages
     const unsigned sK = sKV + (j % Tr::kStages) * Tr::kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
+    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
   };
 
   // Descriptors of stage 0 at k-step 0 (this warpgroup's 64 rows of Q); a k-step or a stage
@@ -127,40 +123,44 @@ fwd_sm90(const FwdParams p) {
 
   const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
   const int col_in_tile = 2 * (lane % 4);
-  // -- mask S_ij (keys past Lk, and under CAUSAL keys j > i + causal_offset: only tiles that
-  //    cross the end of the keys or this warp's diagonal pay for it), then the online softmax
-  //    up to, not including, the rescale of O
+  // -- the Variant's score transform (identity today); mask S_ij (keys past Lk, and the pairs
+  //    the Variant masks, causal: keys j > i + causal_offset; only tiles that cross the end of
+  //    the keys or this warp's mask boundary pay for it), then the online softmax up to, not
+  //    including, the rescale of O
   auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
     const int n0 = j * BLOCK_N;
+    Var::transform_tile(p.var, s);
+    const int warp_row_first = wg_row_first + 16 * warp;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (CAUSAL && n0 + BLOCK_N - 1 > wg_row_first + 16 * warp + p.causal_offset);
+                           Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
     if (need_mask) {
-      int last[2];
+      int first[2], last[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        last[r] = p.Lk - 1;
-        if (CAUSAL) last[r] = min(last[r], row0 + 8 * r + p.causal_offset);
-        last[r] -= n0 + col_in_tile;
+        last[r] = Var::key_last(p.var, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+        first[r] = Var::key_first(p.var, row0 + 8 * r) - (n0 + col_in_tile);
       }
-      mask_scores(s, last);
+      mask_scores<Var::kKeyLo>(s, first, last);
     }
     online_softmax_scores(s, m_i, l_i, alpha, sl2);
   };
 
-  // -- load Q_i, K_0 and V_0
+  // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
-  load_tile<QTile, kBlockM, kThreads, false>(sQ, q, p.q_row_stride, m0, p.Lq, p.d);
+  load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
   if (n_blocks > 0) load_kv(0);
   cp_async_commit();
 
+  // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf
   float o[Tr::kNTilesO][4];
 #pragma unroll
   for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
   float s[Tr::kNTilesS][4];
 
-  // Tile j: S_j, softmax, P_j V_j, one after the other; K_{j+1}, V_{j+1} load meanwhile.
+  // -- 6: for 1 <= j <= T_c: S_ij (8), the softmax (9), P~_ij V_j (10), one after the other;
+  //       K_{j+1}, V_{j+1} load meanwhile (7)
   for (int j = 0; j < n_blocks; ++j) {
     cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
@@ -186,7 +186,8 @@ fwd_sm90(const FwdParams p) {
     fence_regs(o);
   }
 
-  // -- epilogue: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)
+  // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
+  //    written to HBM
   cp_async_wait<0>();   // with no key tile (every row masked) Q's copy is still pending
   float inv_l[2];
   finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
@@ -195,7 +196,7 @@ fwd_sm90(const FwdParams p) {
   __syncthreads();
   stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
   __syncthreads();
-  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, reinterpret_cast<T*>(p.o) + off.o, p, off.o, m0);
+  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
 }
 
 }  // namespace sm90

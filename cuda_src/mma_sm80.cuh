@@ -166,7 +166,7 @@ __device__ __forceinline__ void stage_o_slice(unsigned sbase, int srow0, const f
 // element stores with any strides otherwise; rows >= Lq and columns >= dv are not written.
 template <typename Tile, int ROWS, int THREADS, typename T>
 __device__ __forceinline__ void store_o_tile(const unsigned char* stile, T* __restrict__ out,
-                                             const FwdParams& p, long long off_o, int m0) {
+                                             const Params& p, long long off_o, int m0) {
   const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off_o % 8 == 0 &&
                    p.o % 16 == 0 && p.dv % 8 == 0;
   constexpr int kChunks = Tile::kChunks;

@@ -15,16 +15,18 @@
 
 namespace cuflash {
 
-// -- mask: columns past last[r] (relative to this thread's first column c) get -inf.
-template <int NT>
-__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&last)[2]) {
+// -- mask: columns past last[r] and, where KEY_LO (a variant whose rows see keys only from
+//    some key on: Variant::kKeyLo), columns before first[r] get -inf; both relative to this
+//    thread's first column c.
+template <bool KEY_LO = false, int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first)[2], const int (&last)[2]) {
   const float kNegInf = -__int_as_float(0x7f800000);
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      if (t * 8 > last[r]) s[t][2 * r] = kNegInf;
-      if (t * 8 + 1 > last[r]) s[t][2 * r + 1] = kNegInf;
+      if (t * 8 > last[r] || (KEY_LO && t * 8 < first[r])) s[t][2 * r] = kNegInf;
+      if (t * 8 + 1 > last[r] || (KEY_LO && t * 8 + 1 < first[r])) s[t][2 * r + 1] = kNegInf;
     }
 }
 

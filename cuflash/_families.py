@@ -152,8 +152,9 @@ class Family:
         """The NVRTC name expression of one specialisation."""
         values = dict(traits.args) if traits is not None else {}
         values.update({k: _bool(v) if isinstance(v, bool) else v for k, v in flags.items()})
-        return self.template.format(T=ctype(dtype), Acc=acc_ctype(dtype),
-                                    variant=variant.cpp if variant else "", **values)
+        types = {"T": ctype(dtype), "Acc": acc_ctype(dtype)}
+        values = {k: types.get(v, v) for k, v in values.items()}   # a flag may name a type
+        return self.template.format(variant=variant.cpp if variant else "", **types, **values)
 
     def smem_check(self, traits: Traits) -> str:
         """The kernel's own shared-memory size of ``traits`` as a C++ expression."""
@@ -307,14 +308,12 @@ def _simt_instances(fam, arch):
 
 
 def _bwd_tc_select(fam, shape, dev):
-    step = 64 if fam.name == "bwd_sm90" else 32
+    step = 64 if fam.name == "bwd_sm90" else 32     # wgmma: 64-column blocks; mma.sync: 32
     bucket = max(32, -(-shape.dmax // step) * step)
-    table = _traits.TABLES[fam.name]
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
     t = _table_traits(fam, key, bucket)
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
-    del table
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     return t, flags, [f"head-dim bucket {bucket}: {t.reason}"]
 
@@ -384,8 +383,10 @@ REGISTRY: tuple[Family, ...] = (
     # -- helper kernels of every backward (no tiles, no Variant)
     Family("bwd_dot", "aux", "bwd_prep.cu", "cuflash::bwd_dot_do_o<{T}>",
            summary="D = rowsum(dO o O), line 4 of FA-2 Algorithm 2"),
-    Family("bwd_sum_dq", "aux", "bwd_prep.cu", "cuflash::bwd_sum_dq<{Acc}>",
-           summary="dQ of the deterministic bwd_simt: the key tiles' partials summed in order"),
+    Family("bwd_finish_dq", "aux", "bwd_prep.cu", "cuflash::bwd_finish_dq<{Acc}, {out}>",
+           instances=lambda fam, arch: ((None, {"out": out}) for out in ("T", "Acc")),
+           summary="dQ from its accumulation buffer (the partials of the deterministic "
+                   "bwd_simt summed in key-tile order), rounded once to the input dtype"),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in REGISTRY}
@@ -448,8 +449,9 @@ def specialisations(arch: str) -> list[tuple[str, str]]:
         if not fam.arch_ok(cc) or (fam.min_cc == 90 and arch != "sm_90a"):
             continue
         if fam.kind == "aux":
-            for dt in sorted(fam.dtypes if "{T}" in fam.template else ("float32", "float64")):
-                out[(fam.source, fam.expr(dt))] = None
+            for _, flags in (fam.instances(fam, arch) if fam.instances else [(None, {})]):
+                for dt in sorted(fam.dtypes):
+                    out[(fam.source, fam.expr(dt, **flags))] = None
             continue
         for inst in fam.instances(fam, arch):
             traits, flags = inst[0], inst[1]

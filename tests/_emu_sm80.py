@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy
 
-from cuflash import _launch_bwd, _problem
-from cuflash._launch import MAX_BATCH_DIMS, FWD_PARAMS, LOG2E, _elem_strides, merge_batch_dims
+from cuflash import _launch, _problem, _traits
+from cuflash._families import FAMILIES
 from cuflash._paths import cuda_src_dir
+from cuflash._traits import Traits
+from cuflash._variant import Variant, variant_params
 
 EMU = Path(__file__).resolve().parent / "emu"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -155,17 +157,14 @@ namespace cuflash { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
 
 
 def _entry_points(kernels: list[tuple[str, str]]) -> str:
-    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'."""
+    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'; every
+    kernel takes one cuflash::Params."""
     cases = []
-    for i, (kind, expr) in enumerate(kernels):
-        if kind == "bwd":
-            call = f"{expr}(*static_cast<const cuflash::BwdParams*>(params), static_cast<int*>(extra));"
-        else:
-            call = f"{expr}(*static_cast<const cuflash::FwdParams*>(params));"
+    for i, (_kind, expr) in enumerate(kernels):
+        call = f"{expr}(*static_cast<const cuflash::Params*>(params));"
         cases.append(f"    case {i}: body = [=] {{ {call} }}; break;")
     return """
-extern "C" int emu_launch(int which, const void* params, void* extra, int grid, int threads,
-                          unsigned smem_bytes) {
+extern "C" int emu_launch(int which, const void* params, int grid, int threads, unsigned smem_bytes) {
   std::function<void()> body;
   switch (which) {
 %s
@@ -188,21 +187,20 @@ class Library:
 
     def __init__(self, path: Path, kernels: list[tuple[str, str]]):
         self.lib = ctypes.CDLL(str(path))
-        self.lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_int, ctypes.c_int, ctypes.c_uint]
+        self.lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_uint]
         self.lib.emu_message.restype = ctypes.c_char_p
         self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         self.index = {k: i for i, k in enumerate(kernels)}
 
-    def launch(self, kind: str, expr: str, params: numpy.ndarray, extra: int, grid: int,
-               threads: int, smem_bytes: int, readable=()) -> None:
+    def launch(self, kind: str, expr: str, params: numpy.ndarray, grid: int, threads: int,
+               smem_bytes: int, readable=()) -> None:
         self.lib.emu_clear_readable()
         for a in readable:
             lo, hi = _span(a)
             self.lib.emu_readable(lo, hi - lo)
         buf = numpy.ascontiguousarray(params).view(numpy.uint8)
-        rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, extra, grid, threads,
-                                 smem_bytes)
+        rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, grid, threads, smem_bytes)
         if rc:
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
 
@@ -239,13 +237,44 @@ def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | N
 
 
 # ---------------------------------------------------------------------------------------------
-# The backward, launched as cuflash._launch_bwd.backward launches it
+# The parameter block: cuflash's own packer (_launch.pack), pointers set to the host arrays
+# ---------------------------------------------------------------------------------------------
+
+def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, **buffers):
+    """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
+    tensors ``strided`` (names q, k, v, o, dout), packed by ``cuflash._launch.pack`` as the GPU
+    launcher packs them, and the pointers of the host arrays (the contiguous ``buffers``: lse,
+    dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0)."""
+    layout = _launch.batch_layout(prob.batch_shape, list(strided.values()))
+    if len(layout.outer) > 1:
+        raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
+    p = _launch.pack(prob, strided, layout, variant_params(prob), num_m_blocks=num_m_blocks,
+                     num_n_blocks=num_n_blocks)
+    for name, t in strided.items():
+        p[name] = t.ctypes.data
+    for name, buf in buffers.items():
+        p[name] = 0 if buf is None else buf.ctypes.data
+    return p, layout.inner_n
+
+
+def sm80_expr(dtype, tiles: Traits, causal: bool, deterministic: bool) -> str:
+    """The registry's spelling of one bwd_sm80 specialisation."""
+    return FAMILIES["bwd_sm80"].expr(dtype, tiles, Variant(bool(causal)),
+                                     deterministic=deterministic)
+
+
+def sm80_tiles(d: int, dv: int) -> Traits:
+    return _traits.BWD_SM80[max(32, -(-max(d, dv) // 32) * 32)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward, launched as cuflash._plan.BackwardPlan launches it
 # ---------------------------------------------------------------------------------------------
 
 def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
-    """``x``, or (as ``_launch._sm80_input`` does on the GPU) a contiguous copy of its
+    """``x``, or (as ``_launch.tensor_core_input`` does on the GPU) a contiguous copy of its
     un-broadcast extent with the head dim zero-padded to a multiple of 8, broadcast back."""
-    st = _elem_strides(x)
+    st = _launch.elem_strides(x)
     d = x.shape[-1]
     if not (d % 8 or st[-1] != 1 or x.ctypes.data % 16
             or any(s % 8 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)):
@@ -259,15 +288,14 @@ def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
 
 
 def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
-             deterministic=False, tiles: _launch_bwd.BwdSm80Tiles | None = None):
+             deterministic=False, tiles: Traits | None = None):
     """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
     dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
     them. ``o`` and ``lse`` are the forward's (any source)."""
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     shapes = (q.shape, k.shape, v.shape)
-    bucket = _launch_bwd.sm80_bucket(prob.d, prob.dv)
-    tiles = tiles or _launch_bwd.BWD_SM80_TILES[bucket]
-    expr = _launch_bwd.sm80_expr(prob.dtype, tiles, prob.causal, deterministic)
+    tiles = tiles or sm80_tiles(prob.d, prob.dv)
+    expr = sm80_expr(prob.dtype, tiles, prob.causal, deterministic)
     Lq, Lk, d, dv = prob.Lq, prob.Lk, prob.d, prob.dv
     nbatch = math.prod(prob.batch_shape)
     num_n_blocks = -(-Lk // tiles.block_n)
@@ -283,28 +311,12 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
     semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
 
-    tensors = (q, k, v, o, do)
-    nb = len(prob.batch_shape)
-    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
-    if len(shape) > MAX_BATCH_DIMS:
-        raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
-    pad = MAX_BATCH_DIMS - len(shape)
-    p = numpy.zeros((), dtype=_launch_bwd.BWD_PARAMS)
-    for name, t, st in zip(_launch_bwd._TENSORS, tensors, strides):
-        p[name] = t.ctypes.data
-        est = _elem_strides(t)
-        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
-        p[f"{name}_batch_stride"] = (0,) * pad + st
-    p["lse"], p["dpsum"] = lse.ctypes.data, D.ctypes.data
-    p["dq_acc"], p["dk_acc"], p["dv_acc"] = dq_acc.ctypes.data, dk_acc.ctypes.data, dv_acc.ctypes.data
-    p["scale"], p["scale_log2"] = prob.scale, prob.scale * LOG2E
-    p["batch_shape"] = (1,) * pad + shape
-    p["nbatch"] = nbatch
-    p["Lq"], p["Lk"], p["d"], p["dv"] = Lq, Lk, d, dv
-    p["causal_offset"] = prob.causal_offset
-    p["num_n_blocks"] = num_n_blocks
-    lib.launch("bwd", expr, p, semaphore.ctypes.data if deterministic else 0,
-               nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes, readable=(q, k, v, do))
+    p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
+                       num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
+                       lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
+                       dq_sem=semaphore if deterministic else None)
+    lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
+               readable=(q, k, v, do))
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
         visits = numpy.zeros(num_m_blocks, numpy.int32)
         for n in range(num_n_blocks):
@@ -326,25 +338,9 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
-    tensors = (prob.q, prob.k, prob.v, o)
-    nb = len(prob.batch_shape)
-    shape, strides = merge_batch_dims(prob.batch_shape, [_elem_strides(t)[:nb] for t in tensors])
-    pad = MAX_BATCH_DIMS - len(shape)
-    p = numpy.zeros((), dtype=FWD_PARAMS)
-    for name, t, st in zip("qkvo", tensors, strides):
-        p[name] = t.ctypes.data
-        est = _elem_strides(t)
-        p[f"{name}_row_stride"], p[f"{name}_col_stride"] = est[-2], est[-1]
-        p[f"{name}_batch_stride"] = (0,) * pad + st
-    p["lse"] = lse.ctypes.data
-    p["scale_log2"] = prob.scale * LOG2E
-    p["batch_shape"] = (1,) * pad + shape
-    nbatch = math.prod(prob.batch_shape)
-    p["nbatch"] = nbatch
-    p["Lq"], p["Lk"], p["d"], p["dv"] = prob.Lq, prob.Lk, prob.d, prob.dv
-    p["causal_offset"] = prob.causal_offset
     num_m_blocks = -(-prob.Lq // block_m)
-    p["num_m_blocks"] = num_m_blocks
-    lib.launch("fwd", expr, p, 0, nbatch * num_m_blocks, threads, smem_bytes,
+    p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
+                            num_m_blocks=num_m_blocks, lse=lse)
+    lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v))
     return o, lse

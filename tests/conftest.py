@@ -49,3 +49,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans_after_overrides():
+    """CUFLASH_* overrides are read when a plan is built, and plans are cached: forget the
+    plans after each test, so that one a test built under an override (monkeypatched
+    environment) never serves the next test."""
+    yield
+    import sys
+    api = sys.modules.get("cuflash._api")
+    if api is not None:
+        api.clear_plans()

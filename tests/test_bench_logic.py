@@ -1,8 +1,9 @@
-"""The benchmark's pure logic, on the CPU: shapes, the FLOP convention, the rotation and
-iteration rules, the table, the JSON file and the command line."""
+"""``python -m cuflash bench`` (cuflash/_bench.py) on the CPU: the FLOP convention, the row
+format, the table with its ratio columns, the JSON file and ``--load``, the naive CuPy
+attention (run on NumPy), and the command line. The lab harness bench/bench_attention.py has
+its own tests (tests/test_bench_harness.py)."""
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import subprocess
@@ -18,16 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_shapes_keep_16k_tokens_and_2048_features():
-    for L in b.ALL_L:
-        for d in b.ALL_D:
+    for L in (512, 1024, 4096, 16384):
+        for d in (64, 128, 256):
             B, H = b.batch_heads(L, d)
             assert B * L == 16384 and H * d == 2048
     assert b.batch_heads(1024, 64) == (16, 32)
     assert b.batch_heads(16384, 256) == (1, 8)
-    with pytest.raises(ValueError):
-        b.batch_heads(3000, 64)
-    with pytest.raises(ValueError):
-        b.batch_heads(1024, 96)
+    for L, d in ((3000, 64), (1024, 96), (0, 64), (1024, -64)):
+        with pytest.raises(ValueError, match="must divide"):
+            b.batch_heads(L, d)
 
 
 def test_flops_follow_flashattention_convention():
@@ -37,174 +37,134 @@ def test_flops_follow_flashattention_convention():
     assert b.attention_flops(B, H, L, L, d, True, "fwd") == fwd // 2
     assert b.attention_flops(B, H, L, L, d, False, "fwd_bwd") == fwd * 7 // 2
     assert b.attention_flops(B, H, L, L, d, True, "fwd_bwd") == fwd // 2 * 7 // 2
-    # Lq != Lk counts Lq * Lk pairs
-    assert b.attention_flops(1, 1, 3, 5, 8, False, "fwd") == 4 * 3 * 5 * 8
-    with pytest.raises(ValueError):
+    assert b.attention_flops(1, 1, 3, 5, 8, False, "fwd") == 4 * 3 * 5 * 8   # Lq * Lk pairs
+    with pytest.raises(ValueError, match="mode"):
         b.attention_flops(1, 1, 1, 1, 1, False, "bwd")
 
 
 def test_flops_are_the_same_for_every_standard_shape():
     # B*L = 16k and H*d = 2048 make the forward count 4 * 16k * L * 2048 whatever d is
-    for L in b.ALL_L:
-        counts = {b.Case("bf16", d, L, False, "fwd", *b.batch_heads(L, d)).flops
-                  for d in b.ALL_D}
+    for L in (1024, 4096, 16384):
+        counts = {b.attention_flops(*b.batch_heads(L, d), L, L, d, False, "fwd")
+                  for d in (64, 128, 256)}
         assert counts == {4 * 16384 * L * 2048}
 
 
-def test_tflops():
-    assert b.tflops(2e12, 1000.0) == pytest.approx(2.0)
-    assert b.tflops(1e12, 0.5) == pytest.approx(2000.0)
-    assert b.tflops(1e12, None) is None
-
-
-def test_make_cases_order_and_count():
-    cases = b.make_cases(["bf16", "fp16"], [64, 128], [1024, 4096], [False, True],
-                         ["fwd", "fwd_bwd"])
-    assert len(cases) == 2 * 2 * 2 * 2 * 2
-    assert [c.key for c in cases] == sorted(
-        [c.key for c in cases], key=lambda k: (["bf16", "fp16"].index(k[0]), k[1], k[2], k[3],
-                                               ["fwd", "fwd_bwd"].index(k[4])))
-    assert cases[0] == b.Case("bf16", 64, 1024, False, "fwd", 16, 32)
-
-
-def test_naive_limit():
-    # float32 scores: B*H*L*L*4 bytes; d=64, L=16k: 1*32*16384^2*4 = 34 GB fits under 40 GB
-    assert b.naive_fits(1, 32, 16384, 16384)
-    assert b.naive_scores_bytes(1, 16, 32768, 32768) == 16 * 32768 ** 2 * 4
-    assert not b.naive_fits(1, 16, 32768, 32768, b.NAIVE_MEMORY_LIMIT_BYTES)   # 68.7 GB
-
-
-def test_input_rotation_spans_twice_l2():
-    l2 = 60 * 2**20
-    assert b.n_input_sets(500 * 2**20, l2) == 1
-    assert b.n_input_sets(2 * l2, l2) == 1
-    assert b.n_input_sets(l2, l2) == 2
-    assert b.n_input_sets(10 * 2**20, l2) == 12
-    assert b.n_input_sets(1, l2) == b.MAX_INPUT_SETS
-    for size in (1 * 2**20, 7 * 2**20, 50 * 2**20):
-        n = b.n_input_sets(size, l2)
-        assert n * size >= 2 * l2 or n == b.MAX_INPUT_SETS
-
-
-def test_iteration_count():
-    assert b.n_iters(1.0, 0.5) == b.MIN_ITERS
-    assert b.n_iters(0.001, 0.5) == 500
-    assert b.n_iters(1e-7, 0.5) == b.MAX_ITERS
-    assert b.n_iters(0.0) == b.MAX_ITERS
+def _row(impl, causal=False, **kw):
+    return b.make_row(impl, "fwd", "fwd", "bf16", 64, 1024, causal, 16, 32, **kw)
 
 
 def _rows():
-    c1 = b.Case("bf16", 64, 1024, False, "fwd", 16, 32)
-    c2 = b.Case("bf16", 64, 1024, True, "fwd", 16, 32)
-    return [
-        b.row_for(c1, "cuflash", ms=0.5, iters=100, input_sets=1),
-        b.row_for(c1, "sdpa_flash", ms=0.25),
-        b.row_for(c1, "sdpa_cudnn", skipped="not available: ModuleNotFoundError: torch"),
-        b.row_for(c2, "cuflash", ms=0.4),
-        b.row_for(c2, "sdpa_flash", ms=0.4),
-        b.row_for(c2, "sdpa_cudnn", skipped="not available: ModuleNotFoundError: torch"),
-    ]
+    return [_row("cuflash", ms=0.5, iters=100), _row("sdpa_flash", ms=0.25),
+            _row("sdpa_cudnn", skipped="not available: ModuleNotFoundError: torch"),
+            _row("cuflash", True, ms=0.4), _row("sdpa_flash", True, ms=0.4),
+            _row("sdpa_cudnn", True, skipped="not available: ModuleNotFoundError: torch")]
 
 
-def test_rows():
+def test_row_fields():
     rows = _rows()
-    assert rows[0]["tflops"] == pytest.approx(4 * 16 * 32 * 1024 * 1024 * 64 / 0.5e-3 / 1e12)
+    for r in rows:
+        assert {"impl", "suite", "mode", "dtype", "d", "L", "causal", "isolated", "tflops",
+                "ms", "B", "H", "flops"} <= set(r)
+    flops = 4 * 16 * 32 * 1024 * 1024 * 64
+    assert rows[0]["flops"] == flops
+    assert rows[0]["tflops"] == pytest.approx(flops / 0.5e-3 / 1e12)
+    assert rows[3]["tflops"] == pytest.approx(flops / 2 / 0.4e-3 / 1e12)
+    assert rows[0]["isolated"] is False and rows[0]["iters"] == 100 and "skipped" not in rows[0]
     assert rows[2]["ms"] is None and rows[2]["tflops"] is None
     assert rows[2]["skipped"].startswith("not available")
-    assert "skipped" not in rows[0]
-    assert rows[0]["iters"] == 100
+    assert _row("cuflash", ms=0.3, skipped="x")["ms"] is None     # a skipped row has no time
+    iso = b.make_row("cuflash", "fwd", "fwd", "bf16", 64, 512, True, 32, 32, isolated=True,
+                     ms=1.0)
+    assert iso["isolated"] is True
+    mem = b.make_row("cuflash", "memory", "memory", "bf16", 128, 4096, False, 1, 16,
+                     peak_extra_bytes=2**20)
+    assert mem["tflops"] is None and "flops" not in mem and mem["peak_extra_bytes"] == 2**20
 
 
 def test_table_has_impl_and_ratio_columns():
-    text = b.format_table(_rows())
-    lines = text.splitlines()
+    lines = b.format_table(_rows()).splitlines()
     head = lines[0].split()
-    assert head[:5] == ["dtype", "d", "L", "causal", "mode"]
-    assert head[5:8] == ["cuflash", "sdpa_flash", "sdpa_cudnn"]
-    assert head[8:] == ["cuflash/sdpa_flash", "cuflash/sdpa_cudnn"]
+    assert head == ["mode", "dtype", "d", "L", "causal", "cuflash", "sdpa_flash", "sdpa_cudnn",
+                    "cuflash/sdpa_flash", "cuflash/sdpa_cudnn"]
     assert len(lines) == 2 + 2
     first = lines[2].split()
-    assert first[:5] == ["bf16", "64", "1024", "no", "fwd"]
-    t_cu = 4 * 16 * 32 * 1024 * 1024 * 64 / 0.5e-3 / 1e12
-    assert first[5] == f"{t_cu:.1f}"
+    assert first[:5] == ["fwd", "bf16", "64", "1024", "no"]
+    assert first[5] == f"{4 * 16 * 32 * 1024 * 1024 * 64 / 0.5e-3 / 1e12:.1f}"
     assert first[7] == "-"                 # skipped
     assert first[8] == "0.50"              # cuflash is half as fast as sdpa_flash here
     assert first[9] == "-"                 # no cuDNN number, no ratio
     second = lines[3].split()
-    assert second[3] == "yes" and second[8] == "1.00"
+    assert second[4] == "yes" and second[8] == "1.00"
 
 
-def test_skips_summary():
-    text = b.format_skips(_rows())
-    assert text.strip() == "sdpa_cudnn: not available: ModuleNotFoundError: torch (2 rows)"
+def test_table_marks_isolated_rows_and_leaves_out_memory_rows():
+    rows = [b.make_row("cuflash", "fwd", "fwd", "bf16", 64, 512, False, 32, 32, isolated=True,
+                       ms=0.2),
+            b.make_row("sdpa_flash", "fwd", "fwd", "bf16", 64, 512, False, 32, 32,
+                       isolated=True, ms=0.1),
+            b.make_row("cuflash", "memory", "memory", "bf16", 128, 4096, False, 1, 16,
+                       peak_extra_bytes=1)]
+    lines = b.format_table(rows).splitlines()
+    assert len(lines) == 3
+    assert lines[2].split()[0] == "fwd/iso" and lines[2].split()[-2] == "0.50"
 
 
-def test_memory_table():
-    case = b.Case("bf16", 128, 4096, False, "memory", 1, 16)
-    rows = [b.row_for(case, "cuflash", peak_extra_bytes=2**20),
-            b.row_for(case, "naive_cupy", skipped="too big")]
-    text = b.format_memory_table(rows)
-    last = text.splitlines()[-1].split()
-    assert last == ["bf16", "1", "16", "128", "4096", "no", "1.0", "-"]
-    assert b.format_table(rows).count("\n") == 1     # memory rows stay out of the TFLOP/s table
-    assert rows[0]["ms"] is None and rows[0]["tflops"] is None and "flops" not in rows[0]
-
-
-def test_json_round_trip(tmp_path):
-    header = {"gpu": "NVIDIA H200", "command": "python -m cuflash bench --quick"}
+def test_json_round_trip_and_nan_refused(tmp_path):
+    header = {"gpu": "NVIDIA H200", "command": "python -m cuflash bench"}
     path = b.write_json(tmp_path / "sub" / "r.json", header, _rows())
     doc = json.loads(path.read_text())
-    assert set(doc) == {"header", "rows"}
-    assert doc["header"] == header
-    skipped = [r for r in doc["rows"] if r.get("skipped")]
-    assert len(skipped) == 2 and all(r["ms"] is None for r in skipped)
-    for r in doc["rows"]:
-        assert {"impl", "dtype", "d", "L", "B", "H", "causal", "mode", "ms", "tflops"} <= set(r)
-    assert b.read_json(path) == (header, doc["rows"])
-
-
-def test_json_rejects_nan(tmp_path):
-    rows = [dict(_rows()[0], ms=math.nan)]
+    assert set(doc) == {"header", "rows"} and doc["header"] == header
+    assert b.read_json(path) == (header, doc["rows"]) == (header, _rows())
     with pytest.raises(ValueError):
-        b.write_json(tmp_path / "x.json", {}, rows)
-
-
-def test_default_json_path():
-    now = datetime.datetime(2026, 11, 29, 10, 30, 5)
-    p = b.default_json_path("NVIDIA H200 NVL", now, Path("/r"))
-    assert p == Path("/r/2026-11-29-103005-NVIDIA-H200-NVL.json")
-    p = b.default_json_path("NVIDIA H200", now)
-    assert p.parent == ROOT / "bench" / "results"
-
-
-def test_parse_lists():
-    parser = b.build_parser()
-    a = parser.parse_args(["--dtype", "bf16,fp16", "--d", "64", "--L", "1024,4096",
-                           "--causal", "false,true", "--mode", "fwd", "--impl",
-                           "cuflash,naive_cupy", "--quick"])
-    assert a.dtype == ["bf16", "fp16"] and a.d == [64] and a.L == [1024, 4096]
-    assert a.causal == [False, True] and a.mode == ["fwd"]
-    assert a.impl == ["cuflash", "naive_cupy"] and a.quick
-    for bad in (["--dtype", "fp8"], ["--d", "96"], ["--impl", "flash3"], ["--causal", "maybe"],
-                ["--mode", "bwd"]):
-        with pytest.raises(SystemExit):
-            parser.parse_args(bad)
+        b.write_json(tmp_path / "x.json", {}, [dict(_rows()[0], ms=math.nan)])
 
 
 def test_load_prints_table_without_gpu(tmp_path, capsys):
     path = b.write_json(tmp_path / "r.json", {"gpu": "Test GPU"}, _rows())
     assert b.main(["--load", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().splitlines()[-1].split()[:5] == ["bf16", "64", "1024", "yes", "fwd"]
-    assert "Skipped:" in out and "cuflash/sdpa_cudnn" in out
+    assert "Test GPU" in out and "cuflash/sdpa_cudnn" in out
+    assert out.rstrip().splitlines()[-1].split()[:5] == ["fwd", "bf16", "64", "1024", "yes"]
+
+
+@pytest.mark.parametrize("content, why", [(None, "No such file"), ("{not json", "JSONDecodeError"),
+                                          ('{"rows": []}', "not a results file"),
+                                          ('[1, 2]', "not a results file"),
+                                          ('{"header": {}, "rows": 3}', "not a results file")])
+def test_load_bad_file_is_one_line_and_exit_2(tmp_path, capsys, content, why):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    assert b.main(["--load", str(path)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert len(cap.err.strip().splitlines()) == 1 and why in cap.err
+    assert "Traceback" not in cap.err
+
+
+def test_load_through_the_cli_has_no_traceback(tmp_path):
+    r = _run("-m", "cuflash", "bench", "--load", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_committed_results_load(capsys):
+    # the converted H200 results are in the row format --load prints
+    for name in ("fwd", "fwd_bwd", "fwd_fp32"):
+        assert b.main(["--load", str(ROOT / "bench" / "results" / "h200" / f"{name}.json")]) == 0
+        assert "cuflash/sdpa_flash" in capsys.readouterr().out
 
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    files = b.plot(_rows(), tmp_path)
-    assert sorted(f.name for f in files) == ["tflops-bf16-causal-fwd.png",
-                                             "tflops-bf16-noncausal-fwd.png"]
-    assert all(f.stat().st_size > 1000 for f in files)
+    path = b.plot(_rows(), tmp_path / "p.png", "t")
+    assert path == tmp_path / "p.png" and path.stat().st_size > 1000
+
+
+def test_module_is_short():
+    # the user-facing command stays short; the lab harness lives in bench/
+    assert len((ROOT / "cuflash" / "_bench.py").read_text().splitlines()) < 300
 
 
 def test_naive_attention_matches_reference_on_numpy():
@@ -226,7 +186,8 @@ def _run(*args):
 
 def test_command_line_help():
     for args in (["-m", "cuflash", "--help"], ["-m", "cuflash", "bench", "--help"],
-                 ["bench/bench_attention.py", "--help"], ["-m", "cuflash", "check", "--help"]):
+                 ["bench/bench_attention.py", "--help"], ["bench/host_overhead.py", "--help"],
+                 ["-m", "cuflash", "check", "--help"]):
         r = _run(*args)
         assert r.returncode == 0, r.stderr
         assert "usage:" in r.stdout
@@ -235,8 +196,9 @@ def test_command_line_help():
 def test_bench_without_gpu_fails_clearly(capsys):
     if cli.usable_gpu()[0] is not None:
         pytest.skip("a GPU is present")
-    assert b.main(["--quick", "--no-json"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert b.main([]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_demo_thresholds():
@@ -306,24 +268,3 @@ def test_batched_matmul_loops_where_cupy_refuses_bfloat16():
             matmul=lambda x, y: (_ for _ in ()).throw(TypeError("no"))), f32, f32)
 
 
-def test_skip_reason_keeps_torchs_real_explanation():
-    import warnings
-
-    def w(text):
-        return warnings.WarningMessage(text, UserWarning, "x.py", 1)
-    caught = [w("Memory efficient kernel not used because: (Triggered internally at /a.cpp:9.)"),
-              w("Memory Efficient attention has been runtime disabled. (Triggered internally "
-                "at /a.cpp:1.)"),
-              w("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query "
-                "dtype: float (Triggered internally at /b.cpp:2.)")]
-    msg = b._short(RuntimeError("No available kernel. Aborting execution."), caught)
-    assert msg == ("RuntimeError: No available kernel. Aborting execution. [Expected query, key "
-                   "and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float]")
-
-
-def test_git_describe_in_checkout():
-    import shutil
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout")
-    desc = b.git_describe()
-    assert desc is not None and len(desc.split("+")[0]) == 12

@@ -17,7 +17,7 @@ import numpy
 import pytest
 
 import cuflash
-from cuflash import _launch, _launch_bwd, _problem
+from cuflash import _families, _problem
 from _inputs import make_array
 from _tolerance import assert_attention_close
 from _tolerance_bwd import assert_gradients_close
@@ -50,8 +50,7 @@ _LAYOUT = {"c": "c", "t": "transposed", "s": "strided", "r": "reversed"}
 
 def _expr(dtype, q, k, v, causal, det) -> str:
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
-    tiles = _launch_bwd.BWD_SM80_TILES[_launch_bwd.sm80_bucket(prob.d, prob.dv)]
-    return _launch_bwd.sm80_expr(dtype, tiles, prob.causal, det)
+    return emu.sm80_expr(dtype, emu.sm80_tiles(prob.d, prob.dv), prob.causal, det)
 
 
 def _arrays(dtype, case, seed=0):
@@ -126,8 +125,8 @@ def test_emulation_runs_the_forward_kernel(dtype, d, Lq, Lk, causal):
     rng = numpy.random.default_rng(d)
     q, k, v = (make_array(rng, (2, L, d), dtype) for L in (Lq, Lk, Lk))
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
-    tiles = _launch.sm80_tiles(d, prob.causal)
-    expr = _launch.sm80_expr(dtype, tiles, prob.causal, False)
+    choice = _families.choose("fwd", _families.Shape.of(prob), _families.PROFILES["a100"])
+    tiles, expr = choice.traits, choice.expr
     lib = emu.build("fwd_sm80.cu", [("fwd", expr)])
     o, lse = emu.fwd_sm80(lib, expr, q, k, v, block_m=tiles.block_m, threads=tiles.threads,
                           smem_bytes=tiles.smem_bytes, causal=causal)

@@ -88,7 +88,10 @@ def family(request, monkeypatch):
         if cupy.cuda.Device().compute_capability != "90":
             pytest.skip("CUFLASH_FWD=sm80 changes nothing off Hopper")
         monkeypatch.setenv("CUFLASH_FWD", "sm80")
-    return request.param
+    from cuflash import _api
+    _api.clear_plans()          # overrides are read when a plan is built
+    yield request.param
+    _api.clear_plans()
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])

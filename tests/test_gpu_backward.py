@@ -204,20 +204,31 @@ def test_extra_memory_does_not_grow_with_l_squared(dtype):
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The source of the main kernel of every backward call (``_launch_bwd.choose``'s pick)."""
-    from cuflash import _launch_bwd
+    """The source of the main kernel of every backward plan built (the dispatcher's pick; the
+    plan cache is cleared first, so every call of the test builds its plan)."""
+    from cuflash import _api, _families
     seen = []
-    choose = _launch_bwd.choose
+    choose = _families.choose
 
-    def spy(*args, **kwargs):
-        launch = choose(*args, **kwargs)
-        seen.append(launch.source)
-        return launch
+    def spy(kind, *args, **kwargs):
+        choice = choose(kind, *args, **kwargs)
+        if kind == "bwd":
+            seen.append(choice.family.source)
+        return choice
 
-    monkeypatch.setattr(_launch_bwd, "choose", spy)
-    for name in ("CUFLASH_BWD", "CUFLASH_BWD_SM80_TILES", "CUFLASH_BWD_SM90_TILES", "CUFLASH_GRID_ORDER"):
+    monkeypatch.setattr(_families, "choose", spy)
+    for name in ("CUFLASH_BWD", "CUFLASH_TILES", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(name, raising=False)
+    _api.clear_plans()
     return seen
+
+
+def setenv(monkeypatch, name: str, value: str) -> None:
+    """Set a CUFLASH_* override and forget the plans built without it (overrides are read when
+    a plan is built)."""
+    from cuflash import _api
+    monkeypatch.setenv(name, value)
+    _api.clear_plans()
 
 
 def _sm80_or_skip():
@@ -225,8 +236,8 @@ def _sm80_or_skip():
     cc = int(cupy.cuda.Device().compute_capability)
     if cc < 80:
         pytest.skip(f"bwd_sm80 needs compute capability >= 8.0, this GPU has {cc / 10}")
-    from cuflash import _launch_bwd
-    return _launch_bwd._smem_optin(cupy.cuda.Device().id)
+    from cuflash import _families
+    return _families.device_info(cupy.cuda.Device().id).smem_optin
 
 
 def _hopper_or_skip():
@@ -254,12 +265,12 @@ def test_tensor_core_backward_runs(launched, monkeypatch, family, dtype, d, dv, 
     of bwd_sm90 (64, 128; family "auto" on Hopper), ragged lengths, both alignments, rows
     without keys, GQA; deterministic (always bwd_sm80) and not. Family "sm80"
     (CUFLASH_BWD=sm80) keeps Hopper on bwd_sm80."""
-    from cuflash import _launch_bwd
+    from cuflash import _traits
     optin = _sm80_or_skip()
     if family == "sm80":
-        monkeypatch.setenv("CUFLASH_BWD", "sm80")
-    bucket = _launch_bwd.sm80_bucket(d, dv)
-    if _launch_bwd.sm80_tiles(bucket).smem_bytes > optin:
+        setenv(monkeypatch, "CUFLASH_BWD", "sm80")
+    bucket = max(32, -(-max(d, dv) // 32) * 32)
+    if _traits.BWD_SM80[bucket].smem_bytes > optin:
         pytest.skip(f"this GPU grants {optin} bytes of shared memory a block: bwd_simt at d={d}")
     rng = numpy.random.default_rng(d + Lq)
     q = make_array(rng, (2, 2, 2, Lq, d), dtype)
@@ -297,7 +308,7 @@ def test_simt_override_agrees_with_the_tensor_cores(launched, monkeypatch, dtype
     ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
     shapes = (q.shape, k.shape, v.shape)
     tc = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
-    monkeypatch.setenv("CUFLASH_BWD", "simt")
+    setenv(monkeypatch, "CUFLASH_BWD", "simt")
     simt = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
     assert launched == [_atomic_kernel(64, 64), "bwd_simt.cu"]
     assert_gradients_close(prob, do, tc, ref, shapes)
@@ -382,21 +393,21 @@ def test_hopper_grid_orders(launched, monkeypatch, order, d):
     than one wave of an H200's 132 SMs), causal (its default is tile-major), with a last key
     tile that is not whole."""
     _hopper_or_skip()
-    monkeypatch.setenv("CUFLASH_GRID_ORDER", order)
+    setenv(monkeypatch, "CUFLASH_GRID_ORDER", order)
     rng = numpy.random.default_rng(21)
     q, k, v = (make_array(rng, (4, 9, 700, d), BF16) for _ in range(3))
     run_and_check(q, k, v, causal=True)
     assert launched == ["bwd_sm90.cu"]
 
 
-@pytest.mark.parametrize("tiles", ["", "64:64:2:1"])
+@pytest.mark.parametrize("tiles", ["", "bwd_sm90:64=64:2:1"])
 def test_hopper_key_tiles_without_query_tiles(launched, monkeypatch, tiles):
     """d = 64 with the table's tiles and with 64-row query tiles: top-left causal with
     Lk > Lq, so that the key tiles past the last query have no query tile at all (their dK, dV
     are zero), bottom-right with rows that see no key, and no mask; 324 key tiles."""
     _hopper_or_skip()
     if tiles:
-        monkeypatch.setenv("CUFLASH_BWD_SM90_TILES", tiles)
+        setenv(monkeypatch, "CUFLASH_TILES", tiles)
     rng = numpy.random.default_rng(22)
     q = make_array(rng, (4, 9, 200, 64), F16)
     k, v = (make_array(rng, (4, 9, 1100, 64), F16) for _ in range(2))

@@ -1,15 +1,26 @@
 """Fingerprint the machine code of kernel specialisations, to tell whether two trees run the same
-kernels (so that GPU results measured on one are results for the other). No GPU needed.
+kernels (so that GPU results measured on one are results for the other), and compare their
+resources (registers, spills, stack, instruction count) where the code is meant to change. No GPU
+needed.
 
-    PYTHONPATH=<tree A> python tools/sass_identity.py a.json [--source fwd_]
-    PYTHONPATH=<tree B> python tools/sass_identity.py b.json [--source fwd_]
-    python tools/sass_identity.py --compare a.json b.json
+    PYTHONPATH=<tree A> python tools/sass_identity.py a.json [--source fwd_,bwd_]
+    PYTHONPATH=<tree B> python tools/sass_identity.py b.json [--source fwd_,bwd_]
+    python tools/sass_identity.py --compare a.json b.json      # which machine code differs
+    python tools/sass_identity.py --resources a.json b.json    # registers/spills/stack/instrs
 
-Compiles every specialisation the dispatcher can select on sm_80 and sm_90a whose source
-starts with --source (default ``fwd_``: the forward kernels) with NVRTC, disassembles the cubin
-with nvdisasm and writes, per (arch, name expression), a SHA-256 of the function's instruction
-lines with the address comments removed (the rest of a section, e.g. file-level data, is not
-deterministic from run to run). --compare lists the specialisations whose hashes differ.
+Compiles every specialisation the dispatcher can select on sm_80 and sm_90a (``--arch`` to
+narrow) whose source starts with one of the --source prefixes (default ``fwd_``: the forward
+kernels) with NVRTC, disassembles the cubin with nvdisasm and writes, per (arch, name
+expression), a SHA-256 of the function's instruction lines with the address comments removed
+its own (mangled) name in its instructions
+replaced, and its branch labels numbered per function (the rest of a section, e.g. file-level data, is
+not deterministic from run to run, and label numbers depend on the other functions), the
+number of those lines, and ptxas's registers, spill stores and loads and stack frame.
+
+Name expressions are compared after rewriting a spelling map (``SPELLING``: today
+``cuflash::Variant<true|false>`` -> ``true|false``, the bool CAUSAL argument the Variant
+replaced at the same position), so the trees before and after a respelling line up. A file
+written by an older version of this tool (a plain hash per key) compares too.
 """
 
 from __future__ import annotations
@@ -22,21 +33,39 @@ import subprocess
 import sys
 import tempfile
 
+#: old <- new spellings of name expressions, applied to the keys of both sides before comparing
+SPELLING = [(re.compile(r"cuflash::Variant<(true|false)>"), r"\1")]
 
-def fingerprints(prefix: str) -> dict[str, str | None]:
+
+def _normalise(key: str) -> str:
+    for pattern, repl in SPELLING:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def _load(path: str) -> dict[str, dict]:
+    raw = json.load(open(path))
+    out = {}
+    for k, v in raw.items():
+        out[_normalise(k)] = v if isinstance(v, dict) or v is None else {"sha": v}
+    return out
+
+
+def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str = "") -> dict[str, dict | None]:
     from cuda import pathfinder
 
-    from cuflash import _jit, _launch
+    from cuflash import _families, _jit
     tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
-    out: dict[str, str | None] = {}
-    for arch in ("sm_80", "sm_90a"):
+    out: dict[str, dict | None] = {}
+    for arch in archs:
         by_source: dict[str, list[str]] = {}
-        for src, expr in _launch.all_specialisations(arch):
-            if src.startswith(prefix):
+        for src, expr in _families.specialisations(arch):
+            if src.startswith(prefixes) and re.search(match, _normalise(expr)):
                 by_source.setdefault(src, []).append(expr)
         for src, exprs in by_source.items():
             nvrtc = _jit._nvrtc_for(arch)
-            log, lowered, cubin = nvrtc.compile(_jit.load_source(src), src, exprs, _jit._options(arch))
+            log, lowered, cubin = nvrtc.compile(_jit.load_source(src), src, exprs,
+                                                _jit._options(arch, ("--ptxas-options=-v",)))
             if lowered is None:
                 raise SystemExit(f"{src} does not compile for {arch}:\n{log}")
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -47,29 +76,69 @@ def fingerprints(prefix: str) -> dict[str, str | None]:
             for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
                 name = section.split(",", 1)[0]
                 text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
-                body = "\n".join(line for line in text.splitlines() if line.rstrip().endswith(";"))
-                sections[name] = hashlib.sha256(body.encode()).hexdigest()
+                # branch labels are numbered across the whole cubin, in the order of its
+                # functions (which follows their mangled names): number them per function
+                labels: dict[str, str] = {}
+                text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
+                text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
+                lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
+                body = "\n".join(lines)
+                sections[name] = {"sha": hashlib.sha256(body.encode()).hexdigest(),
+                                  "instructions": sum(1 for x in lines if "NOP" not in x)}
             for expr in exprs:
-                out[f"{arch} {expr}"] = sections.get(lowered[expr])
+                rec = sections.get(lowered[expr])
+                if rec is not None:
+                    rec = dict(rec, **_jit._parse_ptxas(log, lowered[expr]))
+                out[f"{arch} {expr}"] = rec
+            print(f"{arch} {src}: {len(exprs)}", flush=True)
     return out
+
+
+def compare(a: str, b: str) -> int:
+    x, y = _load(a), _load(b)
+    differ = sorted(k for k in x.keys() | y.keys()
+                    if (x.get(k) or {}).get("sha") != (y.get(k) or {}).get("sha") or x.get(k) is None)
+    print(f"{len(x)} and {len(y)} specialisations; {len(differ)} differ")
+    for k in differ:
+        print("  ", k)
+    return 1 if differ else 0
+
+
+def resources(a: str, b: str) -> int:
+    """Per specialisation: registers, spills (stores + loads), stack and instruction count, A -> B;
+    exit 1 where B spills, has a stack frame, or uses more registers than A."""
+    x, y = _load(a), _load(b)
+    bad = 0
+    print(f"{'specialisation':<100} {'regs':>9} {'spill':>6} {'stack':>6} {'instructions':>13}")
+    for k in sorted(x.keys() | y.keys()):
+        p, q = x.get(k) or {}, y.get(k) or {}
+        sp = lambda r: (r.get("spill_stores") or 0) + (r.get("spill_loads") or 0)  # noqa: E731
+        worse = (sp(q) or q.get("stack") or q.get("registers") is None
+                 or (p.get("registers") is not None and q["registers"] > p["registers"]))
+        bad += bool(worse)
+        print(f"{k:<100} {p.get('registers')!s:>3} ->{q.get('registers')!s:>3} {sp(p)}->{sp(q)}"
+              f" {p.get('stack')!s}->{q.get('stack')!s} {p.get('instructions')!s:>6}->{q.get('instructions')!s:<6}"
+              f"{'  <-- worse' if worse else ''}")
+    print(f"{bad} specialisations with more registers, spills or stack")
+    return 1 if bad else 0
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="?", help="where to write this tree's fingerprints")
-    ap.add_argument("--source", default="fwd_", help="prefix of the kernel sources to include")
+    ap.add_argument("--source", default="fwd_", help="comma-separated prefixes of the kernel sources to include")
+    ap.add_argument("--arch", action="append", help="sm_80 and/or sm_90a (default both)")
+    ap.add_argument("--match", default="", help="only name expressions (old spelling) matching this regex")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--resources", nargs=2, metavar=("A", "B"))
     a = ap.parse_args(argv)
     if a.compare:
-        x, y = (json.load(open(p)) for p in a.compare)
-        differ = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k) or x.get(k) is None)
-        print(f"{len(x)} and {len(y)} specialisations; {len(differ)} differ")
-        for k in differ:
-            print("  ", k)
-        return 1 if differ else 0
+        return compare(*a.compare)
+    if a.resources:
+        return resources(*a.resources)
     if not a.json:
-        ap.error("give a JSON path to write, or --compare A B")
-    fp = fingerprints(a.source)
+        ap.error("give a JSON path to write, or --compare A B, or --resources A B")
+    fp = fingerprints(tuple(a.source.split(",")), tuple(a.arch or ("sm_80", "sm_90a")), a.match)
     with open(a.json, "w") as f:
         json.dump(fp, f, indent=0, sort_keys=True)
     print(f"{len(fp)} specialisations")

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The GPU runs of the project, in parts; run from the repository root on a machine with a GPU.
+#
+#   bash bench/gpu_run.sh PART [PART ...]          results and logs land in $OUT (default ./out)
+#
+# Parts (each prints its summary lines and appends them to $OUT/summary.txt):
+#   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=gpu)      -> tests.log
+#             ~5-8 min: run it alone in one 10-minute device call
+#   bench     suites fwd (d 64/128/256) and fwd_bwd (d 64/128), bf16, L 1k/4k/16k, causal and
+#             not, cuflash against sdpa_flash and sdpa_cudnn, back-to-back calls; each suite
+#             capped at 110 s of timing                   -> fwd.json fwd.png fwd_bwd.json fwd_bwd.png bench.log
+#             ~4 min
+#   isolated  suite fwd --isolated: one call with the GPU idle before it, bf16, d 64/128/256,
+#             L 512/1k, causal and not, same peers        -> fwd_isolated.json fwd_isolated.png isolated.log
+#             ~1 min
+#   overhead  bench/host_overhead.py: µs of host time per call       -> host_overhead.json overhead.log
+#             ~0.5 min
+#   sanitize  compute-sanitizer memcheck, racecheck and synccheck on bench/probes/sanitize_smoke.py
+#                                                         -> sanitize.log
+#             ~4-5 min: run it alone or with overhead
+#
+# Suggested device calls (each under 10 minutes; the device tool returns at most 8 files):
+#   bash bench/gpu_run.sh tests
+#   bash bench/gpu_run.sh bench
+#   bash bench/gpu_run.sh isolated overhead
+#   bash bench/gpu_run.sh sanitize
+# Then copy the JSON and PNG files into bench/results/h200/ and commit them (bench/README.md).
+# The machine needs python3 with CuPy (and PyTorch, JAX for the peers); nothing is installed.
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+env_lines() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1
+  git log -1 --format='commit %H %s' 2>/dev/null
+  git status --porcelain --untracked-files=no 2>/dev/null | sed 's/^/dirty: /'
+}
+
+part_tests() {
+  local log="$OUT/tests.log"
+  { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
+  HYPOTHESIS_PROFILE=gpu timeout -s INT "${TESTS_TIMEOUT:-560}" \
+    "$PY" -m pytest -m gpu -p no:cacheprovider -q --tb=short >> "$log" 2>&1
+  local rc=$?
+  note "tests: exit $rc: $(grep -E '[0-9]+ (passed|failed|error)' "$log" | tail -n 1)"
+}
+
+part_bench() {
+  local log="$OUT/bench.log"
+  env_lines > "$log"
+  local common=(--dtype bf16 --L 1024,4096,16384 --causal false,true
+                --impl cuflash,sdpa_flash,sdpa_cudnn --budget 0.2 --max-seconds 110 --plot)
+  timeout 150 "$PY" bench/bench_attention.py --suite fwd --d 64,128,256 "${common[@]}" \
+    --json "$OUT/fwd.json" >> "$log" 2>&1
+  note "bench fwd: exit $?"
+  timeout 150 "$PY" bench/bench_attention.py --suite fwd_bwd --d 64,128 "${common[@]}" \
+    --json "$OUT/fwd_bwd.json" >> "$log" 2>&1
+  note "bench fwd_bwd: exit $?"
+  grep -A 40 "^TFLOP/s" "$log"
+}
+
+part_isolated() {
+  local log="$OUT/isolated.log"
+  env_lines > "$log"
+  timeout 240 "$PY" bench/bench_attention.py --suite fwd --isolated --dtype bf16 \
+    --d 64,128,256 --L 512,1024 --causal false,true --impl cuflash,sdpa_flash,sdpa_cudnn \
+    --plot --json "$OUT/fwd_isolated.json" >> "$log" 2>&1
+  note "isolated: exit $?"
+  grep -A 20 "^TFLOP/s" "$log"
+}
+
+part_overhead() {
+  local log="$OUT/overhead.log"
+  env_lines > "$log"
+  timeout 120 "$PY" bench/host_overhead.py --out "$OUT" >> "$log" 2>&1
+  note "overhead: exit $?"
+  grep -B 1 -A 8 "^ *impl" "$log"
+}
+
+part_sanitize() {
+  local log="$OUT/sanitize.log"
+  env_lines > "$log"
+  local tool limit
+  for tool in memcheck racecheck synccheck; do
+    case $tool in racecheck) limit=200 ;; *) limit=90 ;; esac
+    echo "== $tool" >> "$log"
+    timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$PY" bench/probes/sanitize_smoke.py >> "$log" 2>&1
+    note "sanitize $tool: exit $? ($(grep -E 'ERROR SUMMARY|hazards? displayed' "$log" | tail -n 1))"
+  done
+}
+
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+for part in "$@"; do
+  case $part in
+    tests|bench|isolated|overhead|sanitize) "part_$part" ;;
+    *) echo "unknown part '$part' (tests, bench, isolated, overhead, sanitize)" >&2; exit 2 ;;
+  esac
+done

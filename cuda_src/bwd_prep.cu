@@ -1,0 +1,87 @@
+// cuflash: the steps of the backward pass around the main kernel, shared by every backward
+// family (bwd_simt, bwd_sm80, bwd_sm90; the registry's "aux" family):
+//
+//   bwd_dot_do_o<T>          line 4 of Algorithm 2: D = rowsum(dO o O), run before the main
+//                            kernel
+//   bwd_finish_dq<Acc, Out>  after it: dQ from its accumulation buffer, rounded to the output
+//                            type once (bwd_simt's DETERMINISTIC mode: the sum of the
+//                            per-key-tile partials, in key-tile order)
+#include "common.cuh"
+
+namespace cuflash {
+
+// Line 4 of Algorithm 2: D = rowsum(dO o O) in Acc, C-contiguous batch x Lq. A group of G
+// lanes reads a row and reduces it with shuffles in a fixed order (so D is bitwise
+// reproducible); a warp holds 32 / G rows at a time and walks the nbatch * Lq rows with a
+// grid stride (any grid works; the launcher starts a few blocks per SM). D = 0 for a dead row
+// (L_i = -inf).
+//   Vector path, when every row of o and dO has unit column stride and starts on 16 bytes
+//   (pointers, row and batch strides; the common case: o from the forward, dO copied so by the
+//   tensor-core launchers) and dv is a multiple of 16 / sizeof(T): each lane loads 16 bytes a
+//   step, G = the power of two that covers dv in one step (at most 32: d = 64 in bf16 is 8
+//   lanes, 4 rows a warp). Otherwise (any strides; float64, whose vector path spills on
+//   sm_70) one element a lane and step, G = 32.
+// (Uniform over the grid, so every lane of a warp takes the same path to the shuffles.)
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p) {
+  using Acc = typename AccOf<T>::type;
+  constexpr int kVec = 16 / int(sizeof(T));
+  bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
+             ((p.o | p.dout) & 15) == 0 && p.o_row_stride % kVec == 0 && p.dout_row_stride % kVec == 0;
+#pragma unroll
+  for (int i = 0; i < kMaxBatchDims; ++i)
+    vec = vec && p.o_batch_stride[i] % kVec == 0 && p.dout_batch_stride[i] % kVec == 0;
+  int group = 32;   // lanes a row
+  if (vec)
+    while (group > 1 && (group / 2) * kVec >= p.dv) group /= 2;
+  const int lane = int(threadIdx.x) % 32, gl = lane % group;
+  const int rows_per_warp = 32 / group;
+  const long long total = (long long)p.nbatch * p.Lq;
+  const long long warp0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const long long stride = (long long)gridDim.x * blockDim.x / 32 * rows_per_warp;
+  for (long long first = warp0 * rows_per_warp; first < total; first += stride) {
+    const long long r = first + lane / group;   // this lane group's row (b, i)
+    Acc sum = Acc(0);
+    if (r < total) {
+      const int b = int(r / p.Lq), i = int(r % p.Lq);
+      const BatchPtrs<T> gmem = batch_ptrs<T>(p, batch_offsets(p, b));
+      const T* const go = gmem.o + i * p.o_row_stride;
+      const T* const gdo = gmem.dout + i * p.dout_row_stride;
+      if (vec) {
+        for (int c = gl * kVec; c < p.dv; c += group * kVec) {
+          const uint4 x = __ldg(reinterpret_cast<const uint4*>(gdo + c));
+          const uint4 y = __ldg(reinterpret_cast<const uint4*>(go + c));
+          const T* const xv = reinterpret_cast<const T*>(&x);
+          const T* const yv = reinterpret_cast<const T*>(&y);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sum = acc_fma(to_acc<Acc>(xv[e]), to_acc<Acc>(yv[e]), sum);
+        }
+      } else {
+        for (int c = gl; c < p.dv; c += group)
+          sum = acc_fma(to_acc<Acc>(ldg(gdo + c * p.dout_col_stride)),
+                             to_acc<Acc>(ldg(go + c * p.o_col_stride)), sum);
+      }
+    }
+    for (int o = group / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (gl == 0 && r < total) {
+      const Acc lse = reinterpret_cast<const Acc*>(p.lse)[r];
+      reinterpret_cast<Acc*>(p.dpsum)[r] = (lse == neg_inf<Acc>()) ? Acc(0) : sum;
+    }
+  }
+}
+
+// dQ from its accumulation buffer: dq[e] = partial[e] + partial[n + e] + ... (`parts` slices of
+// n elements, added in slice order, so the result is bitwise the same on every run; one slice
+// except in bwd_simt's DETERMINISTIC mode, where slice t is key tile t's dQ), rounded once to
+// Out: the input dtype T where dq is the result itself, Acc where the launcher still has to sum
+// it over broadcast dimensions. Grid-stride over the n = nbatch * Lq * d elements.
+template <typename Acc, typename Out>
+__global__ void __launch_bounds__(256) bwd_finish_dq(const Acc* partial, Out* dq, long long n, int parts) {
+  for (long long e = blockIdx.x * 256LL + threadIdx.x; e < n; e += gridDim.x * 256LL) {
+    Acc sum = partial[e];
+    for (int t = 1; t < parts; ++t) sum += partial[t * n + e];
+    dq[e] = from_acc<Out, Acc>(sum);
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,472 @@
+"""The lab harness (bench/bench_attention.py) and bench/host_overhead.py on the CPU: the suite
+registry, the cases, the input rotation and iteration rules, the isolated-call timing with a
+fake clock, the reports, ``--load`` of the committed results, and the host-overhead rows."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "h200"
+
+
+def _load(name: str):
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))       # host_overhead imports bench_attention
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ba = _load("bench_attention")
+ho = _load("host_overhead")
+
+
+# --- suites and cases -------------------------------------------------------------------------
+
+def test_suite_registry_runs_todays_suites_and_names_the_planned_ones():
+    ready = {n for n, s in ba.SUITES.items() if s.run is not None}
+    assert ready == {"fwd", "fwd_bwd", "fwd_fp32", "memory"}
+    assert {"decode", "varlen", "mods", "scaling"} <= set(ba.SUITES) - ready
+    assert ba.get_suite("fwd").name == "fwd"
+    with pytest.raises(ValueError, match=r"unknown suite 'nope'; suites: fwd, fwd_bwd"):
+        ba.get_suite("nope")
+    with pytest.raises(ValueError, match="not implemented yet.*issue 11"):
+        ba.get_suite("decode")
+    with pytest.raises(ValueError, match="issue 10"):
+        ba.get_suite("mods")
+
+
+def test_suite_peers():
+    assert ba.SUITES["fwd"].impls[:4] == ("cuflash", "naive_cupy", "sdpa_flash", "sdpa_cudnn")
+    assert "jax_cudnn" in ba.SUITES["fwd"].impls and "sdpa_efficient" in ba.SUITES["fwd"].impls
+    assert "naive_cupy" not in ba.SUITES["fwd_bwd"].impls      # it has no backward
+    assert ba.SUITES["fwd_fp32"].impls == ("cuflash", "naive_cupy")
+    for s in ba.SUITES.values():
+        assert set(s.impls) <= set(ba.IMPLS)
+
+
+def test_default_cases():
+    fwd = ba.SUITES["fwd"].cases()
+    assert len(fwd) == 3 * 3 * 2
+    assert {(c.d, c.L) for c in fwd} == {(d, L) for d in (64, 128, 256)
+                                         for L in (1024, 4096, 16384)}
+    for c in fwd:
+        assert c.B * c.L == 16384 and c.H * c.d == 2048 and c.dtype == "bf16"
+        assert c.suite == "fwd" and c.mode == "fwd" and not c.isolated
+    fb = ba.SUITES["fwd_bwd"].cases()
+    assert len(fb) == 2 * 3 * 2 and {c.mode for c in fb} == {"fwd_bwd"}
+    assert fb[0].flops == 4 * 16384 * 1024 * 2048 * 7 // 2
+    mem = ba.SUITES["memory"].cases()
+    assert [c.L for c in mem] == list(ba.MEMORY_L)
+    assert {(c.B, c.H, c.d, c.mode) for c in mem} == {(1, 16, 128, "memory")}
+    fp32 = ba.SUITES["fwd_fp32"].cases()
+    assert {(c.dtype, c.causal) for c in fp32} == {("fp32", False)} and len(fp32) == 4
+
+
+def test_isolated_cases():
+    iso = ba.SUITES["fwd"].cases(isolated=True)
+    assert len(iso) == 3 * 2 * 2
+    assert {c.L for c in iso} == {512, 1024} and all(c.isolated for c in iso)
+    assert {(c.B, c.H) for c in iso if c.L == 512 and c.d == 128} == {(32, 16)}
+    assert iso[0].row("cuflash", ms=1.0)["isolated"] is True
+    with pytest.raises(ValueError, match="no isolated mode"):
+        ba.SUITES["memory"].cases(isolated=True)
+
+
+def test_cases_take_overrides_in_table_order():
+    cases = ba.SUITES["fwd"].cases(["bf16", "fp16"], [64], [1024, 4096], [True])
+    assert [(c.dtype, c.L) for c in cases] == [("bf16", 1024), ("bf16", 4096),
+                                               ("fp16", 1024), ("fp16", 4096)]
+    with pytest.raises(ValueError, match="must divide"):
+        ba.SUITES["fwd"].cases(Ls=[3000])
+
+
+def test_case_row_has_the_row_fields():
+    c = ba.SUITES["fwd_bwd"].cases(ds=[128], Ls=[4096], causals=[True])[0]
+    row = c.row("cuflash", ms=2.0, iters=50)
+    assert {k: row[k] for k in ("impl", "suite", "mode", "dtype", "d", "L", "causal",
+                                "isolated")} == {
+        "impl": "cuflash", "suite": "fwd_bwd", "mode": "fwd_bwd", "dtype": "bf16", "d": 128,
+        "L": 4096, "causal": True, "isolated": False}
+    assert row["tflops"] == pytest.approx(c.flops / 2e-3 / 1e12) and row["ms"] == 2.0
+
+
+# --- rotation, iterations, paths ---------------------------------------------------------------
+
+def test_input_rotation_spans_twice_l2():
+    l2 = 60 * 2**20
+    assert ba.n_input_sets(500 * 2**20, l2) == 1
+    assert ba.n_input_sets(2 * l2, l2) == 1
+    assert ba.n_input_sets(l2, l2) == 2
+    assert ba.n_input_sets(10 * 2**20, l2) == 12
+    assert ba.n_input_sets(1, l2) == ba.MAX_INPUT_SETS
+    for size in (1 * 2**20, 7 * 2**20, 50 * 2**20):
+        n = ba.n_input_sets(size, l2)
+        assert n * size >= 2 * l2 or n == ba.MAX_INPUT_SETS
+    with pytest.raises(ValueError):
+        ba.n_input_sets(0)
+
+
+def test_iteration_count():
+    assert ba.n_iters(1.0, 0.5) == ba.MIN_ITERS
+    assert ba.n_iters(0.001, 0.5) == 500
+    assert ba.n_iters(1e-7, 0.5) == ba.MAX_ITERS
+    assert ba.n_iters(0.0) == ba.MAX_ITERS
+
+
+def test_naive_limit():
+    assert ba.naive_fits(1, 32, 16384, 16384)              # 34 GB under 40 GB
+    assert not ba.naive_fits(1, 16, 32768, 32768, ba.NAIVE_MEMORY_LIMIT_BYTES)   # 68.7 GB
+
+
+def test_result_paths():
+    assert ba.results_dir_for("NVIDIA H200") == ROOT / "bench" / "results" / "h200"
+    assert ba.results_dir_for("NVIDIA GeForce RTX 4090").name == "4090"
+    assert ba.results_dir_for("").name == "unknown-gpu"
+    assert ba.result_name("fwd", False) == "fwd.json"
+    assert ba.result_name("fwd", True) == "fwd_isolated.json"
+
+
+# --- timing logic with fake clocks -------------------------------------------------------------
+
+class FakeClock:
+    """Records the order of operations; each timed call "takes" 1 ms more than the last."""
+
+    def __init__(self):
+        self.log = []
+        self.n = 0
+
+    def sync(self):
+        self.log.append("sync")
+
+    def start(self):
+        self.log.append("start")
+        return len(self.log)
+
+    def stop(self, token, result):
+        self.log.append(("stop", result))
+        self.n += 1
+        return float(self.n)
+
+
+def test_isolated_timing_idles_before_every_call_and_brackets_it():
+    clock, slept, calls = FakeClock(), [], []
+
+    def fn(i):
+        calls.append(i)
+        clock.log.append("call")
+        return f"r{i}"
+
+    ms = ba.time_isolated(fn, n_sets=2, reps=3, clock=clock, idle_s=0.004,
+                          sleep=lambda s: (slept.append(s), clock.log.append("sleep")))
+    assert ms == [1.0, 2.0, 3.0]
+    assert calls == [0, 1, 0]                     # input sets rotate
+    assert slept == [0.004] * 3
+    one = ["sync", "sleep", "start", "call"]
+    assert clock.log == (one + [("stop", "r0")] + one + [("stop", "r1")] + one
+                         + [("stop", "r0")])
+    with pytest.raises(ValueError):
+        ba.time_isolated(fn, 1, 0, clock)
+
+
+def test_host_clock_blocks_on_the_result():
+    blocked = []
+    clock = ba.HostClock(block=blocked.append, sync=lambda: None)
+    t = clock.start()
+    ms = clock.stop(t, "result")
+    assert blocked == ["result"] and ms >= 0
+
+
+def test_measure_isolated_uses_the_impls_clock():
+    class HostImpl(ba.Impl):
+        name = "fake"
+        timing = "host"
+
+        def __init__(self):
+            self.blocked = 0
+
+        def block(self, result):
+            self.blocked += 1
+
+        def sync(self):
+            pass
+
+    impl = HostImpl()
+    case = ba.SUITES["fwd"].cases(ds=[64], Ls=[512], causals=[False], isolated=True)[0]
+    opts = ba.Options(reps=5, idle_ms=0.1)
+    ms, n = ba.measure(impl, lambda i: i, 1, case, opts)
+    assert n == 5 and impl.blocked == 5 and ms >= 0
+
+
+def test_host_batches_divide_by_calls():
+    seen = []
+    ms = ba.time_host_batches(lambda i: seen.append(i), n_sets=3, batches=2, per_batch=4,
+                              block=lambda r: None, sync=lambda: None)
+    assert len(ms) == 2 and seen == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+# --- implementations that run on the CPU path ---------------------------------------------------
+
+def test_cuflash_impl_runs_forward_and_backward_on_numpy():
+    from cuflash import reference
+    rng = np.random.default_rng(0)
+    shape = (1, 2, 16, 8)
+    s = ba.InputSet(*(rng.standard_normal(shape) for _ in range(4)))
+    fwd = ba.Case("fwd", "fwd", "fp32", 8, 16, True, 1, 2)
+    o = ba.CuflashImpl().prepare(fwd, [s], 0.3)(0)
+    np.testing.assert_allclose(o, reference.attention(s.q, s.k, s.v, scale=0.3, causal=True),
+                               rtol=1e-10, atol=1e-10)
+    grads = ba.CuflashImpl().prepare(ba.dataclasses.replace(fwd, mode="fwd_bwd"), [s], 0.3)(0)
+    want = reference.attention_backward(s.do, s.q, s.k, s.v, scale=0.3, causal=True)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-8)
+
+
+def test_cuflash_sm80_sets_the_launcher_env_only_around_the_call(monkeypatch):
+    import cuflash
+    seen = []
+    monkeypatch.delenv("CUFLASH_FWD", raising=False)
+    monkeypatch.setenv("CUFLASH_BWD", "auto")
+    monkeypatch.setattr(cuflash, "attention", lambda *a, **kw: seen.append(
+        (os.environ.get("CUFLASH_FWD"), os.environ.get("CUFLASH_BWD"))))
+    case = ba.Case("fwd", "fwd", "bf16", 64, 1024, False, 16, 32)
+    ba.CuflashSm80Impl().prepare(case, [ba.InputSet(1, 2, 3, None)], 0.125)(0)
+    assert seen == [("sm80", "sm80")]
+    assert "CUFLASH_FWD" not in os.environ and os.environ["CUFLASH_BWD"] == "auto"
+
+
+def test_make_impls_names():
+    names = list(ba.IMPLS)
+    assert [i.name for i in ba.make_impls(names)] == names
+    assert ba.make_impls(["naive_cupy"], memory=True)[0].limit == ba.NAIVE_MEMORY_LIMIT_BYTES
+
+
+def test_skip_reason_keeps_torchs_real_explanation():
+    import warnings
+
+    def w(text):
+        return warnings.WarningMessage(text, UserWarning, "x.py", 1)
+    caught = [w("Memory efficient kernel not used because: (Triggered internally at /a.cpp:9.)"),
+              w("Memory Efficient attention has been runtime disabled. (Triggered internally "
+                "at /a.cpp:1.)"),
+              w("Expected query, key and value to all be of dtype: {Half, BFloat16}. Got Query "
+                "dtype: float (Triggered internally at /b.cpp:2.)")]
+    msg = ba.short_error(RuntimeError("No available kernel. Aborting execution."), caught)
+    assert msg == ("RuntimeError: No available kernel. Aborting execution. [Expected query, key "
+                   "and value to all be of dtype: {Half, BFloat16}. Got Query dtype: float]")
+
+
+# --- reports, command line, committed results --------------------------------------------------
+
+def test_report_has_memory_and_skips():
+    case = ba.SUITES["memory"].cases(Ls=[4096])[0]
+    rows = [case.row("cuflash", peak_extra_bytes=2**20),
+            case.row("naive_cupy", skipped="too big")]
+    text = ba.report({"gpu": "G"}, rows)
+    assert "naive_cupy: too big (1 row)" in text
+    assert text.splitlines()[-1].split() == ["bf16", "1", "16", "128", "4096", "no", "1.0", "-"]
+    assert "TFLOP/s" not in text
+
+
+def test_main_errors_are_one_line(capsys):
+    for argv, why in ((["--suite", "decode"], "issue 11"), (["--suite", "x"], "unknown suite"),
+                      (["--suite", "memory", "--isolated"], "no isolated mode"),
+                      (["--load", "/nonexistent/r.json"], "No such file")):
+        assert ba.main(argv) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1
+
+
+def test_list(capsys):
+    assert ba.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("fwd ") and "planned" in out
+
+
+@pytest.mark.parametrize("name", ["fwd", "fwd_bwd", "fwd_fp32", "memory"])
+def test_committed_results_are_in_the_row_format(name, capsys):
+    doc = json.loads((RESULTS / f"{name}.json").read_text())
+    h = doc["header"]
+    assert h["gpu"] == "NVIDIA H200" and h["suite"] == name and h["isolated"] is False
+    assert h["converted_from"].startswith("bench/results/2026-11-29-h200-")
+    assert {"driver", "cupy", "torch", "git", "command"} <= set(h)
+    for r in doc["rows"]:
+        assert r["suite"] == name and r["isolated"] is False
+        assert {"impl", "mode", "dtype", "d", "L", "causal", "tflops", "ms"} <= set(r)
+        if r.get("tflops"):
+            assert r["tflops"] == pytest.approx(r["flops"] / (r["ms"] * 1e9))
+    assert ba.main(["--load", str(RESULTS / f"{name}.json")]) == 0
+    assert "converted from" in capsys.readouterr().out
+
+
+def test_committed_fwd_bwd_ratios_are_the_session_3_evidence():
+    # bench/NOTES.md, bwd_sm90 v1.3: 1.04-1.17x SDPA flash at all 12 bf16 points of run 1
+    _, rows = ba.read_json(RESULTS / "fwd_bwd.json")
+    by = {(r["impl"], r["d"], r["L"], r["causal"]): r["tflops"] for r in rows}
+    ratios = [by[("cuflash", d, L, c)] / by[("sdpa_flash", d, L, c)]
+              for d in (64, 128) for L in (1024, 4096, 16384) for c in (False, True)]
+    assert len(ratios) == 12 and 1.04 <= min(ratios) and max(ratios) <= 1.18
+
+
+def test_only_current_results_are_committed():
+    names = sorted(p.name for p in (ROOT / "bench" / "results").iterdir())
+    assert names in (["h200"], ["h200", "logs"])       # logs/: ignored by git, never committed
+    assert not (ROOT / "bench" / "results" / "EVIDENCE.md").exists()
+
+
+def test_git_describe_in_checkout():
+    import shutil
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    desc = ba.git_describe()
+    assert desc is not None and len(desc.split("+")[0]) == 12
+
+
+def test_env_restores():
+    os.environ.pop("CUFLASH_TEST_X", None)
+    with ba.env(CUFLASH_TEST_X="1"):
+        assert os.environ["CUFLASH_TEST_X"] == "1"
+    assert "CUFLASH_TEST_X" not in os.environ
+
+
+# --- host overhead -----------------------------------------------------------------------------
+
+def test_overhead_row():
+    r = ho.overhead_row("cuflash", 2000, [0.030, 0.020, 0.040], [0.031, 0.021, 0.041])
+    assert r["impl"] == "cuflash" and r["us_per_call"] == pytest.approx(15.0)
+    assert r["us_per_call_drained"] == pytest.approx(15.5) and r["gpu_bound"] is False
+    assert r["calls"] == 2000 and r["repeats"] == 3
+    slow = ho.overhead_row("x", 1000, [0.010], [0.020])        # the queue took twice as long
+    assert slow["gpu_bound"] is True
+    with pytest.raises(ValueError):
+        ho.overhead_row("x", 0, [1.0], [1.0])
+    with pytest.raises(ValueError):
+        ho.overhead_row("x", 10, [], [])
+
+
+def test_time_loop_with_a_fake_clock():
+    t = iter([0.0, 0.5, 0.8])
+    events = []
+    issue, drained = ho.time_loop(lambda: events.append("call"), 3,
+                                  sync=lambda: events.append("sync"), clock=lambda: next(t))
+    assert (issue, drained) == (0.5, 0.8)
+    assert events == ["sync", "call", "call", "call", "sync"]
+
+
+def test_overhead_table():
+    rows = [ho.overhead_row("cuflash", 100, [0.003], [0.003]),
+            ho.overhead_row("sdpa_flash", 100, [0.0015], [0.0015]),
+            ho.overhead_row("cupy_empty_kernel", 100, [0.0005], [0.002])]
+    lines = ho.format_rows(rows).splitlines()
+    assert lines[0].split()[:2] == ["impl", "us/call"]
+    assert lines[2].split() == ["cuflash", "30.0", "30.0", "2.00", "ok"]
+    assert lines[4].split()[-1] == "GPU-BOUND"
+
+
+def test_host_overhead_without_gpu_fails_clearly(capsys):
+    from cuflash import __main__ as cli
+    if cli.usable_gpu()[0] is not None:
+        pytest.skip("a GPU is present")
+    assert ho.main(["--no-json"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# --- run_perf end to end on the CPU: cuflash's NumPy path, a CuPy stand-in made of NumPy ----------
+
+class _FakeEvent:
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy():
+    import types
+    ns = types.SimpleNamespace
+
+    class RandomState:
+        def __init__(self, seed):
+            self.rs = np.random.RandomState(seed)
+
+        def standard_normal(self, shape, dtype):
+            return self.rs.standard_normal(shape).astype(dtype)
+
+    return ns(float32=np.float32, random=ns(RandomState=RandomState),
+              cuda=ns(Device=lambda *a: ns(synchronize=lambda: None, id=0), Event=_FakeEvent,
+                      get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3),
+              get_default_memory_pool=lambda: ns(free_all_blocks=lambda: None))
+
+
+class _Unavailable(ba.Impl):
+    name = "sdpa_flash"
+
+    def available(self):
+        return "ModuleNotFoundError: torch"
+
+
+class _Failing(ba.Impl):
+    name = "sdpa_cudnn"
+
+    def prepare(self, case, sets, scale):
+        def fn(i):
+            raise RuntimeError("No available kernel.\nmore")
+        return fn
+
+
+def test_run_perf_end_to_end_on_the_cpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(ba.Impl, "release", lambda self: None)
+    cases = [ba.Case("fwd", "fwd", "fp32", 8, 16, False, 1, 2),
+             ba.Case("fwd_bwd", "fwd_bwd", "fp32", 8, 16, True, 1, 2),
+             ba.Case("fwd", "fwd", "fp32", 8, 32, True, 1, 2, isolated=True)]
+    opts = ba.Options(budget_s=0.001, reps=3, idle_ms=0.01)
+    rows = ba.run_perf(ba.SUITES["fwd"], cases, [ba.CuflashImpl(), _Unavailable(), _Failing()],
+                       opts)
+    assert [(r["impl"], r["mode"], r["isolated"]) for r in rows] == [
+        (i, m, iso) for m, iso in (("fwd", False), ("fwd_bwd", False), ("fwd", True))
+        for i in ("cuflash", "sdpa_flash", "sdpa_cudnn")]
+    timed = [r for r in rows if r["impl"] == "cuflash"]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and "skipped" not in r for r in timed)
+    assert timed[0]["iters"] >= ba.MIN_ITERS and timed[0]["input_sets"] == ba.MAX_INPUT_SETS
+    assert timed[2]["iters"] == 3
+    assert all(r["skipped"] == "not available: ModuleNotFoundError: torch"
+               for r in rows if r["impl"] == "sdpa_flash")
+    assert all(r["skipped"] == "RuntimeError: No available kernel."
+               for r in rows if r["impl"] == "sdpa_cudnn")
+    assert "cuflash/sdpa_flash" in ba.report({"gpu": "cpu"}, rows)
+
+
+def test_run_perf_stops_at_the_deadline(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    case = ba.Case("fwd", "fwd", "fp32", 8, 16, False, 1, 2)
+    rows = ba.run_perf(ba.SUITES["fwd"], [case], [ba.CuflashImpl()], ba.Options(deadline=0.0))
+    assert rows[0]["skipped"].startswith("time budget") and rows[0]["ms"] is None
+
+
+def test_gpu_run_script_parts(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = ROOT / "bench" / "gpu_run.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    for part in ("tests", "bench", "isolated", "overhead", "sanitize"):
+        assert f"part_{part}()" in text
+    assert "HYPOTHESIS_PROFILE=gpu" in text and "bench/probes/sanitize_smoke.py" in text
+    env = dict(os.environ, OUT=str(tmp_path))
+    r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "unknown part 'nope'" in r.stderr
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "Parts" in r.stdout
