@@ -63,11 +63,35 @@ class _FastForward:
 
 
 class _FastBackward:
-    __slots__ = ("plan", "shapes", "dtype", "device_id")
+    """A cached backward: the plan and the shapes of the gradients. Where the plan needs no
+    broadcast sum (``plan.direct``) and lse is contiguous, dq, dk and dv share one allocation (256-byte aligned
+    parts) whose arrays are made after the launches."""
+    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes")
 
     def __init__(self, plan, dq, dk, dv):
         self.plan, self.device_id = plan, plan.device_id
         self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
+        self.offsets, total = [], 0
+        for x in (dq, dk, dv):
+            self.offsets.append(total)
+            total += -(-x.nbytes // 256) * 256
+        self.nbytes = max(total, 1)
+
+    def __call__(self, do, q, k, v, o, lse):
+        cupy = sys.modules["cupy"]
+        sq, sk, sv = self.shapes
+        if not (self.plan.direct and self.plan.lse_contiguous):
+            dq, dk, dv = (cupy.empty(s, self.dtype) for s in self.shapes)
+            self.plan(do, q, k, v, o, lse, dq, dk, dv)
+            return dq, dk, dv
+        mem = cupy.cuda.alloc(self.nbytes)
+        _, ok, ov = self.offsets
+        base = mem.ptr
+        self.plan.run(cupy.cuda.get_current_stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr,
+                      v.data.ptr, o.data.ptr, lse.data.ptr, base, base + ok, base + ov)
+        return (cupy.ndarray(sq, self.dtype, memptr=mem),
+                cupy.ndarray(sk, self.dtype, memptr=mem + ok),
+                cupy.ndarray(sv, self.dtype, memptr=mem + ov))
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
@@ -295,13 +319,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         except TypeError:
             fast = None
         if fast is not None:
-            cupy = sys.modules["cupy"]
-            if cupy.cuda.runtime.getDevice() == fast.device_id:
-                sq, sk, sv = fast.shapes
-                dq, dk, dv = (cupy.empty(sq, fast.dtype), cupy.empty(sk, fast.dtype),
-                              cupy.empty(sv, fast.dtype))
-                fast.plan(do, q, k, v, o, lse, dq, dk, dv)
-                return dq, dk, dv
+            if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
+                return fast(do, q, k, v, o, lse)
 
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     mods = _modifiers.check_modifiers(
@@ -340,7 +359,8 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
     from cuflash._plan import BackwardPlan
     key = ("plan", _layout(do), _layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o),
            _layout(lse), prob.scale, prob.causal_offset if prob.causal else None, deterministic)
-    plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, dq, dk, dv, deterministic))
+    plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, lse, dq, dk, dv,
+                                                      deterministic))
     plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \

@@ -176,40 +176,47 @@ def kernel(source: str, expr: str, device_id: int, smem_bytes: int):
 
 
 class Launch:
-    """One kernel with its grid and its argument block, issued through ``cuLaunchKernel``.
+    """Kernels that take one argument block, issued through ``cuLaunchKernel``.
 
     The argument block lives in a buffer of this object; ``cuLaunchKernel`` copies it at the
-    call, so the buffer can be patched again right after. A lock makes patch-and-launch atomic
-    for threads sharing one plan. ``args`` are (name, offset) of the kernel's arguments in
-    the buffer: one, ``Params`` at offset 0, for every family.
+    call, so the buffer can be patched again right after. A call writes the leading 8-byte
+    words of the block (the device pointers: Params begins with them) and launches each kernel
+    of the Launch in order with that same block (the backward's D = rowsum(dO o O) and main
+    kernel share one). A lock makes patch-and-launch atomic for threads sharing one plan.
+    ``offsets`` are the byte offsets of the kernel's arguments in the block: one, Params at 0,
+    for every family; one per argument for the helper kernels with plain arguments.
     """
 
-    __slots__ = ("name", "fn", "grid", "block", "smem", "buf", "words", "_argv", "argv_ptr",
-                 "lock")
+    __slots__ = ("name", "kernels", "buf", "_argv", "argv_ptr", "lock")
 
     def __init__(self, k, grid: int, block: int, smem: int, block_args: numpy.ndarray,
                  offsets=(0,), name: str = ""):
         self.name = name
-        self.fn = k.kernel.ptr
-        self.grid, self.block, self.smem = int(grid), int(block), int(smem)
+        self.kernels = [(k.kernel.ptr, int(grid), int(block), int(smem))]
         self.buf = numpy.zeros(-(-block_args.nbytes // 8), numpy.uint64)
         self.buf.view(numpy.uint8)[:block_args.nbytes] = numpy.frombuffer(
             block_args.tobytes(), numpy.uint8)
-        self.words = self.buf                       # pointer fields are its first words
         base = self.buf.ctypes.data
         self._argv = numpy.array([base + o for o in offsets], numpy.uint64)
         self.argv_ptr = self._argv.ctypes.data
         self.lock = threading.Lock()
 
-    def __call__(self, stream: int, *pointer_words: tuple[int, int]) -> None:
-        """Patch ``(word index, value)`` pairs into the argument block and launch."""
+    def then(self, k, grid: int, block: int, smem: int) -> "Launch":
+        """Also launch ``k`` (after the kernels already here) with the same argument block."""
+        self.kernels.append((k.kernel.ptr, int(grid), int(block), int(smem)))
+        return self
+
+    @property
+    def grid(self) -> int:
+        return self.kernels[-1][1]
+
+    def __call__(self, stream: int, words: list[int]) -> None:
+        """Write ``words`` over the leading 8-byte words of the block and launch."""
         from cupy.cuda import driver
         with self.lock:
-            w = self.words
-            for i, value in pointer_words:
-                w[i] = value
-            driver.launchKernel(self.fn, self.grid, 1, 1, self.block, 1, 1, self.smem, stream,
-                                self.argv_ptr, 0)
+            self.buf[:len(words)] = words
+            for fn, grid, block, smem in self.kernels:
+                driver.launchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
 
 
 def word(name: str) -> int:

@@ -19,7 +19,7 @@ import numpy
 
 from . import _families, _launch
 from ._families import FAMILIES, Shape
-from ._launch import DK_OUT, DV_OUT, Launch, batch_layout, pack, word
+from ._launch import DK_OUT, DV_OUT, Launch, batch_layout, pack
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -62,6 +62,15 @@ def _stream() -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
+def _run(launch: Launch, offsets, stream: int, bases: list[int]) -> None:
+    """Launch once per outer batch index: the base pointers plus that launch's offsets."""
+    if len(offsets) == 1 and not any(offsets[0]):
+        launch(stream, bases)
+    else:
+        for offs in offsets:
+            launch(stream, [b + o for b, o in zip(bases, offs)])
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -82,32 +91,37 @@ class ForwardPlan:
         self._order = grid_order(self.choice, prob.causal)
         self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
         self.dims = Dims.of(prob)
-        self._build(prob.q, prob.k, prob.v, o)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o)
 
     def _build(self, q, k, v, o):
+        """The launch for inputs laid out as q, k, v, o: (Launch, per-launch pointer offsets)."""
         tensors = {"q": q, "k": k, "v": v, "o": o}
-        self.layout = batch_layout(self.dims.batch_shape, list(tensors.values()))
-        p = pack(self.dims, tensors, self.layout, self._vp, num_m_blocks=self.num_m_blocks,
+        layout = batch_layout(self.dims.batch_shape, list(tensors.values()))
+        p = pack(self.dims, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  grid_order=self._order)
         t = self.choice.traits
-        self.launch = Launch(self._kernel, self.layout.inner_n * self.num_m_blocks, t.threads,
-                             t.smem_bytes, p, name=self.choice.expr)
-        self.itemsizes = tuple(x.itemsize for x in (q, k, v, o))
+        launch = Launch(self._kernel, layout.inner_n * self.num_m_blocks, t.threads,
+                        t.smem_bytes, p, name=self.choice.expr)
+        # byte offsets of q, k, v, o, lse (the leading words of Params) for each launch
+        sizes = [x.itemsize for x in (q, k, v, o)]
+        offsets = [[e * n for e, n in zip(offs, sizes)] + [first * self.lse_row]
+                   for first, offs in layout.outer]
+        return launch, offsets
 
     def __call__(self, q, k, v, o, lse) -> None:
         """Compute into ``o`` and ``lse`` (arrays laid out as at planning) on the current
         stream; q, k, v as given to ``attention`` or broadcast views of them."""
         if self.copies:   # a layout the cp.async loads cannot read: copy, and pack for it
             q, k, v = (_launch.tensor_core_input(x) for x in (q, k, v))
-            self._build(q, k, v, o)
-        self.run(_stream(), q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr)
+            launch, offsets = self._build(q, k, v, o)
+        else:
+            launch, offsets = self.launch, self.offsets
+        _run(launch, offsets, _stream(),
+             [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr])
 
     def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
-        """Launch with raw device pointers (the fast path of ``_api``)."""
-        iq, ik, iv, io = self.itemsizes
-        for first, (oq, ok, ov, oo) in self.layout.outer:
-            self.launch(stream, (0, q + oq * iq), (1, k + ok * ik), (2, v + ov * iv),
-                        (3, o + oo * io), (4, lse + first * self.lse_row))
+        """Launch with raw device pointers (the fast path of ``_api``; not for copies plans)."""
+        _run(self.launch, self.offsets, stream, [q, k, v, o, lse])
 
     def explain(self) -> str:
         return explain_choice(self.choice, self.launch.grid)
@@ -132,11 +146,12 @@ class BackwardPlan:
     the main kernel (FA-2 Algorithm 2), and the finishing of dQ (and of dK, dV where they
     must be summed over broadcast dimensions)."""
 
-    def __init__(self, prob, do, o, dq, dk, dv, deterministic: bool):
+    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
         self.choice = _families.choose("bwd", Shape.of(prob, deterministic), dev)
+        lse_contiguous = lse.flags.c_contiguous
         fam, t = self.choice.family, self.choice.traits
         self.tc = fam.tensor_core_rows
         self.copies = self.tc and not all(
@@ -158,13 +173,17 @@ class BackwardPlan:
                                                               fam.name == "bwd_sm80") else 0,
                  "dpsum": nbatch * Lq * a,
                  "dk_acc": 0 if self.dk_direct else nbatch * Lk * d * a,
-                 "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a}
-        self.offsets, total = {}, 0
+                 "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a,
+                 "dq_sum": 0 if self.dq_direct else nbatch * Lq * d * a}
+        self.ws_offsets, total = {}, 0
         for name, n in sizes.items():
-            self.offsets[name] = total
+            self.ws_offsets[name] = total
             total += _align(n)
         self.workspace = max(total, 256)
-        self.zeroed = self.offsets["dpsum"]   # dq_acc and dq_sem start at 0
+        self.zeroed = self.ws_offsets["dpsum"]   # dq_acc and dq_sem start at 0
+        self.direct = self.dq_direct and self.dk_direct and self.dv_direct
+        self.lse_itemsize = 8 if prob.dtype == numpy.float64 else 4
+        self.lse_contiguous = lse_contiguous
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
         self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
@@ -180,83 +199,93 @@ class BackwardPlan:
                              grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS,
                              name="bwd_finish_dq")
         self.num_sms = dev.num_sms
-        self._build(prob.q, prob.k, prob.v, o, do)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do)
 
     def _build(self, q, k, v, o, do):
+        """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
+        main kernel, per-launch byte offsets of the 11 pointers of Params)."""
         prob, t = self.prob, self.choice.traits
         tensors = {"q": q, "k": k, "v": v, "o": o, "dout": do}
-        self.layout = batch_layout(prob.batch_shape, list(tensors.values()))
+        layout = batch_layout(prob.batch_shape, list(tensors.values()))
         flags = (DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
-        n = self.layout.inner_n
-        p = pack(prob, tensors, self.layout, self._vp, num_m_blocks=self.num_m_blocks,
+        n = layout.inner_n
+        p = pack(prob, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
                  dq_block_stride=(math.prod(prob.batch_shape) * prob.Lq * prob.d
                                   if self.parts > 1 else 0))
         dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
                                 DOT_BLOCKS_PER_SM * self.num_sms))
-        self.dot = Launch(self._dot, dot_blocks, AUX_THREADS, 0, p, name="bwd_dot_do_o")
-        self.main = Launch(self._main, n * self.num_n_blocks, t.threads, t.smem_bytes, p,
-                           name=self.choice.expr)
-        self.itemsizes = tuple(x.itemsize for x in (q, k, v, o, do))
+        # -- 4: D = rowsum(dO o O), then 5-19: one block per (batch item, key tile)
+        launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, p, name="bwd_dot_do_o").then(
+            self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
+        a, Lq, Lk = self.acc.itemsize, prob.Lq, prob.Lk
+        sizes = [x.itemsize for x in (q, k, v, o)]
+        dk_row = prob.d * (prob.dtype.itemsize if self.dk_direct else a)
+        dv_row = prob.dv * (prob.dtype.itemsize if self.dv_direct else a)
+        offsets = []   # in _launch.POINTERS order
+        for first, (oq, ok, ov, oo, odo) in layout.outer:
+            offsets.append([oq * sizes[0], ok * sizes[1], ov * sizes[2], oo * sizes[3],
+                            first * Lq * self.lse_itemsize, odo * do.itemsize, first * Lq * a,
+                            first * Lq * prob.d * a, first * Lk * dk_row, first * Lk * dv_row,
+                            first * 4 * self.num_m_blocks])
+        return launch, offsets
 
     def __call__(self, do, q, k, v, o, lse, dq, dk, dv) -> None:
+        """Write the gradients into ``dq``, ``dk``, ``dv`` (arrays of q's, k's, v's shapes, as
+        at planning) on the current stream."""
         import cupy
-        prob = self.prob
         if self.copies:
             q, k, v, do = (_launch.tensor_core_input(x) for x in (q, k, v, do))
-            self._build(q, k, v, o, do)
-        lse = cupy.ascontiguousarray(lse)
-        ws = cupy.cuda.alloc(self.workspace)
-        stream = _stream()
-        base = ws.ptr
-        if self.zeroed:
-            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
-        off, a = self.offsets, self.acc.itemsize
-        Lq, Lk, d, d_v = prob.Lq, prob.Lk, prob.d, prob.dv
-        iq, ik, iv, io, ido = self.itemsizes
-        dk_base = dk.data.ptr if self.dk_direct else base + off["dk_acc"]
-        dv_base = dv.data.ptr if self.dv_direct else base + off["dv_acc"]
-        dk_isz = dk.itemsize if self.dk_direct else a
-        dv_isz = dv.itemsize if self.dv_direct else a
-        sem_row = 4 * self.num_m_blocks
-        for first, (oq, ok, ov, oo, odo) in self.layout.outer:
-            ptrs = ((word("q"), q.data.ptr + oq * iq), (word("k"), k.data.ptr + ok * ik),
-                    (word("v"), v.data.ptr + ov * iv), (word("o"), o.data.ptr + oo * io),
-                    (word("dout"), do.data.ptr + odo * ido),
-                    (word("lse"), lse.data.ptr + first * Lq * lse.itemsize),
-                    (word("dpsum"), base + off["dpsum"] + first * Lq * a),
-                    (word("dq_acc"), base + off["dq_acc"] + first * Lq * d * a),
-                    (word("dk_acc"), dk_base + first * Lk * d * dk_isz),
-                    (word("dv_acc"), dv_base + first * Lk * d_v * dv_isz),
-                    (word("dq_sem"), base + off["dq_sem"] + first * sem_row))
-            self.dot(stream, *ptrs)      # -- 4: D = rowsum(dO o O)
-            self.main(stream, *ptrs)     # -- 5-19: one block per (batch item, key tile)
-        self._finish(ws, stream, dq, dk, dv)
+            launches = self._build(q, k, v, o, do)
+        else:
+            launches = (self.launch, self.offsets)
+        if not self.lse_contiguous:
+            lse = cupy.ascontiguousarray(lse)
+        ws = self._run(launches, _stream(), do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr)
+        self._sum_broadcast(ws, dq, dk, dv)
 
-    def _finish(self, ws, stream: int, dq, dk, dv) -> None:
-        """dQ (and dK, dV where broadcast) from the accumulation buffers into the results: one
-        kernel where dq is not broadcast (it then has every batch item, C-contiguous), which
-        sums the deterministic partials and rounds; else in Acc, then summed by CuPy."""
+    def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dq: int,
+            dk: int, dv: int) -> None:
+        """Launch with raw device pointers (the fast path of ``_api``: plans whose gradients
+        need no broadcast sum and whose inputs need no copy)."""
+        self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
+
+    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv):
         import cupy
-        prob, off, acc = self.prob, self.offsets, self.acc
+        ws = cupy.cuda.alloc(self.workspace)
+        base = ws.ptr
+        if self.zeroed:   # dq_acc and the semaphores start at 0
+            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
+        off = self.ws_offsets
+        _run(*launches, stream, [
+            q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],
+            dk if self.dk_direct else base + off["dk_acc"],
+            dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]])
+        # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
+        # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
+        self.finish(stream, [base + off["dq_acc"], dq if self.dq_direct else base + off["dq_sum"]])
+        return ws
+
+    def _sum_broadcast(self, ws, dq, dk, dv) -> None:
+        """dQ, dK, dV of broadcast inputs: summed over the dimensions broadcasting added."""
+        if self.direct:
+            return
+        import cupy
+        prob, off, acc = self.prob, self.ws_offsets, self.acc
         bs = prob.batch_shape
 
         def view(name, shape):
             return cupy.ndarray(shape, acc, memptr=ws + off[name])
-        partial = ws.ptr + off["dq_acc"]
-        if self.dq_direct:
-            self.finish(stream, (0, partial), (1, dq.data.ptr))
-        else:
-            summed = cupy.empty(bs + (prob.Lq, prob.d), acc)
-            self.finish(stream, (0, partial), (1, summed.data.ptr))
-            _sum_into(dq, summed)
+        if not self.dq_direct:
+            _sum_into(dq, view("dq_sum", bs + (prob.Lq, prob.d)))
         if not self.dk_direct:
             _sum_into(dk, view("dk_acc", bs + (prob.Lk, prob.d)))
         if not self.dv_direct:
             _sum_into(dv, view("dv_acc", bs + (prob.Lk, prob.dv)))
 
     def explain(self) -> str:
-        return explain_choice(self.choice, self.main.grid)
+        return explain_choice(self.choice, self.launch.grid)
 
 
 def _sum_into(out, acc) -> None:
