@@ -92,7 +92,10 @@ class Captured:
                 raise IndexError(f"index {value} is out of range for axis {axis} of {self!r} "
                                  f"(the GPU clamps it into [0, {n - 1}]; the CPU path raises)")
             arrays.append(a)
-        return self.array[tuple(arrays)]
+        arr = self.array
+        if not isinstance(arr, numpy.ndarray):   # a CuPy array read on the host (the reference)
+            arr = arr.get()
+        return arr[tuple(arrays)]
 
 
 def captured(array: Any) -> Captured:
