@@ -131,3 +131,20 @@ def test_explain_shows_the_traced_source():
     assert "cannot be traced for the GPU" in bad and "numpy.arctan" in bad
     with pytest.raises(TypeError, match="unexpected keyword"):
         _api.explain(q, q, q, softcapp=1.0)
+
+
+@pytest.mark.gpu
+def test_the_reference_takes_cupy_inputs_with_modifiers():
+    import cupy
+    rng, q, k, v, kw = _inputs(3, numpy.float32)
+    doc = numpy.array([0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    kw["mask_mod"] = (lambda d: (lambda b, h, i, j: d[i] >= d[j % 11]))(
+        cuflash.captured(cupy.asarray(doc)))
+    want = cuflash.reference.attention(q, k, v, return_lse=True,
+                                       **{**kw, "mask_mod": lambda b, h, i, j:
+                                          doc[i] >= doc[j % 11]})
+    gkw = {n: (cupy.asarray(x) if isinstance(x, numpy.ndarray) else x) for n, x in kw.items()}
+    got = cuflash.reference.attention(*(cupy.asarray(x) for x in (q, k, v)), return_lse=True,
+                                      **gkw)
+    for a, b in zip(got, want):
+        numpy.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
