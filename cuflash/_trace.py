@@ -165,8 +165,8 @@ def const(x: Any) -> Sym:
         if -2 ** 63 <= v < 2 ** 63:
             return Sym("const", kind="l", value=v)
         raise _unsupported(f"the integer constant {v} (beyond int64)")
-    if isinstance(x, numbers.Real):
-        return Sym("const", kind="f", value=float(numpy.float32(x)))
+    if isinstance(x, numbers.Real):     # kept exact; float32 where it is printed for the GPU
+        return Sym("const", kind="f", value=float(x))
     if isinstance(x, numpy.ndarray) and x.ndim == 0:
         return const(x[()])
     if isinstance(x, (numpy.ndarray, list, tuple)):
@@ -187,7 +187,7 @@ def _to(x: Sym, kind: str) -> Sym:
     if x.kind == kind:
         return x
     if x.op == "const":                     # fold: a literal of the wider kind
-        value = float(numpy.float32(x.value)) if kind == "f" else int(x.value)
+        value = float(x.value) if kind == "f" else int(x.value)
         return Sym("const", kind=kind, value=value)
     return Sym("cast", (x,), kind)
 

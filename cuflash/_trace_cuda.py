@@ -27,6 +27,8 @@ import hashlib
 import math
 import re
 
+import numpy
+
 from cuflash import _trace
 
 CTYPE = {"f": "float", "i": "int", "l": "long long", "b": "bool"}
@@ -108,11 +110,12 @@ def literal(node) -> str:
     if kind == "l":
         return "(-9223372036854775807LL - 1)" if v == -2 ** 63 else (
             f"({v}LL)" if v < 0 else f"{v}LL")
+    v = float(numpy.float32(v))    # the GPU computes in float32: the literal is v's float32
     if math.isnan(v):
         return "__int_as_float(0x7fffffff)"
     if math.isinf(v):
         return _INF if v > 0 else f"(-{_INF})"
-    text = float(v).hex() + "f"
+    text = v.hex() + "f"
     return f"({text})" if v < 0 or text.startswith("-") else text
 
 

@@ -372,3 +372,63 @@ def test_cached_traces_follow_what_the_function_reads():
     ns["DOC"] = d2
     r = _trace.cached_trace(ns["mm"], "mask_mod")
     assert r.captures[0] is d2 and r.source == p.source
+
+
+# ---------------------------------------------------------------------------------------------
+# Random expressions: the trace is the function, whatever it is built from
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+_FLOAT_UNARY = [np.tanh, np.exp, np.abs, np.sqrt, np.sin, np.floor, np.square, np.negative,
+                lambda x: np.log(np.abs(x) + 1)]
+_BINARY = [np.add, np.subtract, np.multiply, np.true_divide, np.minimum, np.maximum,
+           lambda a, b: a % (np.abs(b) + 1), lambda a, b: a // (np.abs(b) + 1),
+           lambda a, b: np.where(a > b, a, b * 0.5)]
+_INT_BINARY = [np.add, np.subtract, np.multiply, lambda a, b: a // (np.abs(b) + 1),
+               lambda a, b: a % (np.abs(b) + 2), np.minimum, np.maximum]
+
+
+@st.composite
+def expressions(draw, depth=3):
+    """A random function of (s, b, h, q, kv) built from the supported operations."""
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        leaf = draw(st.sampled_from(["s", "h", "q", "kv", "const", "iconst"]))
+        if leaf == "const":
+            c = draw(st.floats(-3, 3, allow_nan=False, width=32))
+            if draw(st.booleans()):
+                return lambda s, b, h, q, kv: c * s
+            return lambda s, b, h, q, kv: c
+        if leaf == "iconst":
+            n = draw(st.integers(-5, 5))
+            return lambda s, b, h, q, kv: n
+        return {"s": lambda s, b, h, q, kv: s, "h": lambda s, b, h, q, kv: h,
+                "q": lambda s, b, h, q, kv: q, "kv": lambda s, b, h, q, kv: kv}[leaf]
+    kind = draw(st.sampled_from(["unary", "binary", "int", "where"]))
+    a = draw(expressions(depth - 1))
+    if kind == "unary":
+        f = draw(st.sampled_from(_FLOAT_UNARY))
+        return lambda s, b, h, q, kv: f(a(s, b, h, q, kv) * 1.0)
+    b_ = draw(expressions(depth - 1))
+    if kind == "binary":
+        g = draw(st.sampled_from(_BINARY))
+        return lambda s, b, h, q, kv: g(a(s, b, h, q, kv) * 1.0, b_(s, b, h, q, kv))
+    if kind == "int":
+        g = draw(st.sampled_from(_INT_BINARY))
+        return lambda s, b, h, q, kv: s * 0 + g(q - kv, h + 1)
+    c = draw(expressions(depth - 1))
+    return lambda s, b, h, q, kv: np.where((q >= kv) | (a(s, b, h, q, kv) < 0),
+                                           b_(s, b, h, q, kv), c(s, b, h, q, kv))
+
+
+@given(expressions())
+def test_random_expressions_trace_to_the_function(fn):
+    """In float64 (the reference's arithmetic) the trace computes exactly what the function
+    computes on NumPy arrays, operation for operation."""
+    tr = _trace.trace_score_mod(fn)
+    s, b, h, q, kv = grid()
+    s = s.astype(numpy.float64)
+    with numpy.errstate(all="ignore"):
+        direct = numpy.broadcast_to(numpy.asarray(fn(s, b, h, q, kv), numpy.float64), s.shape)
+    ours = numpy.broadcast_to(tr.evaluate(s, b, h, q, kv), s.shape)
+    numpy.testing.assert_allclose(ours, direct, rtol=1e-13, atol=1e-13, equal_nan=True)
