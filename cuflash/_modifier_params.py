@@ -106,3 +106,31 @@ def pack(mods: Modifiers, *, pointer, batch_strides, batch_base: int = 0,
         raise TypeError(f"score_mod and mask_mod read {slot} captured arrays together; the "
                         f"kernels take at most 4")
     return p[()]
+
+
+#: C++ spelling of each bias dtype in the kernels
+BIAS_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+              "float64": "double"}
+
+
+def template_arguments(mods: Modifiers, *, causal: bool, score_trace=None,
+                       mask_trace=None) -> str:
+    """The template arguments of ``cuflash::ModVariant<...>`` for a call: what is compiled in.
+
+    ``score_trace`` / ``mask_trace`` are the traces of ``mods.score_mod`` / ``mods.mask_mod``
+    (their structs' source must precede the kernel's); run-time values go in
+    :func:`pack`. Two calls with equal arguments share one compiled kernel.
+    """
+    from cuflash import _trace_cuda
+
+    def b(x: bool) -> str:
+        return "true" if x else "false"
+
+    bias = "void" if mods.bias is None else BIAS_CTYPE[str(mods.bias_dtype)]
+    sm = (_trace_cuda.qualified_name(score_trace) if mods.score_mod is not None
+          else "cuflash::NoScoreMod")
+    mm = (_trace_cuda.qualified_name(mask_trace) if mods.mask_mod is not None
+          else "cuflash::NoMaskMod")
+    return ", ".join([b(causal), b(mods.window is not None), b(mods.softcap is not None),
+                      b(mods.alibi_slopes is not None), bias, b(mods.mask is not None), sm, mm,
+                      b(mods.block_mask is not None), b(mods.sink is not None)])

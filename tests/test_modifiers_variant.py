@@ -318,3 +318,40 @@ def test_modifier_params_layout_matches_the_struct():
            + "\n__global__ void probe(const ModifierParams p) {}\n}\n")
     log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
     assert lowered is not None, log[:4000]
+
+
+@pytest.mark.parametrize("name", ["all", "blockmask", "bands", "window_only", "plain"])
+def test_template_arguments_spell_the_configurations(name):
+    mods, _, causal = _problem(name)
+    traces = _traces()
+    got = _modifier_params.template_arguments(
+        mods, causal=causal,
+        score_trace=traces["SM1" if name == "all" else "SM2"],
+        mask_trace=traces["MM1" if name == "all" else "MM2"])
+    want = CONFIGS[name][0]
+    for alias, tr in traces.items():
+        want = want.replace(alias, _trace_cuda.qualified_name(tr))
+    defaults = ["false", "false", "false", "false", "void", "false", "cuflash::NoScoreMod",
+                "cuflash::NoMaskMod", "false", "false"]
+    given_ = [a.strip() for a in want.split(",")] if want else []
+    assert got.split(", ") == given_ + defaults[len(given_):]
+
+
+def test_half_and_bfloat16_bias_compile_with_nvrtc():
+    try:
+        nvrtc = _jit._nvrtc_for("sm_80")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + _jit.load_source("modifiers.cuh")
+           + "".join(f"""
+__global__ void probe_{n}(const cuflash::ModifierParams m, const int* bs, float* out) {{
+  using V = cuflash::ModVariant<false, false, false, false, {t}>;
+  typename V::Item it = V::item(m, bs, blockIdx.x);
+  float db;
+  out[threadIdx.x] = V::score(m, it, out[threadIdx.x], threadIdx.x, 0)
+                     + V::grad(m, it, 1.0f, out[0], threadIdx.x, 0, db) + db;
+}}""" for n, t in (("h", "__half"), ("bf", "__nv_bfloat16"))))
+    log, lowered, _ = nvrtc.compile(src, "bias_probe.cu", ["probe_h", "probe_bf"],
+                                    _jit._options("sm_80"))
+    assert lowered is not None, log[:4000]
+
