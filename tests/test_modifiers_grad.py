@@ -152,3 +152,19 @@ def test_rows_with_no_visible_key_get_zero_gradients(with_sink):
     if with_sink:
         assert (lse[:, [0, 3]] == kw["sink"][:, None]).all()
         assert numpy.isfinite(grads[4]).all() and (grads[4] != 0).all()
+
+
+def test_a_score_mod_that_cannot_be_traced_is_differentiated_numerically():
+    """np.arctan is not traceable (the GPU would refuse it); the CPU path still runs it and
+    takes its derivative by central differences."""
+    rng = numpy.random.default_rng(8)
+    q, k, v, do = (rng.standard_normal((2, L, 3)) for L in (5, 4, 4, 5))
+    kw = {"score_mod": lambda s, b, h, i, j: 2.0 * np.arctan(s) + 0.1 * j,
+          "bias": rng.standard_normal((5, 4))}
+    prob, lse, grads, ref = _loss_and_grads(q, k, v, do, False, kw, dict(block_m=2, block_n=3))
+    fd = _finite_differences(q, k, v, do, None, kw, prob.scale)
+    for g, r, f in zip(grads, ref, fd):
+        big = max(1.0, float(numpy.abs(f).max()))
+        # central differences with a step of 2**-20 (relative) carry ~1e-10 of rounding noise
+        numpy.testing.assert_allclose(g, r, rtol=0, atol=1e-8 * big)
+        numpy.testing.assert_allclose(r, f, rtol=0, atol=2e-7 * big)
