@@ -98,7 +98,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
               window: Any = None, softcap: Any = None, alibi_slopes: Any = None,
               sink: Any = None, bias: Any = None, mask: Any = None, score_mod: Any = None,
               mask_mod: Any = None, block_mask: Any = None,
-              return_lse: bool = False, out: Any = None) -> Any:
+              return_lse: bool = False, out: Any = None, enable_gqa: bool = False) -> Any:
     """Exact softmax attention ``softmax(scale * q @ k.T + mask) @ v``, computed tile by tile.
 
     The Lq x Lk matrix of scores is never materialised: keys are visited in tiles with an
@@ -108,9 +108,13 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
 
     Parameters
     ----------
-    q : numpy.ndarray or cupy.ndarray, shape (..., Lq, d)
-    k : array of the same type, shape (..., Lk, d)
-    v : array of the same type, shape (..., Lk, dv)
+    q : array, shape (..., Lq, d)
+    k : array, shape (..., Lk, d)
+    v : array, shape (..., Lk, dv)
+        NumPy or CuPy arrays, or any array with ``__dlpack__`` / ``__cuda_array_interface__``
+        / ``__array_interface__`` (PyTorch, JAX, Numba, ...), taken without a copy: GPU
+        arrays run on the GPU and come back as CuPy, CPU arrays as NumPy
+        (``cuflash._interop``).
         One dtype for all three: float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
         float64. ``1 <= d, dv <= 256``. The leading (batch) dimensions broadcast by NumPy
         rules, so grouped-query attention is ``q (B, Hkv, G, Lq, d)`` with
@@ -122,6 +126,16 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         key ``j`` iff ``j <= i + Lk - Lq`` (aligned to the bottom-right corner, as in
         FlashAttention; right for a KV cache). 'top_left': iff ``j <= i`` (PyTorch's
         ``is_causal``).
+    return_lse : bool, optional
+        Also return the log-sum-exp of each row of scaled, masked scores.
+    out : array, optional
+        Where to write the output: same array type (and device) and exactly the dtype of the
+        inputs, shape ``batch_shape + (Lq, dv)``, any strides, sharing no element with q, k, v.
+    enable_gqa : bool, optional
+        Grouped-query attention in the 4-D layout (PyTorch SDPA's name): q ``(..., Hq, Lq, d)``
+        with k, v ``(..., Hkv, Lk, d)``, Hq a multiple of Hkv; query head h uses key/value
+        head ``h // (Hq // Hkv)``. A zero-copy view of the 5-D broadcast form; o, lse and
+        ``out`` have q's 4-D layout.
     window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
         The modifiers of DESIGN.md, applied in this order to each score: softcap
         ``c * tanh(s / c)``; ALiBi ``s -= slope * |i + Lk - Lq - j|`` (``alibi_slopes``
@@ -134,15 +148,12 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         to the batch shape) adds ``exp(sink)`` to each row's denominator (``lse`` includes it;
         a row with no visible key gets ``o = 0`` and ``lse = sink``). ``b`` is the index along
         the first batch dim and ``h`` the flat index over the others (with one batch dim,
-        ``b = 0``; with none, both 0). User functions are written with operators and NumPy
-        functions; arrays they read are wrapped with :func:`cuflash.captured`. NumPy inputs
-        run every modifier on the CPU path; on CuPy inputs the GPU kernels do not implement
-        the modifiers yet and raise NotImplementedError naming them.
-    return_lse : bool, optional
-        Also return the log-sum-exp of each row of scaled, masked scores.
-    out : array, optional
-        Where to write the output: same array type (and device) and exactly the dtype of the
-        inputs, shape ``batch_shape + (Lq, dv)``, any strides, sharing no memory with q, k, v.
+        ``b = 0``; with none, both 0; under ``enable_gqa`` the batch shape is the grouped
+        ``(..., Hkv, G)``, so ``h`` is the query head and per-head arrays are given as
+        ``(..., Hkv, G)``). User functions are written with operators and NumPy functions;
+        arrays they read are wrapped with :func:`cuflash.captured`. NumPy inputs run every
+        modifier on the CPU path; on CuPy inputs the GPU kernels do not implement them yet
+        and raise NotImplementedError naming them.
 
     Returns
     -------
@@ -178,7 +189,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     plain = (window is None and softcap is None and alibi_slopes is None and sink is None
              and bias is None and mask is None and score_mod is None and mask_mod is None
              and block_mask is None)
-    if plain and out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY:
+    if plain and out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY \
+            and enable_gqa is False:
         key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                causal.__class__)
         try:
@@ -197,6 +209,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                 return o, cupy.ndarray(fast.lse_shape, fast.lse_dtype,
                                        memptr=mem + fast.lse_offset)
 
+    call = _problem.Call(q, k, v, enable_gqa, out=out)  # any framework's arrays; GQA views
+    q, k, v, out = call.q, call.k, call.v, call.out
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     mods = _modifiers.check_modifiers(
         xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
@@ -221,7 +235,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             _numpy.forward(prob, o, lse, mods=mods)
         else:
             _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
-    return (o, lse) if return_lse else o
+    return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
 def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
@@ -241,7 +255,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
                        causal: Any = False, window: Any = None, softcap: Any = None,
                        alibi_slopes: Any = None, sink: Any = None, bias: Any = None,
                        mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                       block_mask: Any = None, deterministic: bool = False) -> tuple[Any, ...]:
+                       block_mask: Any = None, deterministic: bool = False,
+                       enable_gqa: bool = False) -> tuple[Any, ...]:
     """Gradients of :func:`attention` with respect to q, k and v (FlashAttention-2 backward).
 
     Only ``o`` and ``lse`` of the forward pass are needed: the attention probabilities are
@@ -260,6 +275,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         of shape ``batch_shape + (Lq,)`` in float32 (float64 for float64 inputs).
     scale, causal, window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
         As for :func:`attention`; must be those of the forward call.
+    enable_gqa : bool, optional
+        As for :func:`attention`: q, do, o ``(..., Hq, L, ·)``, lse ``(..., Hq, Lq)`` with k, v
+        ``(..., Hkv, Lk, ·)``; dk, dv come back in k's and v's shapes (summed over each
+        group's query heads).
     deterministic : bool, optional
         False (default): on the GPU, the key tiles add their dq contributions with atomics, so
         dq may differ in the last bits from run to run. True: bitwise-reproducible results,
@@ -267,11 +286,6 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
 
     Returns
     -------
-    dq, dk, dv[, dbias][, dsink] : arrays
-        ``dbias`` (when ``bias`` is given: shape and dtype of ``bias``) and ``dsink`` (when
-        ``sink`` is given: shape and dtype of ``sink``) follow dq, dk, dv in this order, summed
-        over the dimensions broadcasting added. ``alibi_slopes``, ``softcap``, ``window`` and
-        the arrays user functions read are constants (no gradient).
     dq, dk, dv : arrays of the inputs' dtype, shapes ``q.shape``, ``k.shape``, ``v.shape``
         New C-contiguous arrays. The gradient of a broadcast input is summed over the
         dimensions broadcasting added (NumPy/JAX semantics): for grouped-query attention,
@@ -311,7 +325,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     plain = (window is None and softcap is None and alibi_slopes is None and sink is None
              and bias is None and mask is None and score_mod is None and mask_mod is None
              and block_mask is None)
-    if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool:
+    if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
+            and enable_gqa is False:
         key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
                scale, scale.__class__, causal, causal.__class__, deterministic)
         try:
@@ -322,6 +337,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
 
+    call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
+    q, k, v, do, o, lse = call.q, call.k, call.v, call.do, call.o, call.lse
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     mods = _modifiers.check_modifiers(
         xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
@@ -334,24 +351,25 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
 
     xp = prob.xp
     with _problem.device_scope(prob):
-        extra = [xp.zeros(shape, dtype) for shape, dtype in
-                 ((mods.bias_shape, mods.bias_dtype), (mods.sink_shape, mods.sink_dtype))
-                 if shape is not None]
+        # dbias, dsink (DESIGN.md's order after dq, dk, dv), zero where nothing is computed
+        extra = tuple(xp.zeros(shape, dtype) for shape, dtype in
+                      ((mods.bias_shape, mods.bias_dtype), (mods.sink_shape, mods.sink_dtype))
+                      if shape is not None)
         if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
             # nothing to compute: no query sees a key, or there is nothing to differentiate
-            return tuple(xp.zeros(x.shape, prob.dtype) for x in (q, k, v)) + tuple(extra)
+            return call.gradients(*(xp.zeros(x.shape, prob.dtype) for x in (q, k, v))) + extra
         dq = xp.empty(q.shape, prob.dtype)
         dk = xp.empty(k.shape, prob.dtype)
         dv = xp.empty(v.shape, prob.dtype)
         if xp is numpy:
-            dbias = extra[0] if mods.bias is not None else None
-            dsink = extra[-1] if mods.sink is not None else None
-            _numpy.backward(prob, do, o, lse, dq, dk, dv, dbias, dsink, mods=mods)
-            return (dq, dk, dv) + tuple(extra)
+            _numpy.backward(prob, do, o, lse, dq, dk, dv,
+                            dbias=extra[0] if mods.bias is not None else None,
+                            dsink=extra[-1] if mods.sink is not None else None, mods=mods)
+            return call.gradients(dq, dk, dv) + extra
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
                           (do, q, k, v, o, lse, scale, causal, deterministic))
-    return dq, dk, dv
+    return call.gradients(dq, dk, dv)
 
 
 def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> None:
@@ -371,34 +389,32 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-                  deterministic: bool = False, **modifiers: Any) -> tuple[Any, Any]:
+                  deterministic: bool = False, enable_gqa: bool = False,
+                  **modifiers: Any) -> tuple[Any, Any]:
     """The forward pass and its pullback: ``o, pullback = attention_vjp(q, k, v)``.
 
     ``o`` is ``attention(q, k, v, scale=scale, causal=causal)``; ``pullback(do)`` returns
     ``(dq, dk, dv)`` as :func:`attention_backward` does for that ``do``, using the ``o`` and
     log-sum-exp of this forward pass (kept by the pullback; nothing else is stored). The
     pullback may be called any number of times. Arguments are validated here, before the
-    forward pass runs; ``do`` is validated when the pullback is called. ``modifiers`` are the
-    modifier keywords of :func:`attention` (``window``, ``softcap``, ``alibi_slopes``, ``sink``,
-    ``bias``, ``mask``, ``score_mod``, ``mask_mod``, ``block_mask``); with ``bias`` or ``sink`` the
-    pullback also returns ``dbias``, ``dsink`` (in that order, after dv).
+    forward pass runs; ``do`` is validated when the pullback is called.
     """
     _problem.check_deterministic(deterministic)
-    unknown = sorted(set(modifiers) - set(_modifiers.KEYWORDS))
-    if unknown:
-        raise TypeError(f"attention_vjp() got unexpected keyword arguments {unknown}")
-    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True, **modifiers)
+    _modifiers.check_keywords(modifiers, "attention_vjp")
+    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True,
+                       enable_gqa=enable_gqa, **modifiers)
 
     def pullback(do: Any) -> tuple[Any, ...]:
         return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal,
-                                  deterministic=deterministic, **modifiers)
+                                  deterministic=deterministic, enable_gqa=enable_gqa,
+                                  **modifiers)
 
     return o, pullback
 
 
 def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             backward: bool = False, deterministic: bool = False, device: Any = None,
-            **modifiers: Any) -> str:
+            enable_gqa: bool = False, **modifiers: Any) -> str:
     """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
 
     ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
@@ -406,15 +422,15 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
-    Modifier keywords (``window``, ``softcap``, ..., ``score_mod``, ``mask_mod``) are validated;
-    the text names them and shows the CUDA source traced from ``score_mod`` / ``mask_mod``.
+    ``python -m cuflash info --explain 4,16,1024,128`` prints the same. Modifier keywords
+    are validated; the text names them and shows the CUDA source traced from ``score_mod`` /
+    ``mask_mod``.
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    unknown = sorted(set(modifiers) - set(_modifiers.KEYWORDS))
-    if unknown:
-        raise TypeError(f"explain() got unexpected keyword arguments {unknown}")
+    call = _problem.Call(q, k, v, enable_gqa)
+    prob = _problem.make_problem(call.q, call.k, call.v, scale=scale, causal=causal)
+    _modifiers.check_keywords(modifiers, "explain")
     mods = _modifiers.check_modifiers(xp=prob.xp, device_id=prob.device_id,
                                       batch_shape=prob.batch_shape, Lq=prob.Lq, Lk=prob.Lk,
                                       **modifiers)

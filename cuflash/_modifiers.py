@@ -149,8 +149,11 @@ def check_softcap(softcap: Any) -> float | None:
     return value
 
 
-def _array_of(x: Any, name: str, xp: Any, device_id: int | None) -> None:
-    """``x`` must be an ndarray of ``xp`` (numpy or cupy) on ``device_id``."""
+def _array_of(x: Any, name: str, xp: Any, device_id: int | None) -> Any:
+    """``x`` as an ndarray of ``xp`` (numpy or cupy) on ``device_id``: other frameworks' arrays
+    are taken without a copy (``_interop.as_array``), anything else is a TypeError."""
+    from cuflash._interop import as_array
+    x = as_array(x, name)
     cupy = sys.modules.get("cupy")
     is_np = isinstance(x, numpy.ndarray)
     is_cp = cupy is not None and isinstance(x, cupy.ndarray)
@@ -163,13 +166,15 @@ def _array_of(x: Any, name: str, xp: Any, device_id: int | None) -> None:
     if device_id is not None and x.device.id != device_id:
         raise ValueError(f"{name} is on device {x.device.id} but the inputs are on device "
                          f"{device_id}")
+    return x
 
 
-def _float_array(x: Any, name: str, xp: Any, device_id: int | None) -> None:
-    _array_of(x, name, xp, device_id)
+def _float_array(x: Any, name: str, xp: Any, device_id: int | None) -> Any:
+    x = _array_of(x, name, xp, device_id)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}.dtype={x.dtype} is not supported; use one of "
                         f"{', '.join(str(t) for t in FLOAT_DTYPES)}")
+    return x
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -184,7 +189,7 @@ def check_per_batch(x: Any, name: str, xp: Any, device_id: int | None,
     """alibi_slopes / sink: a float array broadcasting to ``batch_shape``; returns the view."""
     if x is None:
         return None
-    _float_array(x, name, xp, device_id)
+    x = _float_array(x, name, xp, device_id)
     if not _broadcasts_to(x.shape, batch_shape):
         raise ValueError(f"{name}.shape={x.shape} does not broadcast to the batch shape "
                          f"{batch_shape} (one value per batch item, e.g. shape (H,) for "
@@ -198,12 +203,12 @@ def check_pairwise(x: Any, name: str, xp: Any, device_id: int | None,
     if x is None:
         return None
     if name == "mask":
-        _array_of(x, name, xp, device_id)
+        x = _array_of(x, name, xp, device_id)
         if x.dtype != numpy.bool_:
             raise TypeError(f"mask must be a bool array (True = keep), got {x.dtype=}; for an "
                             f"additive float mask use bias= (-inf hides a pair)")
     else:
-        _float_array(x, name, xp, device_id)
+        x = _float_array(x, name, xp, device_id)
     full = tuple(batch_shape) + (Lq, Lk)
     if not _broadcasts_to(x.shape, full):
         raise ValueError(f"{name}.shape={x.shape} does not broadcast to batch_shape + (Lq, Lk) "
@@ -276,6 +281,10 @@ def check_modifiers(*, xp: Any, device_id: int | None, batch_shape: tuple[int, .
         ``mask_mod``.
     """
     batch_shape = tuple(batch_shape)
+    # other frameworks' arrays as NumPy / CuPy views (their shapes are what dbias, dsink take)
+    from cuflash._interop import as_array
+    bias, sink = (None if x is None else as_array(x, n) for x, n in ((bias, "bias"),
+                                                                     (sink, "sink")))
     score_mod = check_user_function(score_mod, "score_mod")
     mask_mod = check_user_function(mask_mod, "mask_mod")
     return Modifiers(
@@ -353,3 +362,10 @@ def explain(mods: Modifiers, what: str) -> str:
                      f"({len(trace.captures)} captured arrays):")
         lines.append(trace.source)
     return "\n".join(lines)
+
+
+def check_keywords(kw: dict, where: str) -> None:
+    """Only modifier keywords in ``kw`` (functions that take ``**modifiers``)."""
+    unknown = sorted(set(kw) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")

@@ -287,3 +287,29 @@ def add_tile_to(buf: numpy.ndarray, tile: numpy.ndarray, i0: int, i1: int, j0: i
     rows = slice(0, 1) if shape[-2] == 1 else slice(i0, i1)
     cols = slice(0, 1) if shape[-1] == 1 else slice(j0, j1)
     view[..., rows, cols] += tile
+
+
+def restrict(pipe: ScorePipeline, index: tuple) -> ScorePipeline:
+    """``pipe`` for the batch items ``index`` selects (an index tuple over leading batch axes,
+    as the CPU path's tasks take them): the modifier arrays and ``b``, ``h`` indexed alike (views),
+    so that a block of the group's scores goes through exactly what the whole batch would. A
+    block mask keeps classifying over all items (what it calls empty or full is so for every
+    item, so for the group's too)."""
+    if not index:
+        return pipe
+    import copy
+    import dataclasses
+    m = pipe.mods
+    sub = {name: getattr(m, name)[index] for name in ("alibi_slopes", "sink", "bias", "mask")
+           if getattr(m, name) is not None}
+    new = copy.copy(pipe)
+    new.mods = dataclasses.replace(m, batch_shape=m.batch_shape[len(index):], **sub)
+    new.b, new.h = pipe.b[index], pipe.h[index]
+    return new
+
+
+def group_view(buf: numpy.ndarray, full_ndim: int, index: tuple) -> numpy.ndarray:
+    """The part of ``buf`` (an un-broadcast shape, e.g. ``bias.shape``, of an array broadcast to
+    ``full_ndim`` dims) that the batch items ``index`` read: index 0 along broadcast axes."""
+    view = buf.reshape((1,) * (full_ndim - buf.ndim) + buf.shape)
+    return view[tuple(0 if view.shape[a] == 1 else i for a, i in enumerate(index))]
