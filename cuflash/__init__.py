@@ -7,10 +7,15 @@ same signature.
 ``cuflash.attention_backward`` and ``cuflash.attention_vjp`` give the gradients (FlashAttention-2
 backward, recomputing the probabilities from the stored log-sum-exp);
 ``cuflash.reference.attention_backward`` is their float64 oracle.
+Arrays of other frameworks (PyTorch, JAX, Numba: anything with ``__dlpack__`` or
+``__cuda_array_interface__``) are taken without a copy; results are CuPy (GPU) or NumPy (CPU)
+arrays. ``enable_gqa=True`` accepts grouped-query attention in the 4-D layout.
+``cuflash.explain(q, k, v, ...)`` says which kernel a call runs, with which tiles, and why.
+The user guide is docs/guide.md.
 """
 
 from cuflash import reference
-from cuflash._api import attention, attention_backward, attention_vjp
+from cuflash._api import attention, attention_backward, attention_vjp, explain
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "reference"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "explain", "reference"]
 __version__ = "0.1.0"

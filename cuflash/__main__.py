@@ -10,12 +10,15 @@ info   versions, kernel source directory, devices
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from typing import Sequence
 
-DEFAULT_ARCHS = ("sm_70", "sm_80", "sm_90a")
+from cuflash._check import (DEFAULT_ARCHS, UsageError, check_failed,  # noqa: F401
+                            cmd_check, format_check_table, gate_function, run_check_all,
+                            targetable_archs)
 
 
 def _short(exc: BaseException) -> str:
@@ -23,16 +26,44 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def gpu_unavailable_reason(cupy) -> str | None:
+    """Why CuPy cannot use a GPU here, in a user's words, or None when it can.
+
+    Without an NVIDIA driver CUDA says "CUDA driver version is insufficient for CUDA runtime
+    version" (the driver version reads as 0); that is reported as no GPU found. A real but
+    old driver is reported with both versions.
+    """
+    rt = cupy.cuda.runtime
+    try:
+        driver = rt.driverGetVersion()
+    except Exception as e:
+        return f"no CUDA GPU found (the NVIDIA driver cannot be queried: {_short(e)})"
+    if driver == 0:
+        return "no CUDA GPU found (no NVIDIA driver is installed or loaded)"
+    try:
+        n = rt.getDeviceCount()
+    except Exception as e:
+        text = str(e)
+        if "NoDevice" in text or "no CUDA-capable device" in text:
+            return "no CUDA GPU found"
+        if "InsufficientDriver" in text:
+            def ver(v: int) -> str:
+                return f"{v // 1000}.{v % 1000 // 10}"
+            return (f"the NVIDIA driver (CUDA {ver(driver)}) is older than this CuPy's CUDA "
+                    f"runtime ({ver(rt.runtimeGetVersion())}): update the driver or install "
+                    f"the CuPy build for it (cuflash[cuda12])")
+        return f"CUDA is not usable: {_short(e)}"
+    return None if n > 0 else "no CUDA GPU found"
+
+
 def usable_gpu():
     """``(cupy, None)`` when CuPy imports and sees at least one device, else ``(None, why)``."""
     try:
         import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:        # no CuPy, no driver, no device: all mean "CPU path"
-        return None, _short(e)
-    if n <= 0:
-        return None, "CUDA reports no device"
-    return cupy, None
+    except Exception as e:        # no CuPy: the CPU path
+        return None, f"CuPy is not installed ({_short(e)}); pip install cuflash[cuda13]"
+    why = gpu_unavailable_reason(cupy)
+    return (None, why) if why else (cupy, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,8 +218,7 @@ def cmd_demo(args) -> int:
         print("times: median of 20 calls, CUDA events; naive = matmul, float32 softmax, matmul "
               "in CuPy.")
     else:
-        print("times: median of 3 calls on the host (the CPU path is a specification, not a "
-              "fast path).")
+        print("times: median of 3 calls on the host (the blocked CPU path, threads over tiles).")
     if failures:
         print(f"demo FAILED: {failures} case(s)")
         return 1
@@ -200,11 +230,48 @@ def cmd_demo(args) -> int:
 # info
 # ---------------------------------------------------------------------------------------------
 
+def cmd_explain(args) -> int:
+    """``info --explain Q_SHAPE [K_SHAPE [V_SHAPE]]``: the dispatcher's choice and its reasons
+    (``cuflash.explain``), for a device profile or a GPU id; no GPU needed for a profile."""
+    import numpy as np
+    import cuflash
+
+    def shape(text: str) -> tuple[int, ...]:
+        try:
+            dims = tuple(int(x) for x in text.replace("x", ",").strip("()").split(",") if x)
+        except ValueError:
+            raise UsageError(f"--explain takes shapes like 4,16,1024,128, got {text!r}") from None
+        if len(dims) < 2 or min(dims) < 0:
+            raise UsageError(f"a shape needs at least (length, head_dim), got {text!r}")
+        return dims
+    shapes = [shape(t) for t in args.explain]
+    if len(shapes) > 3:
+        raise UsageError("--explain takes at most three shapes: q, k and v")
+    q_shape = shapes[0]
+    k_shape = shapes[1] if len(shapes) > 1 else q_shape
+    v_shape = shapes[2] if len(shapes) > 2 else k_shape
+    dtype = _dtype({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                    "fp64": "float64"}.get(args.dtype, args.dtype))
+    zero = np.zeros((), dtype)              # stride-0 views: no memory behind the shapes
+    q, k, v = (np.broadcast_to(zero, s) for s in (q_shape, k_shape, v_shape))
+    causal = {"false": False, "true": True}.get(args.causal, args.causal)
+    device = int(args.gpu) if args.gpu.isdigit() else args.gpu
+    try:
+        print(cuflash.explain(q, k, v, causal=causal, backward=args.backward,
+                              deterministic=args.deterministic, device=device,
+                              enable_gqa=args.enable_gqa))
+    except (TypeError, ValueError) as e:
+        raise UsageError(_short(e)) from None
+    return 0
+
+
 def cmd_info(args) -> int:
+    if args.explain:
+        return cmd_explain(args)
     import platform
     from cuflash._bench import cuflash_version, version_of
     rows = [("cuflash", cuflash_version()), ("python", platform.python_version())]
-    for dist in ("numpy", "scipy", "ml_dtypes"):
+    for dist in ("numpy", "ml_dtypes"):
         rows.append((dist, version_of(dist) or "not installed"))
     try:
         from cuflash._paths import cuda_src_dir
@@ -233,8 +300,11 @@ def cmd_info(args) -> int:
             rows.append(("NVRTC", ".".join(map(str, cupy.cuda.nvrtc.getVersion()))))
         except Exception as e:
             rows.append(("NVRTC", f"unavailable ({_short(e)})"))
+        why = gpu_unavailable_reason(cupy)
+        if why:
+            devices.append(why)
         try:
-            for i in range(rt.getDeviceCount()):
+            for i in range(0 if why else rt.getDeviceCount()):
                 p = rt.getDeviceProperties(i)
                 name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
                 devices.append(f"device {i}: {name}, compute capability {p['major']}.{p['minor']}"
@@ -242,6 +312,9 @@ def cmd_info(args) -> int:
                                f"{p['totalGlobalMem'] / 2**30:.1f} GiB")
         except Exception as e:
             devices.append(f"no usable device ({_short(e)})")
+    except ImportError:
+        rows.append(("cupy", "not installed: the CPU path only (pip install \"cuflash[cuda13]\" "
+                             "or \"cuflash[cuda12]\" for the GPU)"))
     except Exception as e:
         rows.append(("cupy", f"not usable ({_short(e)})"))
     for dist in ("torch", "jax"):
@@ -251,78 +324,22 @@ def cmd_info(args) -> int:
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
-    for line in devices or ["no CUDA device"]:
+    for line in devices or ["no CUDA GPU found"]:
         print(line)
     return 0
 
 
 # ---------------------------------------------------------------------------------------------
-# check
-# ---------------------------------------------------------------------------------------------
 
-def _cell(x) -> str:
-    return "-" if x is None else str(x)
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors as one line (exit 2) instead of usage plus error."""
 
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
-def format_check_table(reports) -> str:
-    header = ["arch", "source", "regs", "spill st", "spill ld", "stack", "smem", "hmma",
-              "status", "specialisation"]
-    body = []
-    for r in reports:
-        if r.error:
-            status = "ERROR"
-        elif r.spill_stores or r.spill_loads:
-            status = "SPILL"
-        elif r.stack:
-            status = "STACK"
-        else:
-            status = "ok"
-        body.append([r.arch, r.source, _cell(r.registers), _cell(r.spill_stores),
-                     _cell(r.spill_loads), _cell(r.stack), _cell(r.shared), _cell(r.hmma),
-                     status, r.expr])
-    widths = [max([len(h)] + [len(row[i]) for row in body]) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        c.ljust(w) if i in (0, 1, 8, 9) else c.rjust(w)
-        for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in body])
-
-
-def check_failed(r) -> bool:
-    return bool(r.error or r.spill_stores or r.spill_loads or r.stack)
-
-
-def cmd_check(args) -> int:
-    archs = args.arch or list(DEFAULT_ARCHS)
-    try:
-        from cuflash._jit import check_all
-    except Exception as e:        # ImportError, or the lead's module not there yet
-        print(f"compile gate unavailable: {_short(e)}", file=sys.stderr)
-        return 2
-    reports = list(check_all(archs))
-    if not reports:
-        print(f"compile gate: nothing to compile for {', '.join(archs)}", file=sys.stderr)
-        return 1
-    print(format_check_table(reports))
-    bad = [r for r in reports if check_failed(r)]
-    # Compile errors, each distinct log once (one bug usually breaks many specialisations).
-    by_error: dict[str, list] = {}
-    for r in bad:
-        if r.error:
-            by_error.setdefault(str(r.error).strip(), []).append(r)
-    for text, rs in by_error.items():
-        more = f" and {len(rs) - 1} more" if len(rs) > 1 else ""
-        print(f"\n{rs[0].arch} {rs[0].source} {rs[0].expr}{more}:\n  "
-              + "\n  ".join(text.splitlines()[:20]))
-    print()
-    print(f"{len(reports)} compilations ({', '.join(archs)}): "
-          + ("all ok, 0 bytes spilled, 0 bytes stack" if not bad else f"{len(bad)} failed"))
-    return 1 if bad else 0
-
-
-# ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cuflash", description="cuflash command line")
+    p = _Parser(prog="python -m cuflash", description="cuflash command line")
     sub = p.add_subparsers(dest="cmd", metavar="{demo,bench,check,info}")
     d = sub.add_parser("demo", help="run and check cuflash.attention on random inputs")
     d.add_argument("--cpu", action="store_true", help="use the NumPy CPU path even with a GPU")
@@ -333,21 +350,54 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", action="append", default=None,
                    help=f"target such as sm_80 or sm_90a; repeat for several "
                         f"(default: {' '.join(DEFAULT_ARCHS)})")
-    sub.add_parser("info", help="versions, kernel sources, devices")
+    i = sub.add_parser("info", help="versions, kernel sources, devices; --explain: which kernel "
+                                    "a call runs and why")
+    i.add_argument("--explain", nargs="+", metavar="SHAPE",
+                   help="q's shape (k's and v's, if they differ), e.g. 4,16,1024,128: print the "
+                        "kernel family, tiles and reasons the dispatcher picks")
+    i.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp64"])
+    i.add_argument("--causal", default="false", choices=["false", "true", "top_left"])
+    i.add_argument("--backward", action="store_true", help="explain attention_backward")
+    i.add_argument("--deterministic", action="store_true")
+    i.add_argument("--enable-gqa", action="store_true")
+    i.add_argument("--gpu", default="h200",
+                   help="a device profile (h200, h100, a100, l40s, v100) or a GPU id (default h200)")
     return p
+
+
+def _bench(argv: list[str]) -> int:
+    """The suite's own main (cuflash/_bench.py); a bad argument or file is one line, exit 2."""
+    from cuflash._bench import main as bench_main
+    try:
+        return bench_main(argv)
+    except OSError as e:                       # --load of a missing or unreadable file
+        name = e.filename or ""
+        raise UsageError(f"cannot read {name}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not a JSON file: {e}") from None
+    except KeyError as e:                      # --load of a JSON without the suite's fields
+        raise UsageError(f"not a cuflash benchmark result (no {e} field)") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad benchmark input: {_short(e)}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":           # everything after `bench` is the suite's
-        from cuflash._bench import main as bench_main
-        return bench_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.cmd is None:
-        parser.print_help()
+    try:
+        if argv and argv[0] == "bench":        # everything after `bench` is the suite's
+            return _bench(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.cmd is None:
+            parser.print_help()
+            return 2
+        return {"demo": cmd_demo, "check": cmd_check, "info": cmd_info}[args.cmd](args)
+    except UsageError as e:
+        print(f"python -m cuflash: error: {e}", file=sys.stderr)
         return 2
-    return {"demo": cmd_demo, "check": cmd_check, "info": cmd_info}[args.cmd](args)
+    except KeyboardInterrupt:
+        print("python -m cuflash: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

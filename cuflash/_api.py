@@ -95,7 +95,7 @@ class _FastBackward:
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-              return_lse: bool = False, out: Any = None) -> Any:
+              return_lse: bool = False, out: Any = None, enable_gqa: bool = False) -> Any:
     """Exact softmax attention ``softmax(scale * q @ k.T + mask) @ v``, computed tile by tile.
 
     The Lq x Lk matrix of scores is never materialised: keys are visited in tiles with an
@@ -105,9 +105,13 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
 
     Parameters
     ----------
-    q : numpy.ndarray or cupy.ndarray, shape (..., Lq, d)
-    k : array of the same type, shape (..., Lk, d)
-    v : array of the same type, shape (..., Lk, dv)
+    q : array, shape (..., Lq, d)
+    k : array, shape (..., Lk, d)
+    v : array, shape (..., Lk, dv)
+        NumPy or CuPy arrays, or any array with ``__dlpack__`` / ``__cuda_array_interface__``
+        / ``__array_interface__`` (PyTorch, JAX, Numba, ...), taken without a copy: GPU
+        arrays run on the GPU and come back as CuPy, CPU arrays as NumPy
+        (``cuflash._interop``).
         One dtype for all three: float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
         float64. ``1 <= d, dv <= 256``. The leading (batch) dimensions broadcast by NumPy
         rules, so grouped-query attention is ``q (B, Hkv, G, Lq, d)`` with
@@ -123,7 +127,12 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         Also return the log-sum-exp of each row of scaled, masked scores.
     out : array, optional
         Where to write the output: same array type (and device) and exactly the dtype of the
-        inputs, shape ``batch_shape + (Lq, dv)``, any strides, sharing no memory with q, k, v.
+        inputs, shape ``batch_shape + (Lq, dv)``, any strides, sharing no element with q, k, v.
+    enable_gqa : bool, optional
+        Grouped-query attention in the 4-D layout (PyTorch SDPA's name): q ``(..., Hq, Lq, d)``
+        with k, v ``(..., Hkv, Lk, d)``, Hq a multiple of Hkv; query head h uses key/value
+        head ``h // (Hq // Hkv)``. A zero-copy view of the 5-D broadcast form; o, lse and
+        ``out`` have q's 4-D layout.
 
     Returns
     -------
@@ -156,7 +165,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         non-positive scale, an unknown causal alignment, ``out`` of the wrong shape or
         overlapping an input.
     """
-    if out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY:
+    if out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY \
+            and enable_gqa is False:
         key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                causal.__class__)
         try:
@@ -175,6 +185,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                 return o, cupy.ndarray(fast.lse_shape, fast.lse_dtype,
                                        memptr=mem + fast.lse_offset)
 
+    call = _problem.Call(q, k, v, enable_gqa, out=out)  # any framework's arrays; GQA views
+    q, k, v, out = call.q, call.k, call.v, call.out
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_return_lse(return_lse)
     if out is not None:
@@ -193,7 +205,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             _numpy.forward(prob, o, lse)
         else:
             _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
-    return (o, lse) if return_lse else o
+    return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
 def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
@@ -210,7 +222,8 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
-                       causal: Any = False, deterministic: bool = False) -> tuple[Any, Any, Any]:
+                       causal: Any = False, deterministic: bool = False,
+                       enable_gqa: bool = False) -> tuple[Any, Any, Any]:
     """Gradients of :func:`attention` with respect to q, k and v (FlashAttention-2 backward).
 
     Only ``o`` and ``lse`` of the forward pass are needed: the attention probabilities are
@@ -229,6 +242,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         of shape ``batch_shape + (Lq,)`` in float32 (float64 for float64 inputs).
     scale, causal
         As for :func:`attention`; must be those of the forward call.
+    enable_gqa : bool, optional
+        As for :func:`attention`: q, do, o ``(..., Hq, L, ·)``, lse ``(..., Hq, Lq)`` with k, v
+        ``(..., Hkv, Lk, ·)``; dk, dv come back in k's and v's shapes (summed over each
+        group's query heads).
     deterministic : bool, optional
         False (default): on the GPU, the key tiles add their dq contributions with atomics, so
         dq may differ in the last bits from run to run. True: bitwise-reproducible results,
@@ -272,7 +289,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         (TypeError), of the wrong shape or on another device (ValueError); a
         ``deterministic`` that is not a bool (TypeError).
     """
-    if type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool:
+    if type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
+            and enable_gqa is False:
         key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
                scale, scale.__class__, causal, causal.__class__, deterministic)
         try:
@@ -283,6 +301,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
 
+    call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
+    q, k, v, do, o, lse = call.q, call.k, call.v, call.do, call.o, call.lse
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
@@ -291,7 +311,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     with _problem.device_scope(prob):
         if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
             # nothing to compute: no query sees a key, or there is nothing to differentiate
-            return tuple(xp.zeros(x.shape, prob.dtype) for x in (q, k, v))
+            return call.gradients(*(xp.zeros(x.shape, prob.dtype) for x in (q, k, v)))
         dq = xp.empty(q.shape, prob.dtype)
         dk = xp.empty(k.shape, prob.dtype)
         dv = xp.empty(v.shape, prob.dtype)
@@ -300,7 +320,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
                           (do, q, k, v, o, lse, scale, causal, deterministic))
-    return dq, dk, dv
+    return call.gradients(dq, dk, dv)
 
 
 def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> None:
@@ -320,7 +340,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-                  deterministic: bool = False) -> tuple[Any, Any]:
+                  deterministic: bool = False, enable_gqa: bool = False) -> tuple[Any, Any]:
     """The forward pass and its pullback: ``o, pullback = attention_vjp(q, k, v)``.
 
     ``o`` is ``attention(q, k, v, scale=scale, causal=causal)``; ``pullback(do)`` returns
@@ -330,17 +350,19 @@ def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = Fa
     forward pass runs; ``do`` is validated when the pullback is called.
     """
     _problem.check_deterministic(deterministic)
-    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True)
+    o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True,
+                       enable_gqa=enable_gqa)
 
     def pullback(do: Any) -> tuple[Any, Any, Any]:
         return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, enable_gqa=enable_gqa)
 
     return o, pullback
 
 
 def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-            backward: bool = False, deterministic: bool = False, device: Any = None) -> str:
+            backward: bool = False, deterministic: bool = False, device: Any = None,
+            enable_gqa: bool = False) -> str:
     """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
 
     ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
@@ -348,10 +370,12 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
+    ``python -m cuflash info --explain 4,16,1024,128`` prints the same.
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    call = _problem.Call(q, k, v, enable_gqa)
+    prob = _problem.make_problem(call.q, call.k, call.v, scale=scale, causal=causal)
     _problem.check_deterministic(deterministic)
     if device is None:
         device = prob.device_id if prob.device_id is not None else "h200"

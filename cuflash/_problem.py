@@ -21,6 +21,8 @@ from typing import Any
 import ml_dtypes
 import numpy
 
+from cuflash._interop import Call, as_array  # noqa: F401 (Call: the entry points' first step)
+
 #: Largest head dimension (``d`` of q and k, ``dv`` of v) any backend accepts.
 MAX_HEAD_DIM = 256
 
@@ -100,14 +102,24 @@ def _array_module(x: Any, name: str) -> types.ModuleType:
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy
-    raise TypeError(
-        f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__module__}."
-        f"{type(x).__qualname__} (convert lists with numpy.asarray, and other GPU arrays "
-        f"with cupy.from_dlpack)"
-    )
+    as_array(x, name)  # raises the TypeError that names what is accepted
+    raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray here, got "
+                    f"{type(x).__module__}.{type(x).__qualname__}; pass it through "
+                    f"cuflash._interop.as_array first")
 
 
-def _check_scale(scale: Any, d: int) -> float:
+def accumulation_dtype(dtype: numpy.dtype) -> numpy.dtype:
+    """float64 for float64 inputs, else float32: the dtype scores and sums are computed in."""
+    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+
+
+def _check_scale(scale: Any, d: int, dtype: numpy.dtype) -> float:
+    """The softmax scale as a float: finite, positive, and a normal number of the accumulation
+    dtype (float32 for float16, bfloat16 and float32 inputs; float64 for float64), since every
+    backend multiplies by it in that dtype. A scale that overflows it (float32 with
+    ``scale=1e39``) would make every score inf and every output NaN; one that underflows to a
+    subnormal or 0 would flatten the softmax. Both are refused rather than computed wrongly.
+    """
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, (bool, numpy.bool_)) or not isinstance(scale, numbers.Real):
@@ -116,7 +128,26 @@ def _check_scale(scale: Any, d: int) -> float:
     value = float(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be finite and positive, got {scale=}")
+    acc = accumulation_dtype(dtype)
+    info = numpy.finfo(acc)
+    if not float(info.tiny) <= value <= float(info.max):
+        raise ValueError(f"{scale=} is not a normal {acc} number, the dtype {dtype} inputs are "
+                         f"computed in: it must lie in [{float(info.tiny):.6g}, "
+                         f"{float(info.max):.6g}]")
     return value
+
+
+def _check_dtype(x: Any, name: str) -> None:
+    if x.dtype in SUPPORTED_DTYPES:
+        return
+    native = x.dtype.newbyteorder("=")
+    if x.dtype.byteorder not in ("=", "|") and native in SUPPORTED_DTYPES:
+        order = "big" if x.dtype.byteorder == ">" else "little"
+        raise TypeError(f"{name}.dtype={x.dtype.str} is {order}-endian; cuflash needs the "
+                        f"machine's byte order ({sys.byteorder}-endian): pass "
+                        f"{name}.astype({name}.dtype.newbyteorder('=')) (a copy)")
+    raise TypeError(f"{name}.dtype={x.dtype} is not supported; use one of "
+                    f"{', '.join(str(t) for t in SUPPORTED_DTYPES)}")
 
 
 def _check_causal(causal: Any, Lq: int, Lk: int) -> tuple[bool, int]:
@@ -165,6 +196,7 @@ def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> Attentio
         of 0 or above ``MAX_HEAD_DIM``, batch dimensions that do not broadcast, inputs on
         different devices, a non-finite or non-positive scale, an unknown causal alignment.
     """
+    q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")  # no-ops for NumPy/CuPy
     xps = {name: _array_module(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(xps.values())) > 1:
         raise TypeError(
@@ -174,9 +206,7 @@ def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> Attentio
     xp = xps["q"]
 
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}.dtype={x.dtype} is not supported; use one of "
-                            f"{', '.join(str(t) for t in SUPPORTED_DTYPES)}")
+        _check_dtype(x, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have one dtype, got q.dtype={q.dtype}, "
                         f"k.dtype={k.dtype}, v.dtype={v.dtype}")
@@ -199,7 +229,7 @@ def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> Attentio
         batch_shape = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ValueError(f"batch dims of {q.shape=}, {k.shape=} and {v.shape=} do not "
-                         f"broadcast") from None
+                         f"broadcast{_gqa_hint(q.shape, k.shape, v.shape)}") from None
 
     device_id = None
     if xp is not numpy:
@@ -217,13 +247,13 @@ def make_problem(q: Any, k: Any, v: Any, *, scale: Any, causal: Any) -> Attentio
         Lk=Lk,
         d=d,
         dv=dv,
-        scale=_check_scale(scale, d),
+        scale=_check_scale(scale, d, q.dtype),
         causal=is_causal,
         causal_offset=causal_offset,
         q=xp.broadcast_to(q, batch_shape + (Lq, d)),
         k=xp.broadcast_to(k, batch_shape + (Lk, d)),
         v=xp.broadcast_to(v, batch_shape + (Lk, dv)),
-        lse_dtype=numpy.dtype(numpy.float64 if q.dtype == numpy.float64 else numpy.float32),
+        lse_dtype=accumulation_dtype(q.dtype),
         device_id=device_id,
     )
 
@@ -262,8 +292,48 @@ def check_out(prob: AttentionProblem, out: Any) -> None:
         raise ValueError(f"out has stride 0 along a dimension longer than 1, so several "
                          f"elements share one address: {out.shape=}, {out.strides=}")
     for name, x in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
-        if xp.may_share_memory(out, x):
+        if shares_elements(out, x):
             raise ValueError(f"out overlaps {name} in memory; pass a separate array")
+
+
+#: Bound on the work of the exact overlap test (NumPy's ``max_work``: candidate solutions of
+#: the bounded Diophantine problem it solves). Past it, overlap is assumed.
+OVERLAP_MAX_WORK = 1 << 16
+
+
+def _host_view(x: Any) -> numpy.ndarray:
+    """A NumPy array with ``x``'s address, shape, strides and itemsize; never dereferenced.
+
+    Lets NumPy's exact overlap solver reason about CuPy arrays' device addresses.
+    """
+    if isinstance(x, numpy.ndarray):
+        return x
+
+    class Interface:
+        __array_interface__ = {"data": (x.data.ptr, False), "shape": x.shape,
+                               "strides": x.strides, "typestr": f"|V{x.dtype.itemsize}",
+                               "version": 3}
+    return numpy.asarray(Interface())
+
+
+def shares_elements(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` (both NumPy or both CuPy) have an element in common.
+
+    Exact, not a comparison of address ranges: an ``out`` interleaved with an input (every
+    other column each) shares no element and is accepted. Disjoint address ranges answer at
+    once; otherwise NumPy's exact solver (``numpy.shares_memory``) decides, bounded by
+    :data:`OVERLAP_MAX_WORK`; should that bound be reached, the arrays count as overlapping
+    (a refusal, never a wrong result).
+    """
+    if a.size == 0 or b.size == 0:
+        return False
+    ha, hb = _host_view(a), _host_view(b)
+    if not numpy.may_share_memory(ha, hb):  # address ranges disjoint: the common case
+        return False
+    try:
+        return bool(numpy.shares_memory(ha, hb, max_work=OVERLAP_MAX_WORK))
+    except numpy.exceptions.TooHardError:
+        return True
 
 
 def check_return_lse(return_lse: Any) -> None:
@@ -355,3 +425,21 @@ def sum_to_shape(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     if axes:
         x = x.sum(axis=axes, keepdims=True)
     return x.reshape(shape).astype(dtype, copy=True, order="C")
+
+
+# ---------------------------------------------------------------------------------------------
+# The 4-D grouped-query layout (the views themselves: cuflash._interop.Call)
+# ---------------------------------------------------------------------------------------------
+
+def _gqa_hint(q_shape: tuple, k_shape: tuple, v_shape: tuple) -> str:
+    """The hint for a broadcast failure that looks like the 4-D grouped-query layout."""
+    if min(len(q_shape), len(k_shape), len(v_shape)) < 3:
+        return ""
+    hq, hkv = q_shape[-3], k_shape[-3]
+    if v_shape[-3] != hkv or hkv in (0, 1) or hq % hkv:
+        return ""
+    g = hq // hkv
+    return (f"; for grouped-query attention (q with {hq} heads, k and v with {hkv}) pass "
+            f"enable_gqa=True, or reshape q to (..., {hkv}, {g}, Lq, d) and k, v to "
+            f"(..., {hkv}, 1, Lk, d), which broadcast")
+

@@ -8,25 +8,37 @@ from __future__ import annotations
 from typing import Any
 
 import numpy
-import scipy.special
 
 from cuflash import _problem
 
 
+def logsumexp(s: numpy.ndarray) -> numpy.ndarray:
+    """``log(sum(exp(s), axis=-1))`` in float64, without overflow: the row maximum is taken
+    out first. A row of only ``-inf`` (no visible key), or an empty row, gives ``-inf``; a row
+    with ``+inf`` gives ``+inf``; NaN propagates. Agrees with ``scipy.special.logsumexp``."""
+    if s.shape[-1] == 0:
+        return numpy.full(s.shape[:-1], -numpy.inf)
+    m = s.max(axis=-1)
+    with numpy.errstate(invalid="ignore", divide="ignore"):
+        shift = numpy.where(numpy.isfinite(m), m, 0.0)  # -inf, +inf and NaN rows: no shift
+        return numpy.log(numpy.exp(s - shift[..., None]).sum(axis=-1)) + shift
+
+
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-              return_lse: bool = False, out: Any = None) -> Any:
+              return_lse: bool = False, out: Any = None, enable_gqa: bool = False) -> Any:
     """Attention in float64, with the semantics and validation of :func:`cuflash.attention`.
 
     Computes ``s = scale * q @ k.T`` with masked entries set to ``-inf``,
-    ``lse = logsumexp(s, axis=-1)`` (SciPy) and ``o = exp(s - lse) @ v``, all in float64
+    ``lse = logsumexp(s, axis=-1)`` and ``o = exp(s - lse) @ v``, all in float64
     NumPy, with the Lq x Lk matrix materialised. A row with no visible key subtracts 0 instead
     of ``lse = -inf``, so it gets ``o = 0`` and ``lse = -inf`` exactly, as in every backend.
 
     Parameters
     ----------
-    q, k, v, scale, causal, return_lse, out
-        As for :func:`cuflash.attention`, validated by the same code: NumPy or CuPy inputs of
-        float16, bfloat16, float32 or float64. CuPy inputs are copied to the host.
+    q, k, v, scale, causal, return_lse, out, enable_gqa
+        As for :func:`cuflash.attention`, validated by the same code: arrays of any framework
+        (as :func:`cuflash.attention` takes them) of float16, bfloat16, float32 or float64.
+        GPU inputs are copied to the host.
 
     Returns
     -------
@@ -42,6 +54,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     Inputs are converted to float64 (a copy, materialising broadcast dimensions); NaN or Inf
     propagates exactly as IEEE arithmetic in these formulas says.
     """
+    call = _problem.Call(q, k, v, enable_gqa, out=out)
+    q, k, v, out = call.q, call.k, call.v, call.out
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_return_lse(return_lse)
     if out is not None:
@@ -57,7 +71,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                    <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
         s = numpy.where(visible, s, -numpy.inf)
     with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
-        lse = scipy.special.logsumexp(s, axis=-1)
+        lse = logsumexp(s)
         shift = numpy.where(lse == -numpy.inf, 0.0, lse)  # row with no visible key
         o = numpy.exp(s - shift[..., None]) @ v64
 
@@ -65,11 +79,12 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         with _problem.device_scope(prob):
             out[...] = prob.xp.asarray(o.astype(out.dtype))
         o = out
-    return (o, lse) if return_lse else o
+    return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
-                       causal: Any = False) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+                       causal: Any = False,
+                       enable_gqa: bool = False) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
     """Gradients of attention in float64, from the analytic formulas on the full matrix.
 
     With ``s = scale * q @ k.T`` (masked entries ``-inf``), ``p = softmax(s)`` and
@@ -89,7 +104,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
     ----------
     do : array, shape batch_shape + (Lq, dv)
         The gradient of the output; the inputs' array type and dtype.
-    q, k, v, scale, causal
+    q, k, v, scale, causal, enable_gqa
         As for :func:`cuflash.attention`, validated by the same code.
 
     Returns
@@ -97,6 +112,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
     dq, dk, dv : numpy.ndarray of float64
         Shapes equal to ``q.shape``, ``k.shape``, ``v.shape`` (the un-broadcast inputs).
     """
+    call = _problem.Call(q, k, v, enable_gqa, do=do)
+    q, k, v, do = call.q, call.k, call.v, call.do
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     _problem.check_backward_inputs(prob, do)
 
@@ -110,7 +127,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
                    <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
         s = numpy.where(visible, s, -numpy.inf)
     with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
-        lse = scipy.special.logsumexp(s, axis=-1) if prob.Lk else numpy.full(s.shape[:-1], -numpy.inf)
+        lse = logsumexp(s)
         no_key = (lse == -numpy.inf)[..., None]
         p = numpy.where(no_key, 0.0, numpy.exp(s - numpy.where(no_key, 0.0, lse[..., None])))
         do64 = numpy.where(no_key, 0.0, do64)
@@ -119,6 +136,6 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
         ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
         dq = prob.scale * (ds @ k64)
         dk = prob.scale * (ds.swapaxes(-1, -2) @ q64)
-    return (_problem.sum_to_shape(dq, q.shape, numpy.float64),
-            _problem.sum_to_shape(dk, k.shape, numpy.float64),
-            _problem.sum_to_shape(dv, v.shape, numpy.float64))
+    return call.gradients(_problem.sum_to_shape(dq, q.shape, numpy.float64),
+                          _problem.sum_to_shape(dk, k.shape, numpy.float64),
+                          _problem.sum_to_shape(dv, v.shape, numpy.float64))

@@ -170,18 +170,25 @@ def test_nan_in_a_batch_item_stays_in_that_item(dtype, which, data):
 
 
 def test_memory_is_linear_in_sequence_length():
-    """The Lq x Lk scores never exist: peak memory stays far below one such matrix."""
+    """The Lq x Lk scores never exist: peak memory is bounded by the tiles, not by L * L.
+
+    The CPU path's tiles hold about ``_numpy.TILE_ELEMENTS`` scores per thread (a few MiB in
+    all); at L = 8192 the score matrix is 256 MiB, at 2048 16 MiB.
+    """
     rng = numpy.random.default_rng(4)
-    L, d = 2048, 16
-    q, k, v = (make_array(rng, (L, d), numpy.float32) for _ in range(3))
-    tracemalloc.start()
-    try:
-        cuflash.attention(q, k, v, causal=True)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    score_matrix = L * L * 4
-    assert peak < score_matrix / 8, f"peak {peak} bytes; the score matrix is {score_matrix}"
+    peaks = {}
+    for L in (2048, 8192):
+        q, k, v = (make_array(rng, (L, 16), numpy.float32) for _ in range(3))
+        tracemalloc.start()
+        try:
+            cuflash.attention(q, k, v, causal=True)
+            _, peaks[L] = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    score_matrix = 8192 * 8192 * 4
+    assert peaks[8192] < score_matrix / 16, f"peak {peaks}; the score matrix is {score_matrix}"
+    # 16x the scores, the same tiles: the peak grows by the O(L * d) arrays only
+    assert peaks[8192] < peaks[2048] + 8 * 8192 * 16 * 4, f"peak {peaks}"
 
 
 @pytest.mark.parametrize("shapes", [
@@ -262,7 +269,7 @@ def test_cupy_is_optional():
 import sys
 sys.modules["cupy"] = None  # `import cupy` now raises ImportError
 import numpy, cuflash, cuflash.reference
-assert cuflash.__version__ == "0.1.0" and cuflash.__all__ == ["attention", "attention_backward", "attention_vjp", "reference"]
+assert cuflash.__version__ == "0.1.0" and cuflash.__all__ == ["attention", "attention_backward", "attention_vjp", "explain", "reference"]
 q = numpy.random.default_rng(0).standard_normal((2, 5, 8)).astype(numpy.float32)
 o, lse = cuflash.attention(q, q, q, causal=True, return_lse=True)
 assert numpy.isfinite(o).all() and o.shape == (2, 5, 8)
@@ -271,3 +278,40 @@ assert sys.modules["cupy"] is None
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
                    cwd=pathlib.Path(cuflash.__file__).parent.parent)
+
+
+def test_reference_logsumexp_matches_scipy_and_its_edge_cases():
+    from cuflash.reference import logsumexp
+    inf, nan = numpy.inf, numpy.nan
+    rows = numpy.array([[0.0, 1.0, 2.0], [1000.0, 1000.0, -1000.0], [-inf, -inf, -inf],
+                        [-inf, 0.0, -inf], [inf, 0.0, 1.0], [nan, 0.0, 1.0], [-1e308, -1e308, 0]])
+    got = logsumexp(rows)
+    want = [numpy.log(numpy.exp([0.0, 1, 2]).sum()), 1000 + numpy.log(2), -inf, 0.0, inf, nan,
+            0.0]
+    numpy.testing.assert_allclose(got, want, rtol=1e-15)
+    assert logsumexp(numpy.zeros((3, 0))).tolist() == [-inf] * 3
+    scipy_special = pytest.importorskip("scipy.special")
+    x = numpy.random.default_rng(0).standard_normal((4, 5, 33)) * 50
+    numpy.testing.assert_allclose(logsumexp(x), scipy_special.logsumexp(x, axis=-1), rtol=1e-14)
+
+
+def test_cpu_path_threads_and_tiles_do_not_change_results(monkeypatch):
+    """One thread or several, inline or pooled, default or tiny tiles: the same values."""
+    rng = numpy.random.default_rng(7)
+    q, k, v = (make_array(rng, (3, 2, 300, 16), numpy.float32) for _ in range(3))
+    do = make_array(rng, (3, 2, 300, 16), numpy.float32)
+    monkeypatch.setattr(_numpy, "INLINE_SCORES", 0)        # always use the pool
+    results = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(_numpy, "THREADS", threads)
+        o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+        results.append((o, lse) + grads)
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            assert a.tobytes() == b.tobytes()  # the tasks split work, never reorder a sum
+    monkeypatch.setattr(_numpy, "TILE_ELEMENTS", 64)       # many small tiles and groups
+    monkeypatch.setattr(_numpy, "MAX_BLOCK_N", 7)
+    o2, lse2 = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    numpy.testing.assert_allclose(o2, results[0][0], rtol=2e-5, atol=2e-6)
+    numpy.testing.assert_allclose(lse2, results[0][1], rtol=2e-6, atol=2e-6)

@@ -214,3 +214,19 @@ def test_params_layout_matches_the_struct():
            + "\n__global__ void probe(const Params p) {}\n}\n")
     log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
     assert lowered is not None, log
+
+
+def test_explain_and_its_command():
+    """cuflash.explain and ``python -m cuflash info --explain`` print the choice and why."""
+    import cuflash
+    from cuflash.__main__ import main
+    q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
+    text = cuflash.explain(q, q, q, causal=True)
+    assert "fwd_sm90<__nv_bfloat16, 128, 64, 3, 1, cuflash::Variant<true>, true>" in text
+    assert "why:" in text and "H200" in text
+    text = cuflash.explain(q, q, q, backward=True, deterministic=True, device="a100")
+    assert "bwd_sm80<" in text and "bwd_sm90: not used, needs compute capability 9.0" in text
+    with pytest.raises(ValueError, match="unknown device profile 'tpu'"):
+        cuflash.explain(q, q, q, device="tpu")
+    assert main(["info", "--explain", "2,8,512,64", "2,2,512,64", "--enable-gqa"]) == 0
+    assert main(["info", "--explain", "2,8,512,64", "2,3,512,64", "--enable-gqa"]) == 2

@@ -76,8 +76,14 @@ def test_wheel_contents(wheel):
     assert tops == {"cuflash", wheel.name.split("-py3")[0] + ".dist-info"}, tops
     meta = zipfile.ZipFile(wheel).read(
         f"{wheel.name.split('-py3')[0]}.dist-info/METADATA").decode()
-    for req in ("numpy", "scipy", "ml_dtypes"):
-        assert f"Requires-Dist: {req}" in meta
+    requires = [line.split(": ", 1)[1] for line in meta.splitlines()
+                if line.startswith("Requires-Dist: ") and "extra ==" not in line]
+    # the plain install is the CPU path: NumPy and ml_dtypes, nothing else (no SciPy, no CuPy)
+    assert sorted(r.split(">")[0].split("=")[0].strip() for r in requires) == ["ml_dtypes", "numpy"]
+    for extra in ("cuda12", "cuda13"):
+        gpu = [line for line in meta.splitlines() if f'extra == "{extra}"' in line]
+        assert any("cupy-cuda" in line and ">=14" in line for line in gpu), gpu
+        assert not any(lib in line for line in gpu for lib in ("cublas", "cufft", "[ctk]"))
     for extra in ("cuda12", "cuda13", "test"):
         assert f"Provides-Extra: {extra}" in meta
 
@@ -142,3 +148,60 @@ def test_wheel_installs_into_fresh_venv_and_finds_kernels(wheel, tmp_path):
                        cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     assert str(env_dir) in r.stdout
+
+
+# -- The README and the user guide stay true ------------------------------------------------
+
+def _python_blocks(path: Path) -> list[str]:
+    text = path.read_text()
+    blocks, rest = [], text
+    while "```python\n" in rest:
+        rest = rest.split("```python\n", 1)[1]
+        block, rest = rest.split("```", 1)
+        blocks.append(block)
+    return blocks
+
+
+@pytest.mark.slow
+def test_readme_numpy_example_runs_on_the_cpu(tmp_path):
+    """The first example of the README (what a user without a GPU pastes) runs as written."""
+    example = _python_blocks(ROOT / "README.md")[0]
+    assert "import cupy" not in example
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    error = r.stdout.split()[-1]
+    assert r.stdout.startswith("(2, 8, 1024, 64) float32 max error ")
+    assert float(error) < 1e-5
+
+
+def test_guide_documents_every_public_function():
+    import inspect
+
+    import cuflash
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    functions = [getattr(cuflash, name) for name in cuflash.__all__ if name != "reference"]
+    functions += [cuflash.reference.attention, cuflash.reference.attention_backward]
+    for fn in functions:
+        qualified = ("cuflash.reference." if fn.__module__ == "cuflash.reference" else "cuflash.")
+        assert f"`{qualified}{fn.__name__}(" in guide, f"{qualified}{fn.__name__} is not documented"
+        for param in inspect.signature(fn).parameters:
+            assert param in guide, f"{fn.__name__}'s parameter {param} is not in the guide"
+    readme = (ROOT / "README.md").read_text()
+    for name in ("attention_backward", "attention_vjp", "enable_gqa", "docs/guide.md"):
+        assert name in readme
+
+
+def test_guide_benchmark_tables_match_the_results():
+    """docs/guide.md's tables are docs/bench_table.py's output for bench/results/h200/."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import bench_table
+    finally:
+        sys.path.pop(0)
+    if not list(bench_table.RESULTS.glob("*.json")):
+        pytest.skip("no bench/results/h200/*.json in this tree")
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    assert bench_table.guide_block(guide) == bench_table.block(), (
+        "docs/guide.md's benchmark tables are stale: run python docs/bench_table.py --write")

@@ -94,7 +94,7 @@ def test_numpy_mixed_with_cupy_is_a_type_error(entry):
 
 
 @pytest.mark.parametrize("dtype", [numpy.int32, numpy.int8, numpy.uint8, numpy.complex64,
-                                   numpy.complex128, numpy.bool_, ">f4", numpy.longdouble],
+                                   numpy.complex128, numpy.bool_, numpy.longdouble],
                          ids=str)
 def test_unsupported_dtypes_are_a_type_error(entry, dtype):
     if numpy.dtype(dtype) in _problem.SUPPORTED_DTYPES:
@@ -232,9 +232,9 @@ def test_out_overlapping_an_input_is_a_value_error(entry):
     v, out = buffer[:4], buffer[None, 1:]  # three rows in common
     with raises(ValueError, "out overlaps v in memory"):
         entry(q[:1], k, v, out=out)
-    buffer = numpy.empty((4, 16), numpy.float32)
-    k, out = buffer[:, ::2], buffer[None, :, 1::2]  # interleaved columns
-    with raises(ValueError, "out overlaps k in memory"):
+    buffer = numpy.empty((4, 64), numpy.float32)
+    v, out = buffer[:, 0:32:2], buffer[None, :, 0:64:4]  # columns 0, 4, ..., 28 in common
+    with raises(ValueError, "out overlaps v in memory"):
         entry(q[:1], k, v, out=out)
 
 
@@ -329,3 +329,145 @@ def test_problem_of_cupy_inputs():
     assert prob.batch_shape == (3, 2) and prob.causal_offset == 1
     assert prob.q.data.ptr == q.data.ptr and prob.q.strides[1] == 0  # a view, not a copy
     assert prob.k.strides[:2] == (0, 0)
+
+
+# -- Issue 13: byte order, masked arrays, scales that overflow, exact overlap, GQA -----------
+
+@pytest.mark.parametrize("dtype", ["f2", "f4", "f8"])
+def test_non_native_byte_order_is_named_as_the_problem(entry, dtype):
+    swapped = numpy.dtype(dtype).newbyteorder("S")
+    order = "big" if swapped.byteorder == ">" else "little"
+    q, k, v = (numpy.ones((4, 8), swapped) for _ in range(3))
+    with raises(TypeError, f"q.dtype={swapped.str} is {order}-endian; cuflash needs the "
+                           f"machine's byte order ({sys.byteorder}-endian): pass "
+                           "q.astype(q.dtype.newbyteorder('=')) (a copy)"):
+        entry(q, k, v)
+    k = k.astype(k.dtype.newbyteorder("="))
+    with raises(TypeError, f"q.dtype={swapped.str} is {order}-endian"):
+        entry(q, k, v)
+
+
+@pytest.mark.parametrize("position", ["q", "k", "v", "out"])
+def test_masked_arrays_are_a_type_error(entry, position):
+    qkv = dict(zip("qkv", arrays((4, 8), (4, 8), (4, 8))))
+    if position == "out":
+        qkv["out"] = numpy.ma.masked_array(numpy.empty((4, 8), numpy.float32))
+    else:
+        qkv[position] = numpy.ma.masked_array(qkv[position], mask=qkv[position] > 0)
+    with raises(TypeError, f"{position} is a numpy.ma.MaskedArray: cuflash would ignore its "
+                           f"mask; pass {position}.filled(value) or {position}.data"):
+        entry(**qkv)
+
+
+def test_masked_do_is_a_type_error():
+    q, k, v = arrays((4, 8), (4, 8), (4, 8))
+    o, lse = cuflash.attention(q, k, v, return_lse=True) if False else (q.copy(), q[:, 0].copy())
+    do = numpy.ma.masked_array(q.copy())
+    with raises(TypeError, "do is a numpy.ma.MaskedArray"):
+        cuflash.attention_backward(do, q, k, v, o, lse)
+    with raises(TypeError, "do is a numpy.ma.MaskedArray"):
+        cuflash.reference.attention_backward(do, q, k, v)
+
+
+@pytest.mark.parametrize("dtype, scale", [(numpy.float32, 1e39), (numpy.float16, 1e39),
+                                          (ml_dtypes.bfloat16, 3.5e38), (numpy.float32, 1e-39),
+                                          (numpy.float64, 1e-310)], ids=repr)
+def test_scale_outside_the_accumulation_dtype_is_a_value_error(entry, dtype, scale):
+    acc = numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+    info = numpy.finfo(acc)
+    q, k, v = arrays((4, 8), (4, 8), (4, 8), dtype=dtype)
+    with raises(ValueError, f"scale={scale} is not a normal {acc} number, the dtype "
+                            f"{numpy.dtype(dtype)} inputs are computed in: it must lie in "
+                            f"[{float(info.tiny):.6g}, {float(info.max):.6g}]"):
+        entry(q, k, v, scale=scale)
+
+
+def test_scale_of_float64_inputs_may_exceed_float32():
+    prob = make_problem(*arrays((4, 8), (4, 8), (4, 8), dtype=numpy.float64), scale=1e39,
+                        causal=False)
+    assert prob.scale == 1e39
+    prob = make_problem(*arrays((4, 8), (4, 8), (4, 8)), scale=float(numpy.finfo(numpy.float32).max),
+                        causal=False)
+    assert prob.scale == float(numpy.finfo(numpy.float32).max)
+
+
+def test_out_interleaved_with_an_input_is_accepted():
+    """Overlap means a shared element, not intersecting address ranges."""
+    buffer = numpy.zeros((4, 16), numpy.float32)
+    q, k, v = arrays((1, 4, 8), (4, 8), (4, 8))
+    k, out = buffer[:, ::2], buffer[None, :, 1::2]    # even columns, odd columns
+    k[...] = arrays((4, 8))[0]
+    assert numpy.may_share_memory(out, k)            # the ranges do intersect
+    prob = make_problem(q, k, v, scale=None, causal=False)
+    _problem.check_out(prob, out)                    # accepted
+    rows = numpy.zeros((4, 16), numpy.float32)
+    q4, out4 = rows[None, :, :8], rows[None, :, 8:]        # left and right halves of rows
+    _problem.check_out(make_problem(q4, k, v, scale=None, causal=False), out4)
+
+
+def test_shares_elements_is_exact_and_bounded(monkeypatch):
+    buffer = numpy.zeros(64, numpy.float32)
+    a, b = buffer[0::2], buffer[1::2]
+    assert not _problem.shares_elements(a, b)
+    assert _problem.shares_elements(buffer[0::3], buffer[0::2])      # element 0 (and 6, ...)
+    assert not _problem.shares_elements(buffer[:32], buffer[32:])  # disjoint ranges
+    assert not _problem.shares_elements(buffer[:0], buffer)        # empty
+    # Elements of different sizes: a float64 covers two float32 (bytes count, not indices).
+    assert _problem.shares_elements(buffer[1:3], buffer.view(numpy.float64)[:1])
+    assert not _problem.shares_elements(buffer[2:4], buffer.view(numpy.float64)[:1])
+    monkeypatch.setattr(_problem, "OVERLAP_MAX_WORK", 0)            # the bound is reached:
+    assert _problem.shares_elements(a, b)                          # refused, never wrong
+
+
+def test_shares_elements_of_cupy_arrays_uses_device_addresses():
+    buffer = fake_cupy((4, 16))
+    assert not _problem.shares_elements(buffer[:, ::2], buffer[:, 1::2])
+    assert _problem.shares_elements(buffer[:, ::2], buffer[:, ::4])
+    assert not _problem.shares_elements(buffer[:2], buffer[2:])
+
+
+def test_gqa_layout_without_the_flag_says_how(entry):
+    q, k, v = arrays((2, 8, 4, 16), (2, 2, 5, 16), (2, 2, 5, 16))
+    with raises(ValueError, "batch dims of q.shape=(2, 8, 4, 16), k.shape=(2, 2, 5, 16) and "
+                            "v.shape=(2, 2, 5, 16) do not broadcast; for grouped-query "
+                            "attention (q with 8 heads, k and v with 2) pass enable_gqa=True, "
+                            "or reshape q to (..., 2, 4, Lq, d) and k, v to (..., 2, 1, Lk, d), "
+                            "which broadcast"):
+        entry(q, k, v)
+    q = arrays((2, 7, 4, 16))[0]  # 7 heads: no grouping fits, no hint
+    with pytest.raises(ValueError, match=r"do not broadcast$"):
+        entry(q, k, v)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((8, 4, 16), (3, 5, 16), (3, 5, 16)),
+     "enable_gqa=True needs the query heads Hq=8 to be a multiple of the key/value heads "
+     "Hkv=3: q.shape=(8, 4, 16), k.shape=(3, 5, 16)"),
+    (((8, 4, 16), (2, 5, 16), (4, 5, 16)),
+     "k and v must have the same number of heads under enable_gqa=True: k.shape=(2, 5, 16) "
+     "and v.shape=(4, 5, 16)"),
+    (((4, 16), (2, 5, 16), (2, 5, 16)),
+     "enable_gqa=True needs (..., heads, length, head_dim) inputs, got q.shape=(4, 16)"),
+    (((8, 4, 16), (0, 5, 16), (0, 5, 16)),
+     "enable_gqa=True needs the query heads Hq=8 to be a multiple of the key/value heads Hkv=0"),
+])
+def test_gqa_shapes_that_do_not_group_are_a_value_error(entry, shapes, message):
+    with raises(ValueError, message):
+        entry(*arrays(*shapes), enable_gqa=True)
+
+
+def test_gqa_flag_of_the_wrong_type_is_a_type_error(entry):
+    with raises(TypeError, "enable_gqa must be a bool, got 'yes'"):
+        entry(*arrays((2, 4, 16), (2, 5, 16), (2, 5, 16)), enable_gqa="yes")
+
+
+def test_gqa_out_and_backward_arguments_must_have_q_heads():
+    q, k, v = arrays((8, 4, 16), (2, 5, 16), (2, 5, 16))
+    with raises(ValueError, "out.shape=(2, 4, 16) must have q's 8 heads at axis -3 under "
+                            "enable_gqa=True (q.shape=(8, 4, 16))"):
+        cuflash.attention(q, k, v, enable_gqa=True, out=numpy.empty((2, 4, 16), numpy.float32))
+    do, o = arrays((8, 4, 16), (8, 4, 16))
+    with raises(ValueError, "lse.shape=(2, 4) must have q's 8 heads at axis -2 under "
+                            "enable_gqa=True"):
+        cuflash.attention_backward(do, q, k, v, o, numpy.zeros((2, 4), numpy.float32),
+                                   enable_gqa=True)
