@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy
-import scipy.special
 
 from cuflash import _problem
 from cuflash._modifiers import Modifiers
@@ -133,6 +132,11 @@ def backward(prob, mods: Modifiers, do, o, lse, dq, dk, dv, dbias=None, dsink=No
 # The float64 reference: the whole matrix through the same pipeline
 # ---------------------------------------------------------------------------------------------
 
+def _logsumexp(s: numpy.ndarray) -> numpy.ndarray:
+    from cuflash.reference import logsumexp   # here: reference will import this module
+    return logsumexp(s)
+
+
 def _float64(prob, x) -> numpy.ndarray:
     return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
 
@@ -163,8 +167,7 @@ def reference_forward(prob, mods: Modifiers) -> tuple[numpy.ndarray, numpy.ndarr
     pipe, s = reference_scores(prob, mods)
     v64 = _float64(prob, prob.v)
     with numpy.errstate(invalid="ignore", divide="ignore"):
-        lse = (scipy.special.logsumexp(s, axis=-1) if prob.Lk
-               else numpy.full(s.shape[:-1], -numpy.inf))
+        lse = _logsumexp(s)
         lse = pipe.lse_with_sink(lse)
         shift = numpy.where(lse == -numpy.inf, 0.0, lse)   # a row with no visible key
         o = numpy.exp(s - shift[..., None]) @ v64
@@ -182,8 +185,7 @@ def reference_backward(prob, mods: Modifiers, do, shapes=None) -> tuple[numpy.nd
     q64, k64, v64 = (_float64(prob, x) for x in (prob.q, prob.k, prob.v))
     do64 = _float64(prob, do)
     with numpy.errstate(invalid="ignore", divide="ignore"):
-        lse = (scipy.special.logsumexp(s, axis=-1) if prob.Lk
-               else numpy.full(s.shape[:-1], -numpy.inf))
+        lse = _logsumexp(s)
         lse = pipe.lse_with_sink(lse)
         dead = (lse == -numpy.inf)[..., None]
         p = numpy.where(dead, 0.0, numpy.exp(s - numpy.where(dead, 0.0, lse[..., None])))
