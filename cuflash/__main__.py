@@ -1,11 +1,12 @@
-"""``python -m cuflash demo|bench|check|info``.
+"""``python -m cuflash demo|bench|check|info|fuzz``.
 
 demo   run cuflash.attention on random inputs (GPU if one is usable, else the NumPy CPU path),
        check it against the float64 reference and print errors and times; exit 1 on failure
-bench  the benchmark suite (cuflash/_bench.py; ``python -m cuflash bench --help``)
+bench  a short benchmark on this GPU (cuflash/_bench.py; the lab harness is bench/bench_attention.py)
 check  the offline compile gate: every kernel specialisation through NVRTC for the given
        architectures, no GPU needed; exit 1 on any error, spill or stack use
-info   versions, kernel source directory, devices
+info   versions, kernel source directory, devices; info --explain SHAPE: the kernel a call runs
+fuzz   a correctness campaign against the float64 reference (``python -m cuflash fuzz --help``)
 """
 from __future__ import annotations
 
@@ -386,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "bench":        # everything after `bench` is the suite's
             return _bench(argv[1:])
+        if argv and argv[0] == "fuzz":         # correctness campaign (cuflash/_fuzz.py)
+            from cuflash._fuzz import main as fuzz_main
+            return fuzz_main(argv[1:])
         parser = build_parser()
         args = parser.parse_args(argv)
         if args.cmd is None:

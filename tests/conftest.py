@@ -6,6 +6,10 @@ Hypothesis profile, chosen by the environment variable ``HYPOTHESIS_PROFILE``:
 - ``gpu``: 300 examples, for the GPU test machine;
 - ``thorough``: 3000 examples, for hunting bugs before a release.
 
+The profiles live here only: no test file picks its own number of examples (the planted-bug
+tests of tests/test_testing.py excepted: they assert that a bug is found within a fixed number,
+so that number is the test).
+
 Tests marked ``gpu`` are skipped, with the reason, when CuPy cannot be imported or sees no
 CUDA device; ``pytest -m gpu`` selects them.
 """

@@ -6,7 +6,7 @@ reference gradients (``gpu`` marker: skipped without a device). The tests of the
 
 Inputs keep the memory layout Hypothesis drew for them (strided views keep their NaN-filled
 gaps on the device too, so a kernel that reads outside a view gets NaN in its result). The
-tolerance is tests/_tolerance_bwd.py's: 3x the error of the naive same-dtype backward (run on
+tolerance is cuflash.testing's: 3x the error of the naive same-dtype backward (run on
 the GPU with CuPy) plus a floor. Kernel specialisations compile on first use (NVRTC, about a
 second each); the tests below touch about 40 of them.
 """
@@ -16,14 +16,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy
 import pytest
-from hypothesis import example, given, settings, target
-from hypothesis import strategies as st
+from hypothesis import example, given, target
 
 import cuflash
-from cuflash import _problem
-from _inputs import LAYOUTS, attention_inputs, make_array
-from _tolerance_bwd import assert_gradients_close
-from test_gpu import to_device
+from _inputs import make_array
+from cuflash.testing import AttentionCase, assert_attention_close, attention_cases
+from test_gpu_forward import to_device
 
 pytestmark = pytest.mark.gpu
 
@@ -38,34 +36,42 @@ IDS = ["f16", "bf16", "f32", "f64"]
 def run_and_check(q, k, v, *, scale=None, causal=False, do_layout="c", deterministic=False,
                   seed=0):
     """cuflash forward + backward on the GPU against the float64 reference gradients."""
-    import cupy
     qd, kd, vd = (to_device(x) for x in (q, k, v))
-    o, lse = cuflash.attention(qd, kd, vd, scale=scale, causal=causal, return_lse=True)
-    do = make_array(numpy.random.default_rng(seed), o.shape, q.dtype, do_layout)
-    dod = to_device(do)
-    grads = cuflash.attention_backward(dod, qd, kd, vd, o, lse, scale=scale, causal=causal,
-                                       deterministic=deterministic)
+    shape = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]) + (q.shape[-2],
+                                                                               v.shape[-1])
+    dod = to_device(make_array(numpy.random.default_rng(seed), shape, q.dtype, do_layout))
+    case = AttentionCase.from_arrays(qd, kd, vd, do=dod, scale=scale, causal=causal)
+    return check_case(case, deterministic=deterministic)
+
+
+def check_case(case, deterministic=False):
+    """Forward, then backward of a CuPy case, by cuflash.testing's rule (3x the naive
+    same-dtype backward, run on the GPU, plus a floor)."""
+    import cupy
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, **case.kwargs)
+    grads = cuflash.attention_backward(case.do, case.q, case.k, case.v, o, lse,
+                                       deterministic=deterministic, **case.kwargs)
     cupy.cuda.Device().synchronize()
-    for g, x in zip(grads, (q, k, v)):
+    for g, x in zip(grads, (case.q, case.k, case.v)):
         assert isinstance(g, cupy.ndarray) and g.shape == x.shape and g.dtype == x.dtype
         assert g.flags.c_contiguous
-    prob = _problem.make_problem(qd, kd, vd, scale=scale, causal=causal)
-    ref = cuflash.reference.attention_backward(do, q, k, v, scale=scale, causal=causal)
-    return assert_gradients_close(prob, dod, grads, ref, (q.shape, k.shape, v.shape))
+    return assert_attention_close(None, case, grads=grads, check_dtype=True)
+
+
+def check_grads(qd, kd, vd, do, causal, grads):
+    case = AttentionCase.from_arrays(qd, kd, vd, do=do, causal=causal)
+    return assert_attention_close(None, case, grads=grads, check_dtype=True)
 
 
 # -- every dtype, shape, layout and mask the strategies draw ----------------------------------
 
-@settings(max_examples=min(40, settings().max_examples))
-@given(attention_inputs(), st.sampled_from(LAYOUTS))
-@example(  # GQA, ragged, bottom-right causal with rows that see no key, d = 111
-    dict(q=make_array(numpy.random.default_rng(1), (2, 2, 3, 137, 111), BF16),
-         k=make_array(numpy.random.default_rng(2), (2, 2, 1, 101, 111), BF16),
-         v=make_array(numpy.random.default_rng(3), (2, 2, 1, 101, 111), BF16),
-         scale=None, causal=True, block_m=0, block_n=0, out_layout=None), "c")
-def test_matches_reference(inputs, do_layout):
-    target(run_and_check(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
-                         causal=inputs["causal"], do_layout=do_layout))
+@given(attention_cases(min_seqlen=0, max_seqlen=257))
+@example(AttentionCase.make("bfloat16", (2, 2, 3, 137, 111), (2, 2, 1, 101, 111),
+                            (2, 2, 1, 101, 111), seed=1, causal=True)
+         ).via("GQA, ragged, bottom-right causal with rows that see no key, d = 111")
+def test_matches_reference(case):
+    import cupy
+    target(check_case(case.with_xp(cupy)))
 
 
 # -- head dims (every bucket, padded ones), ragged lengths, GQA, both alignments -----------------
@@ -304,15 +310,13 @@ def test_simt_override_agrees_with_the_tensor_cores(launched, monkeypatch, dtype
     o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True)
     do_host = make_array(rng, o.shape, dtype)
     do = cupy.asarray(do_host)
-    prob = _problem.make_problem(qd, kd, vd, scale=None, causal=causal)
     ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
-    shapes = (q.shape, k.shape, v.shape)
     tc = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
     setenv(monkeypatch, "CUFLASH_BWD", "simt")
     simt = cuflash.attention_backward(do, qd, kd, vd, o, lse, causal=causal)
     assert launched == [_atomic_kernel(64, 64), "bwd_simt.cu"]
-    assert_gradients_close(prob, do, tc, ref, shapes)
-    assert_gradients_close(prob, do, simt, ref, shapes)
+    check_grads(qd, kd, vd, do, causal, tc)
+    check_grads(qd, kd, vd, do, causal, simt)
     for a, b, r in zip(tc, simt, ref):
         a, b = (cupy.asnumpy(x).astype(numpy.float64) for x in (a, b))
         assert numpy.abs(a - b).max() <= 2 * max(numpy.abs(a - r).max(), numpy.abs(b - r).max()) + 1e-6
@@ -338,9 +342,7 @@ def test_deterministic_semaphore_under_contention(launched, dtype, causal):
         for a, b in zip(runs[0], again):
             assert (a.view(numpy.uint16) == b.view(numpy.uint16)).all()
     assert all(float(cupy.abs(g.astype(numpy.float32)).max()) > 0 for g in runs[0])
-    prob = _problem.make_problem(qd, kd, vd, scale=None, causal=causal)
-    ref = cuflash.reference.attention_backward(do_host, q, k, v, causal=causal)
-    assert_gradients_close(prob, do, runs[0], ref, (q.shape, k.shape, v.shape))
+    check_grads(qd, kd, vd, do, causal, runs[0])
     assert set(launched) == {"bwd_sm80.cu"}
 
 

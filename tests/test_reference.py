@@ -7,12 +7,12 @@ import math
 import numpy
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _problem
-from _inputs import CAUSAL, DTYPES, LAYOUTS, make_array, poisoned_out
-from _tolerance import lse_tolerance, tolerance
+from _inputs import CAUSAL, DTYPES, make_array, poisoned_out
+from cuflash._tolerance import lse_tolerance, tolerance
+from cuflash.testing import attention_cases
 
 
 def direct_attention(q, k, v, scale, causal):
@@ -44,17 +44,11 @@ def direct_attention(q, k, v, scale, causal):
     return o, lse
 
 
-@given(dtype=st.sampled_from(DTYPES), causal=st.sampled_from(CAUSAL),
-       scale=st.none() | st.floats(0.1, 3.0), data=st.data())
-def test_reference_matches_the_definition(dtype, causal, scale, data):
-    lengths, dims = st.integers(0, 6), st.integers(1, 5)
-    Lq, Lk, d, dv = data.draw(lengths), data.draw(lengths), data.draw(dims), data.draw(dims)
-    batch = data.draw(st.lists(st.integers(1, 2), max_size=2))
-    rng = numpy.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    q = make_array(rng, tuple(batch) + (Lq, d), dtype, data.draw(st.sampled_from(LAYOUTS)))
-    k = make_array(rng, tuple(batch[1:]) + (Lk, d), dtype, data.draw(st.sampled_from(LAYOUTS)))
-    v = make_array(rng, (1,) * len(batch) + (Lk, dv), dtype, data.draw(st.sampled_from(LAYOUTS)))
-
+@given(case=attention_cases(min_seqlen=0, max_seqlen=6, head_dims=range(1, 6), max_batch_dims=2))
+def test_reference_matches_the_definition(case):
+    q, k, v = case.q, case.k, case.v
+    scale, causal = case.kwargs["scale"], case.kwargs["causal"]
+    Lk = k.shape[-2]
     o, lse = cuflash.reference.attention(q, k, v, scale=scale, causal=causal, return_lse=True)
     o_def, lse_def = direct_attention(q, k, v, scale, causal)
 

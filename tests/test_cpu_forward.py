@@ -15,54 +15,65 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _numpy, _problem
-from _inputs import CAUSAL, DTYPES, attention_inputs, make_array, poisoned_out
-from _tolerance import assert_attention_close, eps
+from _inputs import CAUSAL, DTYPES, LAYOUTS, make_array, poisoned_out
+from cuflash._tolerance import eps
+from cuflash.testing import AttentionCase, assert_attention_close, attention_cases
+
+#: The property tests' cases: every dtype, keyword and layout cuflash.testing draws, plus
+#: empty sequences (Lq or Lk = 0).
+CASES = attention_cases(min_seqlen=0)
 
 
 def check_against_reference(q, k, v, scale, causal, o, lse) -> float:
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    o_ref, lse_ref = cuflash.reference.attention(q, k, v, scale=scale, causal=causal,
-                                                 return_lse=True)
-    return assert_attention_close(prob, o, lse, o_ref, lse_ref)
+    case = AttentionCase.from_arrays(q, k, v, scale=scale, causal=causal)
+    return assert_attention_close(o, case, lse=lse, check_dtype=True)
 
 
-@given(case=attention_inputs())
-def test_forward_matches_reference(case):
+def tile_sizes(data, Lq, Lk):
+    """From one row per block to one block for all; at most 16 blocks, to stay fast."""
+    return (max(data.draw(st.integers(1, Lq + 1), label="block_m"), math.ceil(Lq / 16)),
+            max(data.draw(st.integers(1, Lk + 1), label="block_n"), math.ceil(Lk / 16)))
+
+
+@given(case=CASES, data=st.data())
+def test_forward_matches_reference(case, data):
     """The blocked online softmax, with drawn tile sizes, into a NaN-poisoned strided output."""
-    q, k, v, scale, causal = (case[name] for name in ("q", "k", "v", "scale", "causal"))
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    o = poisoned_out(prob.batch_shape + (prob.Lq, prob.dv), prob.dtype, case["out_layout"] or "c")
-    lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, prob.lse_dtype)
-    _numpy.forward(prob, o, lse, block_m=case["block_m"], block_n=case["block_n"])
-    target(check_against_reference(q, k, v, scale, causal, o, lse), label="error / tolerance")
+    g = case.geometry()
+    prob = _problem.make_problem(case.q, case.k, case.v, **{"scale": None, "causal": False,
+                                                            **case.kwargs})
+    out_layout = data.draw(st.sampled_from(LAYOUTS), label="out_layout")
+    o = poisoned_out(g.batch_shape + (g.Lq, g.dv), case.dtype, out_layout)
+    lse = numpy.full(g.batch_shape + (g.Lq,), numpy.nan, prob.lse_dtype)
+    block_m, block_n = tile_sizes(data, g.Lq, g.Lk)
+    _numpy.forward(prob, o, lse, block_m=block_m, block_n=block_n)
+    target(assert_attention_close(o, case, lse=lse, check_dtype=True), label="error / tolerance")
 
 
-@given(case=attention_inputs(max_batch_dim=2, min_batch_dim=0), return_lse=st.booleans())
+@given(case=CASES, return_lse=st.booleans(), out_layout=st.sampled_from((None,) + LAYOUTS))
 @example(  # NumPy gives empty arrays stride 0: an empty out= is not self-overlapping
-    case=dict(q=numpy.ones((0, 1), "f2"), k=numpy.ones((0, 1), "f2"), v=numpy.ones((0, 2), "f2"),
-              scale=None, causal=False, block_m=1, block_n=1, out_layout="c"),
-    return_lse=False)
-def test_attention_matches_reference(case, return_lse):
+    case=AttentionCase.from_arrays(numpy.ones((0, 1), "f2"), numpy.ones((0, 1), "f2"),
+                                   numpy.ones((0, 2), "f2")),
+    return_lse=False, out_layout="c")
+def test_attention_matches_reference(case, return_lse, out_layout):
     """The public function: empty shapes, out= with any layout, return_lse."""
-    q, k, v, scale, causal = (case[name] for name in ("q", "k", "v", "scale", "causal"))
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    g = case.geometry()
     out = None
-    if case["out_layout"] is not None:
-        out = poisoned_out(prob.batch_shape + (prob.Lq, prob.dv), prob.dtype, case["out_layout"])
-    result = cuflash.attention(q, k, v, scale=scale, causal=causal, return_lse=return_lse,
-                               out=out)
+    if out_layout is not None:
+        out = poisoned_out(g.batch_shape + (g.Lq, g.dv), case.dtype, out_layout)
+    result = cuflash.attention(case.q, case.k, case.v, return_lse=return_lse, out=out,
+                               **case.kwargs)
     if return_lse:
         o, lse = result
         assert lse.flags.c_contiguous
     else:
         o = result
         assert isinstance(o, numpy.ndarray)
-        _, lse = cuflash.attention(q, k, v, scale=scale, causal=causal, return_lse=True)
+        _, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, **case.kwargs)
     if out is None:
         assert o.flags.c_contiguous
     else:
         assert o is out
-    target(check_against_reference(q, k, v, scale, causal, o, lse), label="error / tolerance")
+    target(assert_attention_close(o, case, lse=lse, check_dtype=True), label="error / tolerance")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

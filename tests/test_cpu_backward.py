@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _numpy, _problem
-from _inputs import CAUSAL, DTYPES, LAYOUTS, attention_inputs, make_array
-from _tolerance import eps
-from _tolerance_bwd import assert_gradients_close
+from _inputs import CAUSAL, DTYPES, make_array
+from cuflash._tolerance import eps
+from cuflash.testing import AttentionCase, assert_attention_close, attention_cases
 
 F64 = numpy.dtype(numpy.float64)
 
@@ -109,31 +109,32 @@ def test_reference_gradients_definition_by_loop():
 # -- the CPU backward against the reference ---------------------------------------------------
 
 def check_backward(q, k, v, scale, causal, do, grads) -> float:
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    ref = cuflash.reference.attention_backward(do, q, k, v, scale=scale, causal=causal)
-    return assert_gradients_close(prob, do, grads, ref, shapes_of(q, k, v))
+    case = AttentionCase.from_arrays(q, k, v, do=do, scale=scale, causal=causal)
+    return assert_attention_close(None, case, grads=grads, check_dtype=True)
 
 
-@given(case=attention_inputs(), do_layout=st.sampled_from(LAYOUTS))
+@given(case=attention_cases(min_seqlen=0), blocks=st.tuples(st.integers(1, 257), st.integers(1, 257)))
 @example(  # GQA, ragged, causal bottom-right with rows that see no key, tiles across the diagonal
-    case=dict(q=make_array(numpy.random.default_rng(1), (2, 2, 3, 37, 40), numpy.float16),
-              k=make_array(numpy.random.default_rng(2), (2, 2, 1, 29, 40), numpy.float16),
-              v=make_array(numpy.random.default_rng(3), (2, 2, 1, 29, 24), numpy.float16),
-              scale=None, causal=True, block_m=8, block_n=5, out_layout=None), do_layout="c")
-def test_backward_matches_reference(case, do_layout):
+    case=AttentionCase.make("float16", (2, 2, 3, 37, 40), (2, 2, 1, 29, 40), (2, 2, 1, 29, 24),
+                            seed=1, layouts=("c", "transposed", "strided", "reversed"),
+                            causal=True),
+    blocks=(8, 5)).via("GQA, ragged, bottom-right causal with rows that see no key")
+def test_backward_matches_reference(case, blocks):
     """The blocked backward with drawn tile sizes, into NaN-poisoned outputs."""
-    q, k, v, scale, causal = (case[name] for name in ("q", "k", "v", "scale", "causal"))
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    rng = numpy.random.default_rng(0)
-    o, lse, do = forward_and_do(q, k, v, scale, causal, rng, do_layout)
+    q, k, v, do = case.q, case.k, case.v, case.do
+    prob = _problem.make_problem(q, k, v, **{"scale": None, "causal": False, **case.kwargs})
+    o, lse = cuflash.attention(q, k, v, return_lse=True, **case.kwargs)
     if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
-        grads = cuflash.attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal)
+        grads = cuflash.attention_backward(do, q, k, v, o, lse, **case.kwargs)
         assert all((g == 0).all() for g in grads)
     else:
         grads = tuple(numpy.full(x.shape, numpy.nan, q.dtype) for x in (q, k, v))
-        _numpy.backward(prob, do, o, lse, *grads, block_m=max(1, case["block_m"]),
-                        block_n=max(1, case["block_n"]))
-    target(check_backward(q, k, v, scale, causal, do, grads), label="error / tolerance")
+        # from one row per block to one block for all; at most 16 blocks, to stay fast
+        block_m, block_n = (max(min(b, L + 1), math.ceil(L / 16))
+                            for b, L in zip(blocks, (prob.Lq, prob.Lk)))
+        _numpy.backward(prob, do, o, lse, *grads, block_m=block_m, block_n=block_n)
+    target(assert_attention_close(None, case, grads=grads, check_dtype=True),
+           label="error / tolerance")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

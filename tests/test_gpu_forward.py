@@ -11,13 +11,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy
 import pytest
-from hypothesis import example, given, settings, target
+from hypothesis import example, given, target
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _problem
-from _inputs import attention_inputs, make_array
-from _tolerance import assert_attention_close
+from _inputs import make_array
+from cuflash import testing
+from cuflash.testing import AttentionCase, assert_attention_close, attention_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -27,16 +27,9 @@ F16 = numpy.dtype(numpy.float16)
 
 def to_device(x: numpy.ndarray):
     """A CuPy array with the same values, shape *and strides* as ``x``; the bytes of the span
-    that ``x`` does not cover are NaN, as in the strided layouts of tests._inputs."""
+    that ``x`` does not cover are NaN, as in the strided layouts of cuflash.testing."""
     import cupy
-    if x.size == 0 or 0 in x.strides:
-        return cupy.asarray(x)
-    lo = sum(min(0, s * (n - 1)) for n, s in zip(x.shape, x.strides))
-    hi = sum(max(0, s * (n - 1)) for n, s in zip(x.shape, x.strides)) + x.itemsize
-    buf = cupy.full((hi - lo) // x.itemsize, numpy.nan, dtype=x.dtype)
-    view = cupy.ndarray(x.shape, x.dtype, memptr=buf.data + (-lo), strides=x.strides)
-    view[...] = cupy.asarray(numpy.ascontiguousarray(x))
-    return view
+    return testing.to_device(x, cupy)
 
 
 def poisoned(shape, dtype, layout="c"):
@@ -51,29 +44,31 @@ def poisoned(shape, dtype, layout="c"):
 
 def run_and_check(q, k, v, *, scale=None, causal=False, out_layout="c"):
     """cuflash on the GPU (into a poisoned ``out``) against the float64 reference."""
-    import cupy
     qd, kd, vd = (to_device(x) for x in (q, k, v))
-    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
-    out = poisoned(prob.batch_shape + (prob.Lq, prob.dv), q.dtype, out_layout)
-    o, lse = cuflash.attention(qd, kd, vd, scale=scale, causal=causal, return_lse=True, out=out)
+    return check_case(AttentionCase.from_arrays(qd, kd, vd, scale=scale, causal=causal),
+                      out_layout)
+
+
+def check_case(case, out_layout="c"):
+    """cuflash.attention on a CuPy case, into a poisoned ``out``, by cuflash.testing's rule
+    (the naive baseline runs on the GPU)."""
+    import cupy
+    g = case.geometry()
+    out = poisoned(g.batch_shape + (g.Lq, g.dv), case.dtype, out_layout)
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, out=out, **case.kwargs)
     assert o is out
     cupy.cuda.Device().synchronize()
-    o_ref, lse_ref = cuflash.reference.attention(q, k, v, scale=scale, causal=causal,
-                                                 return_lse=True)
-    return assert_attention_close(prob, o, lse, o_ref, lse_ref)
+    return assert_attention_close(o, case, lse=lse, check_dtype=True)
 
 
 # -- every dtype, shape, layout and mask the strategies draw (both kernels) --------------------
 
-@given(attention_inputs(), st.sampled_from(["c", "transposed", "strided"]))
-@example(  # ragged tensor-core case from the issue: 113 x 203, d = 111, causal
-    dict(q=make_array(numpy.random.default_rng(1), (2, 113, 111), F16),
-         k=make_array(numpy.random.default_rng(2), (2, 203, 111), F16),
-         v=make_array(numpy.random.default_rng(3), (2, 203, 111), F16),
-         scale=None, causal=True, block_m=0, block_n=0, out_layout=None), "c")
-def test_matches_reference(inputs, out_layout):
-    target(run_and_check(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
-                         causal=inputs["causal"], out_layout=out_layout))
+@given(attention_cases(min_seqlen=0, max_seqlen=257), st.sampled_from(["c", "transposed", "strided"]))
+@example(AttentionCase.make("float16", (2, 113, 111), (2, 203, 111), (2, 203, 111), seed=1,
+                            causal=True), "c").via("ragged tensor-core case: 113 x 203, d = 111")
+def test_matches_reference(case, out_layout):
+    import cupy
+    target(check_case(case.with_xp(cupy), out_layout))
 
 
 # -- the tensor-core kernels: every head-dim bucket, ragged lengths, both alignments -----------
