@@ -11,11 +11,17 @@ Arrays of other frameworks (PyTorch, JAX, Numba: anything with ``__dlpack__`` or
 ``__cuda_array_interface__``) are taken without a copy; results are CuPy (GPU) or NumPy (CPU)
 arrays. ``enable_gqa=True`` accepts grouped-query attention in the 4-D layout.
 ``cuflash.explain(q, k, v, ...)`` says which kernel a call runs, with which tiles, and why.
+Modifiers (``window``, ``softcap``, ``alibi_slopes``, ``sink``, ``bias``, ``mask``, ``score_mod``,
+``mask_mod``, ``block_mask``) are keywords of all of these; ``cuflash.captured`` wraps an array a
+``score_mod`` / ``mask_mod`` reads, ``cuflash.block_mask`` precomputes a mask_mod's tile map.
 The user guide is docs/guide.md.
 """
 
 from cuflash import reference
 from cuflash._api import attention, attention_backward, attention_vjp, explain
+from cuflash._block_mask import block_mask
+from cuflash._captured import captured
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "explain", "reference"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "block_mask", "captured",
+           "explain", "reference"]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy
 
-from cuflash import _numpy, _problem
+from cuflash import _modifiers, _numpy, _problem
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -95,6 +95,9 @@ class _FastBackward:
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
+              window: Any = None, softcap: Any = None, alibi_slopes: Any = None,
+              sink: Any = None, bias: Any = None, mask: Any = None, score_mod: Any = None,
+              mask_mod: Any = None, block_mask: Any = None,
               return_lse: bool = False, out: Any = None, enable_gqa: bool = False) -> Any:
     """Exact softmax attention ``softmax(scale * q @ k.T + mask) @ v``, computed tile by tile.
 
@@ -133,6 +136,24 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         with k, v ``(..., Hkv, Lk, d)``, Hq a multiple of Hkv; query head h uses key/value
         head ``h // (Hq // Hkv)``. A zero-copy view of the 5-D broadcast form; o, lse and
         ``out`` have q's 4-D layout.
+    window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
+        The modifiers of DESIGN.md, applied in this order to each score: softcap
+        ``c * tanh(s / c)``; ALiBi ``s -= slope * |i + Lk - Lq - j|`` (``alibi_slopes``
+        broadcasting to the batch shape, e.g. ``(H,)``); ``bias`` (a float array broadcasting to
+        ``batch_shape + (Lq, Lk)``, read in place; -inf hides a pair); ``score_mod(score, b, h,
+        q_idx, kv_idx)``; then the pairs hidden by ``causal``, ``window=(left, right)`` (key j
+        visible iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``, None unbounded),
+        ``mask`` (bool, broadcastable like bias, True = keep), ``mask_mod(b, h, q_idx, kv_idx)``
+        (or the one of ``block_mask``, see :func:`cuflash.block_mask`); ``sink`` (broadcasting
+        to the batch shape) adds ``exp(sink)`` to each row's denominator (``lse`` includes it;
+        a row with no visible key gets ``o = 0`` and ``lse = sink``). ``b`` is the index along
+        the first batch dim and ``h`` the flat index over the others (with one batch dim,
+        ``b = 0``; with none, both 0; under ``enable_gqa`` the batch shape is the grouped
+        ``(..., Hkv, G)``, so ``h`` is the query head and per-head arrays are given as
+        ``(..., Hkv, G)``). User functions are written with operators and NumPy functions;
+        arrays they read are wrapped with :func:`cuflash.captured`. NumPy inputs run every
+        modifier on the CPU path; on CuPy inputs the GPU kernels do not implement them yet
+        and raise NotImplementedError naming them.
 
     Returns
     -------
@@ -165,7 +186,10 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         non-positive scale, an unknown causal alignment, ``out`` of the wrong shape or
         overlapping an input.
     """
-    if out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY \
+    plain = (window is None and softcap is None and alibi_slopes is None and sink is None
+             and bias is None and mask is None and score_mod is None and mask_mod is None
+             and block_mask is None)
+    if plain and out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY \
             and enable_gqa is False:
         key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                causal.__class__)
@@ -188,9 +212,15 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     call = _problem.Call(q, k, v, enable_gqa, out=out)  # any framework's arrays; GQA views
     q, k, v, out = call.q, call.k, call.v, call.out
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _modifiers.check_modifiers(
+        xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
+        Lk=prob.Lk, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     _problem.check_return_lse(return_lse)
     if out is not None:
         _problem.check_out(prob, out)
+    if prob.xp is not numpy:
+        _modifiers.check_gpu_support(mods, "attention")
 
     xp = prob.xp
     with _problem.device_scope(prob):
@@ -200,9 +230,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             pass  # Lq == 0 or a batch dimension of 0: nothing to compute
         elif prob.Lk == 0:
             o[...] = 0  # every row sees no key
-            lse[...] = -numpy.inf
+            lse[...] = -numpy.inf if mods.sink is None else mods.sink[..., None]
         elif xp is numpy:
-            _numpy.forward(prob, o, lse)
+            _numpy.forward(prob, o, lse, mods=mods)
         else:
             _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
     return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
@@ -222,8 +252,11 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
-                       causal: Any = False, deterministic: bool = False,
-                       enable_gqa: bool = False) -> tuple[Any, Any, Any]:
+                       causal: Any = False, window: Any = None, softcap: Any = None,
+                       alibi_slopes: Any = None, sink: Any = None, bias: Any = None,
+                       mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                       block_mask: Any = None, deterministic: bool = False,
+                       enable_gqa: bool = False) -> tuple[Any, ...]:
     """Gradients of :func:`attention` with respect to q, k and v (FlashAttention-2 backward).
 
     Only ``o`` and ``lse`` of the forward pass are needed: the attention probabilities are
@@ -240,7 +273,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         What ``attention(q, k, v, ..., return_lse=True)`` returned for the same arguments:
         ``o`` of shape ``batch_shape + (Lq, dv)`` in the inputs' dtype (any strides), ``lse``
         of shape ``batch_shape + (Lq,)`` in float32 (float64 for float64 inputs).
-    scale, causal
+    scale, causal, window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod, block_mask
         As for :func:`attention`; must be those of the forward call.
     enable_gqa : bool, optional
         As for :func:`attention`: q, do, o ``(..., Hq, L, ·)``, lse ``(..., Hq, Lq)`` with k, v
@@ -289,7 +322,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         (TypeError), of the wrong shape or on another device (ValueError); a
         ``deterministic`` that is not a bool (TypeError).
     """
-    if type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
+    plain = (window is None and softcap is None and alibi_slopes is None and sink is None
+             and bias is None and mask is None and score_mod is None and mask_mod is None
+             and block_mask is None)
+    if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False:
         key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
                scale, scale.__class__, causal, causal.__class__, deterministic)
@@ -304,19 +340,32 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
     q, k, v, do, o, lse = call.q, call.k, call.v, call.do, call.o, call.lse
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _modifiers.check_modifiers(
+        xp=prob.xp, device_id=prob.device_id, batch_shape=prob.batch_shape, Lq=prob.Lq,
+        Lk=prob.Lk, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink,
+        bias=bias, mask=mask, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
+    if prob.xp is not numpy:
+        _modifiers.check_gpu_support(mods, "attention_backward")
 
     xp = prob.xp
     with _problem.device_scope(prob):
+        # dbias, dsink (DESIGN.md's order after dq, dk, dv), zero where nothing is computed
+        extra = tuple(xp.zeros(shape, dtype) for shape, dtype in
+                      ((mods.bias_shape, mods.bias_dtype), (mods.sink_shape, mods.sink_dtype))
+                      if shape is not None)
         if 0 in prob.batch_shape or prob.Lq == 0 or prob.Lk == 0:
             # nothing to compute: no query sees a key, or there is nothing to differentiate
-            return call.gradients(*(xp.zeros(x.shape, prob.dtype) for x in (q, k, v)))
+            return call.gradients(*(xp.zeros(x.shape, prob.dtype) for x in (q, k, v))) + extra
         dq = xp.empty(q.shape, prob.dtype)
         dk = xp.empty(k.shape, prob.dtype)
         dv = xp.empty(v.shape, prob.dtype)
         if xp is numpy:
-            _numpy.backward(prob, do, o, lse, dq, dk, dv)
+            _numpy.backward(prob, do, o, lse, dq, dk, dv,
+                            dbias=extra[0] if mods.bias is not None else None,
+                            dsink=extra[-1] if mods.sink is not None else None, mods=mods)
+            return call.gradients(dq, dk, dv) + extra
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
                           (do, q, k, v, o, lse, scale, causal, deterministic))
@@ -340,7 +389,8 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> Non
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-                  deterministic: bool = False, enable_gqa: bool = False) -> tuple[Any, Any]:
+                  deterministic: bool = False, enable_gqa: bool = False,
+                  **modifiers: Any) -> tuple[Any, Any]:
     """The forward pass and its pullback: ``o, pullback = attention_vjp(q, k, v)``.
 
     ``o`` is ``attention(q, k, v, scale=scale, causal=causal)``; ``pullback(do)`` returns
@@ -350,19 +400,21 @@ def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = Fa
     forward pass runs; ``do`` is validated when the pullback is called.
     """
     _problem.check_deterministic(deterministic)
+    _modifiers.check_keywords(modifiers, "attention_vjp")
     o, lse = attention(q, k, v, scale=scale, causal=causal, return_lse=True,
-                       enable_gqa=enable_gqa)
+                       enable_gqa=enable_gqa, **modifiers)
 
-    def pullback(do: Any) -> tuple[Any, Any, Any]:
+    def pullback(do: Any) -> tuple[Any, ...]:
         return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal,
-                                  deterministic=deterministic, enable_gqa=enable_gqa)
+                                  deterministic=deterministic, enable_gqa=enable_gqa,
+                                  **modifiers)
 
     return o, pullback
 
 
 def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             backward: bool = False, deterministic: bool = False, device: Any = None,
-            enable_gqa: bool = False) -> str:
+            enable_gqa: bool = False, **modifiers: Any) -> str:
     """Which kernel a call would run, with which tiles, and why: the dispatcher's reasoning.
 
     ``q, k, v`` are arrays (NumPy or CuPy; only their shapes and dtypes matter) with the
@@ -370,12 +422,20 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     ``"h100"``, ``"a100"``, ``"l40s"``, ``"v100"``) or None (the device holding CuPy inputs, else
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
-    ``python -m cuflash info --explain 4,16,1024,128`` prints the same.
+    ``python -m cuflash info --explain 4,16,1024,128`` prints the same. Modifier keywords
+    are validated; the text names them and shows the CUDA source traced from ``score_mod`` /
+    ``mask_mod``.
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
     call = _problem.Call(q, k, v, enable_gqa)
     prob = _problem.make_problem(call.q, call.k, call.v, scale=scale, causal=causal)
+    _modifiers.check_keywords(modifiers, "explain")
+    mods = _modifiers.check_modifiers(xp=prob.xp, device_id=prob.device_id,
+                                      batch_shape=prob.batch_shape, Lq=prob.Lq, Lk=prob.Lk,
+                                      **modifiers)
+    if mods.features:
+        return _modifiers.explain(mods, "attention_backward" if backward else "attention")
     _problem.check_deterministic(deterministic)
     if device is None:
         device = prob.device_id if prob.device_id is not None else "h200"

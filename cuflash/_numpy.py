@@ -14,6 +14,13 @@ row or item where it appears.
 
 Accumulation dtype: float32 for float16, bfloat16 and float32 inputs; float64 for float64.
 
+Modifiers (DESIGN.md "Modifiers") enter through ``cuflash._pipeline.ScorePipeline``, which the
+float64 reference runs too: the key tiles a query tile visits (causal and window skip the rest,
+so a window of w costs O(L w)), the scores of a tile through softcap, ALiBi, bias, score_mod and
+the masks, the start of the online softmax (the sink: ``m = sink, l = 1``) and the backward of
+the score transform (dbias, dsink). Without modifiers the code below runs as it always did.
+With a ``bias`` the backward runs its tasks one after another (they add into one dbias).
+
 Memory beyond the results: per running task one score tile (``block_m x block_n``, times the
 task's batch items) and its row statistics; the forward keeps an accumulation-dtype copy of the
 task's query block; the backward keeps accumulation-dtype buffers of dq, dk, dv (of the
@@ -30,7 +37,8 @@ from typing import Callable, Iterable
 
 import numpy
 
-from cuflash import _blas, _problem
+from cuflash import _blas, _modifiers, _pipeline, _problem
+from cuflash._modifiers import Modifiers
 from cuflash._problem import AttentionProblem
 
 #: Scores in one tile of one task (block_m x block_n x the task's batch items): 2^18 float32
@@ -98,8 +106,16 @@ def _causal_mask(i0: int, i1: int, j0: int, j1: int, offset: int) -> numpy.ndarr
     return numpy.arange(j0, j1)[None, :] > numpy.arange(i0, i1)[:, None] + offset
 
 
+def _pipeline_of(prob: AttentionProblem, mods: Modifiers | None, acc) -> _pipeline.ScorePipeline:
+    if mods is None:
+        mods = _modifiers.no_modifiers(prob.batch_shape, prob.Lq, prob.Lk)
+    return _pipeline.ScorePipeline(mods, causal=prob.causal, causal_offset=prob.causal_offset,
+                                   acc=acc)
+
+
 def forward(prob: AttentionProblem, o: numpy.ndarray, lse: numpy.ndarray, *,
-            block_m: int | None = None, block_n: int | None = None) -> None:
+            mods: Modifiers | None = None, block_m: int | None = None,
+            block_n: int | None = None) -> None:
     """Write attention output into ``o`` and log-sum-exp into ``lse``.
 
     Parameters
@@ -110,6 +126,8 @@ def forward(prob: AttentionProblem, o: numpy.ndarray, lse: numpy.ndarray, *,
         Overwritten; any strides.
     lse : numpy.ndarray, shape prob.batch_shape + (Lq,), dtype prob.lse_dtype
         Overwritten.
+    mods : Modifiers, optional
+        The validated modifiers of the call (``cuflash._modifiers.check_modifiers``).
     block_m, block_n : int, optional
         Tile sizes (rows of Q, rows of K and V); default: sized for the cache (module
         docstring). Results agree with any tile sizes up to rounding; tests use small tiles to
@@ -117,24 +135,25 @@ def forward(prob: AttentionProblem, o: numpy.ndarray, lse: numpy.ndarray, *,
 
     Notes
     -----
-    Rows that see no key get ``o = 0`` and ``lse = -inf``. Non-finite scores propagate as
-    NaN within their row, without floating-point warnings (as on the GPU).
+    Rows that see no key get ``o = 0`` and ``lse = -inf`` (with a sink, ``lse = sink``). Non-finite
+    scores propagate as NaN within their row, without floating-point warnings (as on the GPU).
     """
     acc = _problem.accumulation_dtype(prob.dtype).type
     groups = _batch_groups(prob.batch_shape, prob.Lq * prob.Lk)
     items = math.prod(prob.batch_shape[len(groups[0]):]) if groups else 1
     bm, bn = _tiles(items, prob.Lq, prob.Lk, block_m, block_n)
+    pipe = _pipeline_of(prob, mods, acc)
 
     def task(index: tuple, i0: int, i1: int) -> None:
         _forward_rows(prob, acc, prob.q[index], prob.k[index], prob.v[index], o[index],
-                      lse[index], i0, i1, bn)
+                      lse[index], i0, i1, bn, _pipeline.restrict(pipe, index))
 
     tasks = [lambda g=g, i0=i0: task(g, i0, min(i0 + bm, prob.Lq))
              for g in groups for i0 in range(0, prob.Lq, bm)]
     _run(tasks, inline=math.prod(prob.batch_shape) * prob.Lq * prob.Lk < INLINE_SCORES)
 
 
-def _forward_rows(prob, acc, q, k, v, o, lse, i0: int, i1: int, bn: int) -> None:
+def _forward_rows(prob, acc, q, k, v, o, lse, i0: int, i1: int, bn: int, pipe) -> None:
     """Rows i0:i1 of one group of batch items (q, k, v, o, lse indexed by the group)."""
     neg_inf = acc(-numpy.inf)
     batch = q.shape[:-2]
@@ -142,22 +161,28 @@ def _forward_rows(prob, acc, q, k, v, o, lse, i0: int, i1: int, bn: int) -> None
         # -- load Q_i, with the softmax scale folded in (a new array of the accumulation dtype)
         q_i = q[..., i0:i1, :].astype(acc)
         q_i *= acc(prob.scale)
-        # -- on chip: O_i = 0, l_i = 0, m_i = -inf
+        # -- on chip: O_i = 0, l_i = 0, m_i = -inf (with a sink: m_i = sink, l_i = 1)
         o_i = numpy.zeros(batch + (i1 - i0, prob.dv), acc)
-        l_i = numpy.zeros(batch + (i1 - i0,), acc)
-        m_i = numpy.full(batch + (i1 - i0,), neg_inf)
-        # Under the causal mask, keys beyond the last row's diagonal are never visible.
-        n_end = prob.Lk
-        if prob.causal:
-            n_end = min(prob.Lk, max(0, i1 + prob.causal_offset))
-        for j0 in range(0, n_end, bn):
-            j1 = min(j0 + bn, n_end)
+        m_start, l_start = pipe.row_start()
+        l_i = numpy.broadcast_to(l_start, batch + (i1 - i0,)).copy()
+        m_i = numpy.broadcast_to(m_start, batch + (i1 - i0,)).copy()
+        # Keys outside [lo, hi) are hidden from every row by causal (beyond the last row's
+        # diagonal) or the window: never visited.
+        lo, hi = pipe.key_range(i0, i1)
+        for j0 in range(lo - lo % bn, hi, bn):
+            j1 = min(j0 + bn, hi)
+            j0 = max(j0, lo)
+            kind = pipe.tile_kind(i0, i1, j0, j1)   # a block mask may call the tile empty
+            if kind == "empty":
+                continue
             # -- load K_j, V_j (no copy for inputs of the accumulation dtype)
             k_j = k[..., j0:j1, :].astype(acc, copy=False)
             v_j = v[..., j0:j1, :].astype(acc, copy=False)
-            # -- S_ij = Q_i K_j^T
+            # -- S_ij = Q_i K_j^T (through the modifiers: -inf where a pair is hidden)
             s = q_i @ k_j.swapaxes(-1, -2)
-            if prob.causal and j1 - 1 > i0 + prob.causal_offset:
+            if pipe.mods.features:
+                s = pipe.scores(s, i0, i1, j0, j1, kind=kind)
+            elif prob.causal and j1 - 1 > i0 + prob.causal_offset:
                 # -- the block crosses the diagonal: mask keys j > i + causal_offset
                 numpy.copyto(s, neg_inf, where=_causal_mask(i0, i1, j0, j1, prob.causal_offset))
             # -- m_i^(j) = max(m_i^(j-1), rowmax(S_ij))
@@ -177,8 +202,8 @@ def _forward_rows(prob, acc, q, k, v, o, lse, i0: int, i1: int, bn: int) -> None
             m_i = m_new
         # -- O_i = diag(l_i)^-1 O_i; L_i = m_i + log(l_i)
         # l_i == 0 exactly when every visible score of the row was -inf, in particular when
-        # no key is visible (else its max term added exp(0) = 1): such a row keeps O_i = 0
-        # and gets L_i = -inf.
+        # no key is visible and there is no sink (else its max term added exp(0) = 1): such a
+        # row keeps O_i = 0 and gets L_i = -inf.
         no_key = l_i == 0
         l_div = numpy.where(no_key, acc(1), l_i)
         o_i /= l_div[..., None]
@@ -187,8 +212,10 @@ def _forward_rows(prob, acc, q, k, v, o, lse, i0: int, i1: int, bn: int) -> None
 
 
 def backward(prob: AttentionProblem, do: numpy.ndarray, o: numpy.ndarray, lse: numpy.ndarray,
-             dq: numpy.ndarray, dk: numpy.ndarray, dv: numpy.ndarray, *,
-             block_m: int | None = None, block_n: int | None = None) -> None:
+             dq: numpy.ndarray, dk: numpy.ndarray, dv: numpy.ndarray,
+             dbias: numpy.ndarray | None = None, dsink: numpy.ndarray | None = None, *,
+             mods: Modifiers | None = None, block_m: int | None = None,
+             block_n: int | None = None) -> None:
     """FlashAttention-2's backward pass (Algorithm 2): write the gradients into dq, dk, dv.
 
     Parameters
@@ -204,6 +231,12 @@ def backward(prob: AttentionProblem, do: numpy.ndarray, o: numpy.ndarray, lse: n
         broadcasts to ``prob.batch_shape + (L, d)``): the gradient of a broadcast input is
         summed over the dimensions broadcasting added, in the accumulation dtype, and rounded
         once.
+    dbias, dsink : numpy.ndarray, optional
+        Overwritten when the bias, the sink are on: shapes ``mods.bias_shape``,
+        ``mods.sink_shape`` (the un-broadcast ones), summed over the dimensions broadcasting
+        added in the accumulation dtype and rounded once. ``dsink = -sum_i exp(sink - lse_i) D_i``.
+    mods : Modifiers, optional
+        The validated modifiers of the call.
     block_m, block_n : int, optional
         Tile sizes (rows of Q and dO, rows of K and V); default: sized for the cache.
 
@@ -235,24 +268,38 @@ def backward(prob: AttentionProblem, do: numpy.ndarray, o: numpy.ndarray, lse: n
     cuts = [min(prob.Lk, (n_tiles * s // splits) * bn) for s in range(splits + 1)]
     ranges = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
     dq_parts = [dq_acc] + [numpy.empty_like(dq_acc) for _ in ranges[1:]]
+    pipe = _pipeline_of(prob, mods, acc)
+    # dbias: one accumulator of bias's own shape that every task adds into, so tasks run one
+    # after another when there is a bias (in a fixed order: the result is deterministic)
+    dbias_acc = numpy.zeros(pipe.mods.bias_shape, acc) if pipe.mods.bias is not None else None
 
     def task(index: tuple, part: int) -> None:
         _backward_items(prob, acc, prob.q[index], prob.k[index], prob.v[index],
                         do_full[index], o_full[index], lse[index], dq_parts[part][index],
-                        dk_acc[index], dv_acc[index], bm, bn, ranges[part])
+                        dk_acc[index], dv_acc[index], bm, bn, ranges[part],
+                        _pipeline.restrict(pipe, index),
+                        None if dbias_acc is None else
+                        _pipeline.group_view(dbias_acc, len(full) + 2, index))
 
     _run([lambda g=g, r=r: task(g, r) for g in groups for r in range(len(ranges))],
-         inline=math.prod(full) * prob.Lq * prob.Lk < INLINE_SCORES)
+         inline=dbias_acc is not None or math.prod(full) * prob.Lq * prob.Lk < INLINE_SCORES)
     for part in dq_parts[1:]:  # in key order, whatever order the tasks ran in
         dq_acc += part
     dq_acc *= acc(prob.scale)  # -- dQ = tau sum_j dS_ij K_j
     dq[...] = _problem.sum_to_shape(dq_acc, dq.shape, dq.dtype)
     dk[...] = _problem.sum_to_shape(dk_acc, dk.shape, dk.dtype)
     dv[...] = _problem.sum_to_shape(dv_acc, dv.shape, dv.dtype)
+    if dbias is not None:
+        dbias[...] = dbias_acc.astype(dbias.dtype)
+    if dsink is not None:   # -- dsink = -sum_i exp(sink - L_i) D_i, with D_i = rowsum(dO_i o O_i)
+        with numpy.errstate(invalid="ignore", over="ignore"):
+            D = numpy.einsum("...c,...c->...", do_full.astype(acc, copy=False),
+                             o_full.astype(acc, copy=False))
+        dsink[...] = pipe.dsink(D, lse.astype(acc, copy=False)).astype(dsink.dtype)
 
 
 def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int,
-                    keys: tuple[int, int]) -> None:
+                    keys: tuple[int, int], pipe, dbias) -> None:
     """The gradients of one group of batch items, for the keys ``keys[0]:keys[1]``, into its
     slices of the accumulators: dk, dv of those keys, and their (unscaled) share of dq."""
     no_key = lse == -numpy.inf                                   # rows with no visible key
@@ -275,15 +322,22 @@ def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int
             dv_j = dv[..., j0:j1, :]
             dk_j[...] = 0
             dv_j[...] = 0
-            # Under the causal mask, query rows i < j0 - causal_offset see none of these keys.
-            i_start = max(0, j0 - prob.causal_offset) if prob.causal else 0
+            # Under the causal mask, query rows i < j0 - causal_offset see none of these keys;
+            # under a window, rows outside [lo, hi) neither.
+            lo, hi = pipe.query_range(j0, j1)
             # -- for 1 <= i <= T_r (the query tiles that see some key of K_j):
-            for i0 in range(i_start - i_start % bm, prob.Lq, bm):
+            for i0 in range(lo - lo % bm, hi, bm):
                 i1 = min(i0 + bm, prob.Lq)
+                kind = pipe.tile_kind(i0, i1, j0, j1)   # a block mask may call it empty
+                if kind == "empty":
+                    continue
                 q_i, do_i = q_s[..., i0:i1, :], do_a[..., i0:i1, :]
-                # -- S_ij = tau Q_i K_j^T;  P_ij = exp(S_ij - L_i), in place
+                # -- S_ij = tau Q_i K_j^T (through the modifiers);  P_ij = exp(S_ij - L_i)
                 p = q_i @ k_j.swapaxes(-1, -2)
-                if prob.causal and j1 - 1 > i0 + prob.causal_offset:
+                saved: dict = {}
+                if pipe.mods.features:
+                    p = pipe.scores(p, i0, i1, j0, j1, saved, kind)
+                elif prob.causal and j1 - 1 > i0 + prob.causal_offset:
                     # -- the tile crosses the diagonal: S = -inf, so P = 0, for keys
                     #    j > i + causal_offset (before exp: a masked score may exceed L_i)
                     numpy.copyto(p, acc(-numpy.inf),
@@ -299,6 +353,11 @@ def _backward_items(prob, acc, q, k, v, do, o, lse, dq, dk, dv, bm: int, bn: int
                 dead = no_key[..., i0:i1]
                 if dead.any():  # 0 * (NaN from a value row) must not reach other rows
                     numpy.copyto(ds, acc(0), where=dead[..., None])
+                if pipe.mods.features:
+                    # -- back through score_mod and softcap; dbias is dS before softcap's factor
+                    ds, ds_bias = pipe.grad_scores(ds, saved, i0, i1, j0, j1)
+                    if ds_bias is not None:
+                        _pipeline.add_tile_to(dbias, ds_bias, i0, i1, j0, j1)
                 # -- dQ_i += dS_ij K_j (tau applied once at the end);  dK_j += dS_ij^T (tau Q_i)
                 dq[..., i0:i1, :] += ds @ k_j
                 dk_j += ds.swapaxes(-1, -2) @ q_i

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy
 
-from cuflash import _problem
+from cuflash import _modifiers, _modifiers_cpu, _problem
 
 
 def logsumexp(s: numpy.ndarray) -> numpy.ndarray:
@@ -25,7 +25,8 @@ def logsumexp(s: numpy.ndarray) -> numpy.ndarray:
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
-              return_lse: bool = False, out: Any = None, enable_gqa: bool = False) -> Any:
+              return_lse: bool = False, out: Any = None, enable_gqa: bool = False,
+              **modifiers: Any) -> Any:
     """Attention in float64, with the semantics and validation of :func:`cuflash.attention`.
 
     Computes ``s = scale * q @ k.T`` with masked entries set to ``-inf``,
@@ -39,6 +40,12 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         As for :func:`cuflash.attention`, validated by the same code: arrays of any framework
         (as :func:`cuflash.attention` takes them) of float16, bfloat16, float32 or float64.
         GPU inputs are copied to the host.
+    **modifiers
+        The modifier keywords of :func:`cuflash.attention` (``window``, ``softcap``,
+        ``alibi_slopes``, ``sink``, ``bias``, ``mask``, ``score_mod``, ``mask_mod``,
+        ``block_mask``), applied by the score pipeline the CPU path runs
+        (``cuflash._pipeline``), here on the whole float64 matrix; ``mask_mod`` is evaluated on
+        every pair (a block mask only names it). With a sink, ``lse = logaddexp(lse, sink)``.
 
     Returns
     -------
@@ -57,23 +64,14 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     call = _problem.Call(q, k, v, enable_gqa, out=out)
     q, k, v, out = call.q, call.k, call.v, call.out
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _check(prob, modifiers)
     _problem.check_return_lse(return_lse)
     if out is not None:
         _problem.check_out(prob, out)
 
-    def float64(x: Any) -> numpy.ndarray:
-        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
-
-    q64, k64, v64 = float64(prob.q), float64(prob.k), float64(prob.v)
-    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
-    if prob.causal:
-        visible = (numpy.arange(prob.Lk)[None, :]
-                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
-        s = numpy.where(visible, s, -numpy.inf)
-    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
-        lse = logsumexp(s)
-        shift = numpy.where(lse == -numpy.inf, 0.0, lse)  # row with no visible key
-        o = numpy.exp(s - shift[..., None]) @ v64
+    # s = the scaled, modified, masked float64 scores, lse = logsumexp(s) (and the sink); a
+    # row with no visible key subtracts 0 instead of lse = -inf: _modifiers_cpu.reference_forward
+    o, lse = _modifiers_cpu.reference_forward(prob, mods)
 
     if out is not None:
         with _problem.device_scope(prob):
@@ -82,9 +80,16 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
+def _check(prob, modifiers: dict):
+    _modifiers.check_keywords(modifiers, "cuflash.reference.attention")
+    return _modifiers.check_modifiers(xp=prob.xp, device_id=prob.device_id,
+                                      batch_shape=prob.batch_shape, Lq=prob.Lq, Lk=prob.Lk,
+                                      **modifiers)
+
+
 def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
-                       causal: Any = False,
-                       enable_gqa: bool = False) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+                       causal: Any = False, enable_gqa: bool = False,
+                       **modifiers: Any) -> tuple[numpy.ndarray, ...]:
     """Gradients of attention in float64, from the analytic formulas on the full matrix.
 
     With ``s = scale * q @ k.T`` (masked entries ``-inf``), ``p = softmax(s)`` and
@@ -104,38 +109,23 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, *, scale: Any = None,
     ----------
     do : array, shape batch_shape + (Lq, dv)
         The gradient of the output; the inputs' array type and dtype.
-    q, k, v, scale, causal, enable_gqa
-        As for :func:`cuflash.attention`, validated by the same code.
+    q, k, v, scale, causal, enable_gqa, **modifiers
+        As for :func:`attention`, validated by the same code. With modifiers, ``ds`` goes back
+        through score_mod (the derivative of its trace) and softcap (``1 - tanh**2``) before
+        ``dq``, ``dk``; ``dbias`` is ``ds`` after score_mod's factor, ``dsink`` is
+        ``-sum_i exp(sink - lse_i) rowsum(do * o)_i``.
 
     Returns
     -------
-    dq, dk, dv : numpy.ndarray of float64
-        Shapes equal to ``q.shape``, ``k.shape``, ``v.shape`` (the un-broadcast inputs).
+    dq, dk, dv[, dbias][, dsink] : numpy.ndarray of float64
+        Shapes equal to ``q.shape``, ``k.shape``, ``v.shape`` (the un-broadcast inputs), then
+        ``bias.shape`` when ``bias`` is given and ``sink.shape`` when ``sink`` is given.
     """
     call = _problem.Call(q, k, v, enable_gqa, do=do)
     q, k, v, do = call.q, call.k, call.v, call.do
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = _check(prob, modifiers)
     _problem.check_backward_inputs(prob, do)
-
-    def float64(x: Any) -> numpy.ndarray:
-        return (x if prob.xp is numpy else prob.xp.asnumpy(x)).astype(numpy.float64)
-
-    q64, k64, v64, do64 = float64(prob.q), float64(prob.k), float64(prob.v), float64(do)
-    s = prob.scale * (q64 @ k64.swapaxes(-1, -2))
-    if prob.causal:
-        visible = (numpy.arange(prob.Lk)[None, :]
-                   <= numpy.arange(prob.Lq)[:, None] + prob.causal_offset)
-        s = numpy.where(visible, s, -numpy.inf)
-    with numpy.errstate(invalid="ignore"):  # inf - inf in a row with Inf scores gives NaN
-        lse = logsumexp(s)
-        no_key = (lse == -numpy.inf)[..., None]
-        p = numpy.where(no_key, 0.0, numpy.exp(s - numpy.where(no_key, 0.0, lse[..., None])))
-        do64 = numpy.where(no_key, 0.0, do64)
-        dv = p.swapaxes(-1, -2) @ do64
-        dp = do64 @ v64.swapaxes(-1, -2)
-        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-        dq = prob.scale * (ds @ k64)
-        dk = prob.scale * (ds.swapaxes(-1, -2) @ q64)
-    return call.gradients(_problem.sum_to_shape(dq, q.shape, numpy.float64),
-                          _problem.sum_to_shape(dk, k.shape, numpy.float64),
-                          _problem.sum_to_shape(dv, v.shape, numpy.float64))
+    do64 = (do if prob.xp is numpy else prob.xp.asnumpy(do)).astype(numpy.float64)
+    grads = _modifiers_cpu.reference_backward(prob, mods, do64, (q.shape, k.shape, v.shape))
+    return call.gradients(*grads[:3]) + tuple(grads[3:])

@@ -1,0 +1,257 @@
+// The score pipeline of DESIGN.md "Modifiers" for the kernels: one template, ModVariant, whose
+// seven hooks every kernel family calls (docs/modifiers.md shows where). It computes what
+// cuflash/_pipeline.py computes on NumPy blocks, element by element; tests/test_modifiers_variant.py
+// compiles this header for the host with g++ and checks it against that module, and compiles
+// it with NVRTC for sm_80 and sm_90a.
+//
+// A modifier that is off is a template argument that makes its code vanish: with every
+// argument at its default the hooks compile to nothing and kTransforms is false, so a kernel
+// keeps today's folding of scale * log2(e) into its exp2.
+//
+// Units: scores are natural-log units here (s = scale * q.k); a kernel that works in base 2
+// multiplies score()'s result (and row_start's row_max) by log2(e).
+#pragma once
+
+namespace cuflash {
+
+#ifndef CUFLASH_CAPTURED_ARRAY
+#define CUFLASH_CAPTURED_ARRAY
+// An array a user function reads (cuflash.captured): pointer, shape, strides in elements.
+struct CapturedArray {
+  const void* ptr;
+  long long shape[4];
+  long long stride[4];
+};
+#endif
+
+enum TileKind : int { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+
+// Run-time values of the modifiers, mirrored by cuflash/_modifier_params.py (MODIFIER_PARAMS).
+// Batch strides are over the launch's (merged, <= 4) batch dims, 0 where broadcast, in elements.
+struct ModifierParams {
+  const void* bias;                 // element (item, i, j): bias + item offset + i*bias_row + j*bias_col
+  const bool* mask;                 // likewise with the mask_* strides
+  const float* alibi_slopes;        // float32, one per batch item (broadcast through strides)
+  const float* sink;                // float32, one per batch item
+  const signed char* block_kind;    // block mask kinds (TileKind), item x Tq x block_tk, or null
+  long long bias_batch_stride[4];
+  long long mask_batch_stride[4];
+  long long slope_batch_stride[4];
+  long long sink_batch_stride[4];
+  long long block_batch_stride[4];
+  long long bias_row, bias_col, mask_row, mask_col;
+  CapturedArray captured[4];        // score_mod's slots first, then mask_mod's
+  float softcap, inv_softcap;
+  int window_left, window_right;    // -1: unbounded
+  int diag;                         // Lk - Lq: the diagonal of ALiBi and of the window
+  int heads;                        // H: the user functions' b = item / H, h = item % H
+  int batch_base;                   // global flat index of this launch's first batch item
+  int block_m, block_n, block_tk;   // block mask tile sizes, its number of key tiles
+  int mask_mod_captured_base;       // slot of mask_mod's first captured array
+  int pad_;
+};
+
+struct NoScoreMod {};
+struct NoMaskMod {};
+
+namespace mod_detail {
+template <class A, class B> struct same { static constexpr bool value = false; };
+template <class A> struct same<A, A> { static constexpr bool value = true; };
+template <bool C, class A, class B> struct pick { using type = A; };
+template <class A, class B> struct pick<false, A, B> { using type = B; };
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+template <class T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
+}  // namespace mod_detail
+
+// Per batch item, computed once per thread block.
+template <typename BiasT>
+struct ItemState {
+  int ub, uh;                   // the user functions' b and h
+  float slope, sink;
+  const BiasT* bias;            // this item's bias at (0, 0)
+  const bool* mask;
+  const signed char* kinds;     // this item's block mask kinds
+};
+
+template <bool kCausal = false, bool kWindow = false, bool kSoftcap = false,
+          bool kAlibi = false, typename BiasT = void, bool kMask = false,
+          typename ScoreMod = NoScoreMod, typename MaskMod = NoMaskMod,
+          bool kBlockMask = false, bool kSink = false>
+struct ModVariant {
+  static constexpr bool kHasBias = !mod_detail::same<BiasT, void>::value;
+  static constexpr bool kHasScoreMod = !mod_detail::same<ScoreMod, NoScoreMod>::value;
+  static constexpr bool kHasMaskMod = !mod_detail::same<MaskMod, NoMaskMod>::value;
+  static_assert(!kBlockMask || kHasMaskMod, "a block mask classifies a mask_mod's tiles");
+  // false: the kernel keeps folding scale * log2(e) into its exp2 (today's fast path)
+  static constexpr bool kTransforms = kSoftcap || kAlibi || kHasBias || kHasScoreMod;
+  // false: every pair of a tile that tile_kind() does not call empty is visible
+  static constexpr bool kElementMask = kCausal || kWindow || kMask || kHasMaskMod;
+  using Bias = typename mod_detail::pick<kHasBias, BiasT, float>::type;
+  using Item = ItemState<Bias>;
+
+  // (1) Once per block: batch item `item` (launch-local, C order over batch_shape[4]).
+  __device__ __forceinline__ static Item item(const ModifierParams& m, const int* batch_shape,
+                                              int item) {
+    Item it;
+    const int g = m.batch_base + item;
+    it.ub = g / m.heads;
+    it.uh = g % m.heads;
+    long long ob = 0, om = 0, osl = 0, osk = 0, obk = 0;
+    int r = item;
+#pragma unroll
+    for (int d = 3; d >= 0; --d) {
+      const int idx = r % batch_shape[d];
+      r /= batch_shape[d];
+      ob += idx * m.bias_batch_stride[d];
+      om += idx * m.mask_batch_stride[d];
+      osl += idx * m.slope_batch_stride[d];
+      osk += idx * m.sink_batch_stride[d];
+      obk += idx * m.block_batch_stride[d];
+    }
+    it.slope = kAlibi ? m.alibi_slopes[osl] : 0.0f;
+    it.sink = kSink ? m.sink[osk] : mod_detail::neg_inf();
+    it.bias = kHasBias ? static_cast<const Bias*>(m.bias) + ob : nullptr;
+    it.mask = kMask ? m.mask + om : nullptr;
+    it.kinds = kBlockMask ? m.block_kind + obk : nullptr;
+    return it;
+  }
+
+  // (2) Keys [lo, hi) that causal and the window leave visible to some row of [i0, i1);
+  //     rows [lo, hi) that see some key of [j0, j1) (the backward walks key tiles).
+  __device__ __forceinline__ static void key_range(const ModifierParams& m, int causal_offset,
+                                                   int Lk, int i0, int i1, int& lo, int& hi) {
+    long long l = 0, h = Lk;
+    if (kCausal) h = h < (long long)i1 + causal_offset ? h : (long long)i1 + causal_offset;
+    if (kWindow && m.window_right >= 0) {
+      const long long e = (long long)i1 + m.diag + m.window_right;
+      h = h < e ? h : e;
+    }
+    if (kWindow && m.window_left >= 0) {
+      const long long b = (long long)i0 + m.diag - m.window_left;
+      l = l > b ? l : b;
+    }
+    if (i1 <= i0 || l >= h) { lo = hi = 0; return; }
+    lo = static_cast<int>(l);
+    hi = static_cast<int>(h);
+  }
+  __device__ __forceinline__ static void query_range(const ModifierParams& m, int causal_offset,
+                                                     int Lq, int j0, int j1, int& lo, int& hi) {
+    long long l = 0, h = Lq;
+    if (kCausal) l = l > (long long)j0 - causal_offset ? l : (long long)j0 - causal_offset;
+    if (kWindow && m.window_right >= 0) {
+      const long long b = (long long)j0 - m.diag - m.window_right;
+      l = l > b ? l : b;
+    }
+    if (kWindow && m.window_left >= 0) {
+      const long long e = (long long)j1 - m.diag + m.window_left;
+      h = h < e ? h : e;
+    }
+    if (j1 <= j0 || l >= h) { lo = hi = 0; return; }
+    lo = static_cast<int>(l);
+    hi = static_cast<int>(h);
+  }
+
+  // (3) The kind of the tile rows [i0, i1) x keys [j0, j1) (ends clipped to Lq, Lk): empty
+  //     (never load it), full (skip visible()), else partial. Causal and window analytically;
+  //     a mask array is always partial; a mask_mod through the block mask (partial without).
+  __device__ __forceinline__ static TileKind tile_kind(const ModifierParams& m, const Item& it,
+                                                       int causal_offset, int i0, int i1,
+                                                       int j0, int j1) {
+    bool empty = false, full = true;
+    const long long a0 = i0, a1 = (long long)i1 - 1, b0 = j0, b1 = (long long)j1 - 1;
+    if (kCausal) {                                   // visible iff j <= i + off
+      empty |= b0 > a1 + causal_offset;
+      full &= b1 <= a0 + causal_offset;
+    }
+    if (kWindow && m.window_left >= 0) {             // visible iff j >= i + diag - left
+      empty |= b1 < a0 + m.diag - m.window_left;
+      full &= b0 >= a1 + m.diag - m.window_left;
+    }
+    if (kWindow && m.window_right >= 0) {            // visible iff j <= i + diag + right
+      empty |= b0 > a1 + m.diag + m.window_right;
+      full &= b1 <= a0 + m.diag + m.window_right;
+    }
+    if (kMask) full = false;
+    if (kHasMaskMod) {
+      if (kBlockMask) {                              // all covering blocks empty / all full
+        bool all_empty = true, all_full = true;
+        for (int r = i0 / m.block_m; r <= (i1 - 1) / m.block_m; ++r)
+          for (int c = j0 / m.block_n; c <= (j1 - 1) / m.block_n; ++c) {
+            const int k = it.kinds[(long long)r * m.block_tk + c];
+            all_empty &= k == kTileEmpty;
+            all_full &= k == kTileFull;
+          }
+        empty |= all_empty;
+        full &= all_full;
+      } else {
+        full = false;
+      }
+    }
+    return empty ? kTileEmpty : (full ? kTileFull : kTilePartial);
+  }
+
+  // (4) Steps 2-5 on s = scale * q.k (natural-log units).
+  __device__ __forceinline__ static float score(const ModifierParams& m, const Item& it,
+                                                float s, int i, int j) {
+    if (kSoftcap) s = m.softcap * tanhf(s * m.inv_softcap);
+    if (kAlibi) {
+      const int dist = i + m.diag - j;
+      s -= it.slope * static_cast<float>(dist < 0 ? -dist : dist);
+    }
+    if (kHasBias) s += mod_detail::to_float(it.bias[i * m.bias_row + j * m.bias_col]);
+    if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
+    return s;
+  }
+
+  // (5) Step 6 for one pair of a partial tile.
+  __device__ __forceinline__ static bool visible(const ModifierParams& m, const Item& it,
+                                                 int causal_offset, int i, int j) {
+    bool v = true;
+    if (kCausal) v &= (long long)j <= (long long)i + causal_offset;
+    if (kWindow && m.window_left >= 0) v &= (long long)j >= (long long)i + m.diag - m.window_left;
+    if (kWindow && m.window_right >= 0) v &= (long long)j <= (long long)i + m.diag + m.window_right;
+    if (kMask) v &= it.mask[i * m.mask_row + j * m.mask_col];
+    if constexpr (kHasMaskMod)
+      v = v && MaskMod::apply(it.ub, it.uh, i, j, m.captured + m.mask_mod_captured_base);
+    return v;
+  }
+
+  // (6) Step 7: the online softmax starts from the sink, a key with score `sink` and value 0.
+  __device__ __forceinline__ static void row_start(const Item& it, float& row_max,
+                                                   float& row_sum) {
+    row_max = kSink ? it.sink : mod_detail::neg_inf();
+    row_sum = (kSink && it.sink != mod_detail::neg_inf()) ? 1.0f : 0.0f;
+  }
+
+  // (7) Backward of steps 2-5: s = scale * q.k (recomputed), ds = dL/d score(s). Returns
+  //     dL/ds and writes dL/dbias; both 0 where ds == 0 (a hidden pair: the derivatives there
+  //     are never evaluated, they may be NaN at a score of -inf).
+  __device__ __forceinline__ static float grad(const ModifierParams& m, const Item& it,
+                                               float s, float ds, int i, int j, float& dbias) {
+    dbias = 0.0f;
+    if (!kSoftcap && !kHasScoreMod) {
+      if (kHasBias) dbias = ds;
+      return ds;
+    }
+    if (ds == 0.0f) return 0.0f;
+    float th = 0.0f, t = s;
+    if (kSoftcap) {
+      th = tanhf(s * m.inv_softcap);
+      t = m.softcap * th;
+    }
+    float g = ds;
+    if constexpr (kHasScoreMod) {
+      if (kAlibi) {
+        const int dist = i + m.diag - j;
+        t -= it.slope * static_cast<float>(dist < 0 ? -dist : dist);
+      }
+      if (kHasBias) t += mod_detail::to_float(it.bias[i * m.bias_row + j * m.bias_col]);
+      g *= ScoreMod::dscore(t, it.ub, it.uh, i, j, m.captured);
+    }
+    if (kHasBias) dbias = g;
+    if (kSoftcap && g != 0.0f) g *= 1.0f - th * th;
+    return g;
+  }
+};
+
+}  // namespace cuflash

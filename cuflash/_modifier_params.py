@@ -1,0 +1,136 @@
+"""``cuflash::ModifierParams`` (cuda_src/modifiers.cuh) from a validated ``Modifiers`` record.
+
+:data:`MODIFIER_PARAMS` mirrors the struct field for field; :func:`pack` fills it. The array
+pointers come from a caller-supplied ``pointer(array)`` (``array.data.ptr`` for CuPy, the NumPy
+data address in the host tests) and the batch strides from ``batch_strides(array)``: the
+element strides of an array broadcast to the batch shape, over the launch's batch dims (at most
+4, padded with leading zeros), which the launcher computes with the other tensors' (so dims it
+merges are merged for these too).
+
+Copies: ``alibi_slopes`` and ``sink`` are read as float32; one of another dtype is converted
+(a copy of one value per batch item) by the caller before packing (:func:`per_item_float32`).
+``bias`` and ``mask`` are read in place through their strides, whatever they are.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from cuflash._modifiers import Modifiers
+
+_CAPTURED = numpy.dtype([("ptr", "<u8"), ("shape", "<i8", (4,)), ("stride", "<i8", (4,))],
+                        align=True)
+
+MODIFIER_PARAMS = numpy.dtype(
+    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind")]
+    + [(f"{n}_batch_stride", "<i8", (4,)) for n in ("bias", "mask", "slope", "sink", "block")]
+    + [(n, "<i8") for n in ("bias_row", "bias_col", "mask_row", "mask_col")]
+    + [("captured", _CAPTURED, (4,))]
+    + [("softcap", "<f4"), ("inv_softcap", "<f4")]
+    + [(n, "<i4") for n in ("window_left", "window_right", "diag", "heads", "batch_base",
+                            "block_m", "block_n", "block_tk", "mask_mod_captured_base", "pad_")],
+    align=True)
+
+
+def per_item_float32(x, xp=numpy):
+    """``x`` (broadcast to the batch shape) as something the kernel reads as float32: ``x``
+    itself when it already is float32, else a float32 copy of its un-broadcast values kept
+    broadcast (so a ``(H,)`` slope array costs H floats, not B*H)."""
+    if x is None or x.dtype == numpy.float32:
+        return x
+    base = x
+    # undo broadcast_to: take one element along each stride-0 dim, then broadcast back
+    index = tuple(slice(0, 1) if s == 0 else slice(None) for s in x.strides)
+    return xp.broadcast_to(xp.ascontiguousarray(base[index]).astype(numpy.float32), x.shape)
+
+
+def _window_bound(x, limit: int) -> int:
+    """-1 for None; a bound beyond every pair is the same as ``limit`` (keeps it in int32)."""
+    return -1 if x is None else min(int(x), limit)
+
+
+def pack(mods: Modifiers, *, pointer, batch_strides, batch_base: int = 0,
+         score_trace=None, mask_trace=None, block_kinds=None) -> numpy.void:
+    """``ModifierParams`` for one launch.
+
+    ``block_kinds`` is the block mask's ``kind`` array (as the device reads it, broadcast to the
+    batch shape); ``score_trace`` / ``mask_trace`` the traces whose captured arrays fill the
+    ``captured`` slots (score_mod's first).
+    """
+    p = numpy.zeros((), MODIFIER_PARAMS)
+    Lq, Lk = mods.Lq, mods.Lk
+    p["diag"] = Lk - Lq
+    from cuflash._modifiers import heads_of
+    p["heads"] = heads_of(mods.batch_shape)
+    p["batch_base"] = batch_base
+    if mods.window is not None:
+        p["window_left"] = _window_bound(mods.window[0], Lq + Lk)
+        p["window_right"] = _window_bound(mods.window[1], Lq + Lk)
+    else:
+        p["window_left"] = p["window_right"] = -1
+    if mods.softcap is not None:
+        p["softcap"] = mods.softcap
+        p["inv_softcap"] = 1.0 / mods.softcap
+    for name, short in (("bias", "bias"), ("mask", "mask")):
+        x = getattr(mods, name)
+        if x is not None:
+            p[name] = pointer(x)
+            p[f"{short}_batch_stride"] = batch_strides(x)
+            p[f"{short}_row"] = x.strides[-2] // x.itemsize
+            p[f"{short}_col"] = x.strides[-1] // x.itemsize
+    for name, short in (("alibi_slopes", "slope"), ("sink", "sink")):
+        x = getattr(mods, name)
+        if x is not None:
+            if x.dtype != numpy.float32:
+                raise TypeError(f"{name} must be float32 here; convert with per_item_float32")
+            p[name] = pointer(x)
+            p[f"{short}_batch_stride"] = batch_strides(x)
+    if block_kinds is not None:
+        bm = mods.block_mask
+        p["block_kind"] = pointer(block_kinds)
+        p["block_batch_stride"] = batch_strides(block_kinds)
+        p["block_m"], p["block_n"] = bm.block
+        p["block_tk"] = bm.kind.shape[-1]
+    slot = 0
+    for trace in (score_trace, mask_trace):
+        if trace is mask_trace:
+            p["mask_mod_captured_base"] = slot
+        for cap in (trace.captures if trace is not None else ()):
+            arr = cap.array
+            c = p["captured"][slot]
+            c["ptr"] = pointer(arr)
+            c["shape"][:arr.ndim] = arr.shape
+            c["stride"][:arr.ndim] = [s // arr.itemsize for s in arr.strides]
+            slot += 1
+    if slot > 4:
+        raise TypeError(f"score_mod and mask_mod read {slot} captured arrays together; the "
+                        f"kernels take at most 4")
+    return p[()]
+
+
+#: C++ spelling of each bias dtype in the kernels
+BIAS_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+              "float64": "double"}
+
+
+def template_arguments(mods: Modifiers, *, causal: bool, score_trace=None,
+                       mask_trace=None) -> str:
+    """The template arguments of ``cuflash::ModVariant<...>`` for a call: what is compiled in.
+
+    ``score_trace`` / ``mask_trace`` are the traces of ``mods.score_mod`` / ``mods.mask_mod``
+    (their structs' source must precede the kernel's); run-time values go in
+    :func:`pack`. Two calls with equal arguments share one compiled kernel.
+    """
+    from cuflash import _trace_cuda
+
+    def b(x: bool) -> str:
+        return "true" if x else "false"
+
+    bias = "void" if mods.bias is None else BIAS_CTYPE[str(mods.bias_dtype)]
+    sm = (_trace_cuda.qualified_name(score_trace) if mods.score_mod is not None
+          else "cuflash::NoScoreMod")
+    mm = (_trace_cuda.qualified_name(mask_trace) if mods.mask_mod is not None
+          else "cuflash::NoMaskMod")
+    return ", ".join([b(causal), b(mods.window is not None), b(mods.softcap is not None),
+                      b(mods.alibi_slopes is not None), bias, b(mods.mask is not None), sm, mm,
+                      b(mods.block_mask is not None), b(mods.sink is not None)])

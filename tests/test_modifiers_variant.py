@@ -1,0 +1,357 @@
+"""cuda_src/modifiers.cuh (the Variant hooks the kernels will call) against cuflash._pipeline.
+
+The header is compiled for the host with g++ (``__device__`` defined away) together with
+traced user functions, for several Variant configurations, and each hook is run over every
+(batch item, i, j) of a random problem whose ModifierParams come from
+``cuflash._modifier_params.pack``: the modified score, the element mask and the backward
+chain (dL/ds and dbias) must equal the NumPy pipeline's in float32 up to a few ulps; the tile
+classification and the tile ranges must never hide a visible pair nor call a tile full that
+has a hidden one. NVRTC compiles the same instantiations for sm_80 and sm_90a.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy
+import numpy as np
+import pytest
+
+from cuflash import _captured, _jit, _modifier_params, _modifiers, _trace, _trace_cuda
+from cuflash._block_mask import block_mask
+from cuflash._pipeline import ScorePipeline
+
+B, H, LQ, LK = 2, 3, 37, 29
+CAUSAL_OFFSET = LK - LQ
+TAB = _captured.captured(numpy.linspace(-1, 1, 24, dtype=numpy.float32).reshape(3, 8))
+DOC = _captured.captured(numpy.repeat(numpy.arange(10), 5)[None].repeat(2, axis=0))
+
+
+def score_mod(s, b, h, q, kv):
+    return s * (1 + 0.1 * h) - 0.05 * np.abs(q - kv) + TAB[h, np.minimum(np.abs(q - kv), 7)] \
+        + 0.1 * np.tanh(s)
+
+
+def mask_mod(b, h, q, kv):
+    return (DOC[b, q] == DOC[b, kv]) | (kv < 3 + b)
+
+
+def score_mod2(s, b, h, q, kv):
+    return np.where(q >= kv, s, 0.5 * s) + 0.1 * np.exp(0.1 * s)
+
+
+def mask_mod2(b, h, q, kv):
+    return (q - kv) % 4 != 1
+
+
+# name -> (template arguments, modifier keywords, causal)
+CONFIGS = {
+    "plain": ("", {}, False),
+    "all": ("true, true, true, true, float, true, SM1, MM1, false, true",
+            dict(window=(6, 2), softcap=2.0, alibi=True, bias=numpy.float32, mask=True,
+                 score_mod=score_mod, mask_mod=mask_mod, sink=True), True),
+    "blockmask": ("false, false, true, false, double, false, SM2, MM2, true, false",
+                  dict(softcap=0.5, bias=numpy.float64, score_mod=score_mod2,
+                       block_mask=mask_mod2), False),
+    "bands": ("true, true, false, false, void, false, cuflash::NoScoreMod, "
+              "cuflash::NoMaskMod, false, true",
+              dict(window=(None, 3), sink=True), True),
+    "window_only": ("false, true", dict(window=(4, 0)), False),
+}
+
+
+def _traces():
+    return {"SM1": _trace.trace_score_mod(score_mod), "MM1": _trace.trace_mask_mod(mask_mod),
+            "SM2": _trace.trace_score_mod(score_mod2), "MM2": _trace.trace_mask_mod(mask_mod2)}
+
+
+def _source(host: bool) -> str:
+    traces = _traces()
+    parts = []
+    if host:
+        parts.append("#include <math.h>\n#include <string.h>\n#define __device__\n"
+                     "#define __forceinline__ inline\nstatic inline float __int_as_float(int x)"
+                     " { float f; memcpy(&f, &x, 4); return f; }\n")
+    parts += [t.source for t in traces.values()]
+    parts.append(_jit.load_source("modifiers.cuh") if not host else
+                 (Path(__file__).parent.parent / "cuda_src" / "modifiers.cuh").read_text())
+    parts += [f"using {n} = {_trace_cuda.qualified_name(t)};" for n, t in traces.items()]
+    return "\n".join(parts)
+
+
+HARNESS = r"""
+template <class V>
+void run_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, int Lq, int Lk,
+              int off, const float* s, const float* ds, float* score, unsigned char* vis,
+              float* grad, float* dbias, float* rs) {
+  for (int n = 0; n < nitems; ++n) {
+    typename V::Item it = V::item(*m, bshape, n);
+    V::row_start(it, rs[2 * n], rs[2 * n + 1]);
+    for (int i = 0; i < Lq; ++i)
+      for (int j = 0; j < Lk; ++j) {
+        const long long x = ((long long)n * Lq + i) * Lk + j;
+        score[x] = V::score(*m, it, s[x], i, j);
+        vis[x] = V::visible(*m, it, off, i, j);
+        float db;
+        grad[x] = V::grad(*m, it, s[x], ds[x], i, j, db);
+        dbias[x] = db;
+      }
+  }
+}
+template <class V>
+void tiles_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, int Lq, int Lk,
+                int off, int bm, int bn, int* kinds, int* krange, int* qrange) {
+  const int Tq = (Lq + bm - 1) / bm, Tk = (Lk + bn - 1) / bn;
+  for (int n = 0; n < nitems; ++n) {
+    typename V::Item it = V::item(*m, bshape, n);
+    for (int a = 0; a < Tq; ++a)
+      for (int c = 0; c < Tk; ++c) {
+        const int i1 = (a + 1) * bm < Lq ? (a + 1) * bm : Lq, j1 = (c + 1) * bn < Lk ? (c + 1) * bn : Lk;
+        kinds[((long long)n * Tq + a) * Tk + c] = V::tile_kind(*m, it, off, a * bm, i1, c * bn, j1);
+      }
+  }
+  for (int a = 0; a < Tq; ++a)
+    V::key_range(*m, off, Lk, a * bm, (a + 1) * bm < Lq ? (a + 1) * bm : Lq, krange[2 * a], krange[2 * a + 1]);
+  for (int c = 0; c < Tk; ++c)
+    V::query_range(*m, off, Lq, c * bn, (c + 1) * bn < Lk ? (c + 1) * bn : Lk, qrange[2 * c], qrange[2 * c + 1]);
+}
+"""
+
+
+def _entry_points() -> str:
+    out = [HARNESS]
+    for name, (args, _, _) in CONFIGS.items():
+        v = f"cuflash::ModVariant<{args}>"
+        out.append(
+            f'extern "C" void run_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
+            f" int Lq, int Lk, int off, const float* s, const float* ds, float* sc, unsigned"
+            f" char* vis, float* g, float* db, float* rs) {{ run_impl<{v}>(m, bs, n, Lq, Lk, off,"
+            f" s, ds, sc, vis, g, db, rs); }}\n"
+            f'extern "C" void tiles_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
+            f" int Lq, int Lk, int off, int bm, int bn, int* k, int* kr, int* qr) {{"
+            f" tiles_impl<{v}>(m, bs, n, Lq, Lk, off, bm, bn, k, kr, qr); }}")
+    return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    tmp = Path(tempfile.mkdtemp(prefix="cuflash_variant_"))
+    (tmp / "v.cpp").write_text(_source(host=True) + _entry_points())
+    run = subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(tmp / "v.so"),
+                          str(tmp / "v.cpp")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[:5000]
+    return ctypes.CDLL(str(tmp / "v.so"))
+
+
+def _problem(name):
+    """Modifiers, their keep-alive arrays and the float32 pipeline for config ``name``."""
+    rng = numpy.random.default_rng(abs(hash(name)) % 2 ** 32)
+    _, spec, causal = CONFIGS[name]
+    kw = {}
+    if "window" in spec:
+        kw["window"] = spec["window"]
+    if "softcap" in spec:
+        kw["softcap"] = spec["softcap"]
+    if spec.get("alibi"):
+        kw["alibi_slopes"] = rng.uniform(0, 0.5, (H,)).astype(numpy.float32)
+    if spec.get("sink"):
+        sink = rng.standard_normal((B, 1)).astype(numpy.float32)
+        sink[1, 0] = -numpy.inf
+        kw["sink"] = sink
+    if "bias" in spec:    # a transposed view: the kernel reads it through its strides
+        bias = rng.standard_normal((H, LK, LQ)).astype(spec["bias"]).swapaxes(-1, -2)
+        bias[0, 3, :] = -numpy.inf
+        kw["bias"] = bias
+    if spec.get("mask"):
+        kw["mask"] = rng.random((B, 1, LQ, LK)) < 0.8
+    for key in ("score_mod", "mask_mod"):
+        if key in spec:
+            kw[key] = spec[key]
+    if "block_mask" in spec:
+        kw["block_mask"] = block_mask(spec["block_mask"], (B, H), LQ, LK, block=(8, 4))
+    mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(B, H), Lq=LQ,
+                                      Lk=LK, **kw)
+    pipe = ScorePipeline(mods, causal=causal, causal_offset=CAUSAL_OFFSET, acc=numpy.float32)
+    return mods, pipe, causal
+
+
+def _pack(mods):
+    def strides(x):
+        st = [s // x.itemsize for s in x.strides[:2]]
+        return [0, 0] + st
+
+    traces = {}
+    if mods.score_mod is not None:
+        traces["score_trace"] = _trace.trace_score_mod(mods.score_mod)
+    if mods.mask_mod is not None:
+        traces["mask_trace"] = _trace.trace_mask_mod(mods.mask_mod)
+    kinds = None
+    if mods.block_mask is not None:
+        kinds = numpy.broadcast_to(mods.block_mask.kind, (B, H) + mods.block_mask.kind.shape[-2:])
+    p = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data, batch_strides=strides,
+                              block_kinds=kinds, **traces)
+    return numpy.array(p), kinds
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_hooks_compute_what_the_numpy_pipeline_computes(name):
+    lib = _library()
+    mods, pipe, causal = _problem(name)
+    params, keep = _pack(mods)
+    rng = numpy.random.default_rng(1)
+    s = (rng.standard_normal((B, H, LQ, LK)) * 3).astype(numpy.float32)
+    ds = rng.standard_normal((B, H, LQ, LK)).astype(numpy.float32)
+    bshape = numpy.array([1, 1, B, H], numpy.int32)
+    out = [numpy.zeros(s.shape, t) for t in (numpy.float32, numpy.uint8, numpy.float32,
+                                             numpy.float32)]
+    rs = numpy.zeros((B * H, 2), numpy.float32)
+    ptrs = [x.ctypes.data_as(ctypes.c_void_p) for x in (params, bshape)]
+    getattr(lib, f"run_{name}")(ptrs[0], ptrs[1], B * H, LQ, LK, CAUSAL_OFFSET,
+                                *(x.ctypes.data_as(ctypes.c_void_p) for x in (s, ds, *out, rs)))
+    score, vis, grad, dbias = out
+    saved: dict = {}
+    want = numpy.broadcast_to(pipe.transform(s, 0, LQ, 0, LK, saved), s.shape)
+    want_vis = pipe.visible(0, LQ, 0, LK)
+    want_vis = numpy.ones(s.shape, bool) if want_vis is None else numpy.broadcast_to(want_vis,
+                                                                                   s.shape)
+    assert (vis.astype(bool) == want_vis).all()
+    _close(score, want, "score")
+    ds_qk, ds_bias = pipe.grad_scores(ds, saved, 0, LQ, 0, LK)
+    _close(grad, numpy.broadcast_to(ds_qk, s.shape), "dL/ds")
+    _close(dbias, numpy.zeros(s.shape) if ds_bias is None else ds_bias, "dbias")
+    m0, l0 = pipe.row_start()
+    assert (rs[:, 0] == m0.reshape(-1)).all() and (rs[:, 1] == l0.reshape(-1)).all()
+    if name != "plain":
+        assert not (vis.all() and numpy.array_equal(score, s))    # the config does something
+
+
+def _close(ours, ref, what):
+    ref = numpy.asarray(ref, numpy.float64)
+    same_nonfinite = (numpy.isnan(ours) == numpy.isnan(ref)).all() and \
+        (ours[numpy.isinf(ref)] == ref[numpy.isinf(ref)]).all()
+    assert same_nonfinite, what
+    fin = numpy.isfinite(ref)
+    err = numpy.abs(ours[fin] - ref[fin]) / numpy.maximum(1.0, numpy.abs(ref[fin]))
+    assert err.max(initial=0) <= 16 * numpy.finfo(numpy.float32).eps, (what, err.max())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("bm, bn", [(8, 4), (5, 7), (16, 16), (64, 64)])
+def test_tile_kinds_and_ranges_never_hide_a_visible_pair(name, bm, bn):
+    lib = _library()
+    mods, pipe, causal = _problem(name)
+    params, keep = _pack(mods)
+    Tq, Tk = -(-LQ // bm), -(-LK // bn)
+    kinds = numpy.zeros((B * H, Tq, Tk), numpy.int32)
+    kr, qr = numpy.zeros((Tq, 2), numpy.int32), numpy.zeros((Tk, 2), numpy.int32)
+    bshape = numpy.array([1, 1, B, H], numpy.int32)
+    getattr(lib, f"tiles_{name}")(*(x.ctypes.data_as(ctypes.c_void_p) for x in (params, bshape)),
+                                  B * H, LQ, LK, CAUSAL_OFFSET, bm, bn,
+                                  *(x.ctypes.data_as(ctypes.c_void_p) for x in (kinds, kr, qr)))
+    vis = pipe.visible(0, LQ, 0, LK)
+    vis = numpy.ones((B, H, LQ, LK), bool) if vis is None else numpy.broadcast_to(
+        vis, (B, H, LQ, LK))
+    vis = vis.reshape(B * H, LQ, LK)
+    for a in range(Tq):
+        rows = vis[:, a * bm:(a + 1) * bm]
+        lo, hi = kr[a]
+        assert not rows[:, :, :lo].any() and not rows[:, :, hi:].any()
+        assert (lo, hi) == pipe.key_range(a * bm, min((a + 1) * bm, LQ))
+        for c in range(Tk):
+            t = rows[:, :, c * bn:(c + 1) * bn]
+            k = kinds[:, a, c]
+            assert not t[k == 0].any(), (a, c)          # empty: nothing visible
+            assert t[k == 2].all(), (a, c)              # full: everything visible
+    for c in range(Tk):
+        lo, hi = qr[c]
+        cols = vis[:, :, c * bn:(c + 1) * bn]
+        assert not cols[:, :lo].any() and not cols[:, hi:].any()
+        assert (lo, hi) == pipe.query_range(c * bn, min((c + 1) * bn, LK))
+    if name in ("bands", "window_only") and (bm, bn) == (8, 4):   # the analytic skips happen
+        assert (kinds == 0).any() and (kinds == 1).any()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_instantiations_compile_with_nvrtc(arch):
+    try:
+        nvrtc = _jit._nvrtc_for(arch)
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    kernels = []
+    for name, (args, _, _) in CONFIGS.items():
+        kernels.append(
+            f"__global__ void probe_{name}(const cuflash::ModifierParams m, const int* bs, "
+            f"float* out) {{\n"
+            f"  using V = cuflash::ModVariant<{args}>;\n"
+            f"  typename V::Item it = V::item(m, bs, blockIdx.x);\n"
+            f"  float mx, l, db; V::row_start(it, mx, l);\n"
+            f"  int lo, hi; V::key_range(m, 0, 64, 0, 16, lo, hi);\n"
+            f"  const int i = threadIdx.x, j = threadIdx.y;\n"
+            f"  float s = V::score(m, it, out[i], i, j);\n"
+            f"  if (V::tile_kind(m, it, 0, 0, 16, lo, hi) == cuflash::kTilePartial && "
+            f"!V::visible(m, it, 0, i, j)) s = mx;\n"
+            f"  out[i] = s + l + V::grad(m, it, s, out[j], i, j, db) + db;\n}}")
+    src = _source(host=False) + "\n" + "\n".join(kernels)
+    log, lowered, _ = nvrtc.compile(src, "variant_probe.cu",
+                                    [f"probe_{n}" for n in CONFIGS], _jit._options(arch))
+    assert lowered is not None, log[:5000]
+
+
+def test_modifier_params_layout_matches_the_struct():
+    """NVRTC checks sizeof and every offsetof of ModifierParams against MODIFIER_PARAMS."""
+    try:
+        nvrtc = _jit._nvrtc_for("sm_80")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    dt = _modifier_params.MODIFIER_PARAMS
+    checks = [f'static_assert(sizeof(ModifierParams) == {dt.itemsize}, "sizeof");']
+    checks += [f'static_assert(__builtin_offsetof(ModifierParams, {n}) == {off}, "{n}");'
+               for n, (_, off) in dt.fields.items()]
+    src = (_jit.load_source("modifiers.cuh") + "\nnamespace cuflash {\n" + "\n".join(checks)
+           + "\n__global__ void probe(const ModifierParams p) {}\n}\n")
+    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::probe"], _jit._options("sm_80"))
+    assert lowered is not None, log[:4000]
+
+
+@pytest.mark.parametrize("name", ["all", "blockmask", "bands", "window_only", "plain"])
+def test_template_arguments_spell_the_configurations(name):
+    mods, _, causal = _problem(name)
+    traces = _traces()
+    got = _modifier_params.template_arguments(
+        mods, causal=causal,
+        score_trace=traces["SM1" if name == "all" else "SM2"],
+        mask_trace=traces["MM1" if name == "all" else "MM2"])
+    want = CONFIGS[name][0]
+    for alias, tr in traces.items():
+        want = want.replace(alias, _trace_cuda.qualified_name(tr))
+    defaults = ["false", "false", "false", "false", "void", "false", "cuflash::NoScoreMod",
+                "cuflash::NoMaskMod", "false", "false"]
+    given_ = [a.strip() for a in want.split(",")] if want else []
+    assert got.split(", ") == given_ + defaults[len(given_):]
+
+
+def test_half_and_bfloat16_bias_compile_with_nvrtc():
+    try:
+        nvrtc = _jit._nvrtc_for("sm_80")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + _jit.load_source("modifiers.cuh")
+           + "".join(f"""
+__global__ void probe_{n}(const cuflash::ModifierParams m, const int* bs, float* out) {{
+  using V = cuflash::ModVariant<false, false, false, false, {t}>;
+  typename V::Item it = V::item(m, bs, blockIdx.x);
+  float db;
+  out[threadIdx.x] = V::score(m, it, out[threadIdx.x], threadIdx.x, 0)
+                     + V::grad(m, it, 1.0f, out[0], threadIdx.x, 0, db) + db;
+}}""" for n, t in (("h", "__half"), ("bf", "__nv_bfloat16"))))
+    log, lowered, _ = nvrtc.compile(src, "bias_probe.cu", ["probe_h", "probe_bf"],
+                                    _jit._options("sm_80"))
+    assert lowered is not None, log[:4000]
+
