@@ -240,7 +240,7 @@ decode_split(const DecodeParams p) {
   }
 }
 
-// One block per (batch row, kv head, appended row t); threads over the columns. Writes
+// One block of 128 threads per (batch row, kv head, appended row t); threads over the columns. Writes
 // k_new[b, h, t] to cache position total_keys(b) - Lnew + t (through block_table when paged).
 template <typename T>
 __global__ void __launch_bounds__(128)
@@ -253,8 +253,8 @@ decode_append(const DecodeParams p) {
   const T* vn = reinterpret_cast<const T*>(p.v_new) + b * p.vn_b + h * p.vn_h + t * p.vn_row;
   T* kc = reinterpret_cast<T*>(p.k_cache) + h * p.k_h + key_offset(p, b, pos, p.k_b, p.k_row);
   T* vc = reinterpret_cast<T*>(p.v_cache) + h * p.v_h + key_offset(p, b, pos, p.v_b, p.v_row);
-  for (int c = threadIdx.x; c < p.d; c += blockDim.x) kc[c] = kn[c * p.kn_col];
-  for (int c = threadIdx.x; c < p.dv; c += blockDim.x) vc[c] = vn[c * p.vn_col];
+  for (int c = threadIdx.x; c < p.d; c += 128) kc[c] = kn[c * p.kn_col];
+  for (int c = threadIdx.x; c < p.dv; c += 128) vc[c] = vn[c * p.vn_col];
 }
 
 }  // namespace decode

@@ -53,7 +53,7 @@ def _es(x) -> tuple[int, ...]:
 
 
 def _layout(x):
-    return None if x is None else (x.shape, x.strides, x.dtype.str, x.data.ptr % 16)
+    return None if x is None else (x.shape, x.strides, x.dtype.str, _ptr(x) % 16)
 
 
 def num_splits_heuristic(blocks: int, capacity: int, keys_per_iter: int, num_sms: int,
@@ -111,7 +111,7 @@ def _aligned(x, vec: int) -> bool:
     es = _es(x)
     if x.shape[-1] > 1 and es[-1] != 1:
         return False
-    return x.data.ptr % 16 == 0 and all(s % vec == 0 for n, s in zip(x.shape[:-1], es[:-1])
+    return _ptr(x) % 16 == 0 and all(s % vec == 0 for n, s in zip(x.shape[:-1], es[:-1])
                                         if n > 1)
 
 
@@ -134,11 +134,17 @@ def why_not(c):
     return None
 
 
-class DecodePlan:
-    """The kernels, grids and parameter block of one call layout."""
+def _ptr(x) -> int:
+    """Device (CuPy) or host (NumPy, for the emulation tests) address of an array's first element."""
+    return x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
+
+
+class DecodeSpec:
+    """Everything a call layout decides, no kernels loaded: the parameter block (pointers 0),
+    the three kernels' name expressions, grids, threads and shared memory, and the reasons.
+    :class:`DecodePlan` loads the kernels; the CPU emulation tests launch the same spec."""
 
     def __init__(self, c, Hkv, G, st, choice, splits, reasons):
-        dev = c.device_id
         t = choice.traits
         self.rows = G * c.Lq
         self.row_tiles = -(-self.rows // t.block_m)
@@ -174,47 +180,73 @@ class DecodePlan:
         self.params = p
         T = _families.ctype(c.dtype)
         nrows = c.B * Hkv * self.rows
-        self.split = _launch.Launch(_launch.kernel("decode.cu", choice.expr, dev, t.smem_bytes),
-                                    c.B * Hkv * self.row_tiles * splits, t.threads,
-                                    t.smem_bytes, p, name="decode_split")
-        self.combine = None if splits == 1 else _launch.Launch(
-            _launch.kernel("combine.cu", f"cuflash::decode::decode_combine<{T}>", dev, 0),
-            -(-nrows // 4), 128, 0, p, name="decode_combine")
-        self.append = None if not c.Lnew else _launch.Launch(
-            _launch.kernel("decode.cu", f"cuflash::decode::decode_append<{T}>", dev, 0),
-            c.B * Hkv * c.Lnew, 128, 0, p, name="decode_append")
+        # (source, expr, grid, threads, smem) of each kernel, in launch order; None: not run
+        self.append = (("decode.cu", f"cuflash::decode::decode_append<{T}>",
+                        c.B * Hkv * c.Lnew, 128, 0) if c.Lnew else None)
+        self.split = ("decode.cu", choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
+                      t.smem_bytes)
+        self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
+                         128, 0) if splits > 1 else None)
         self.part_rows = nrows * splits
         self.out_shape = (c.B,) + c.mid + (c.Lq, c.dv)
 
-    def run(self, c):
-        import cupy
-        stream = cupy.cuda.get_current_stream().ptr
-        o = cupy.empty(self.out_shape, c.dtype)
-        lse = cupy.empty(self.out_shape[:-1], numpy.float32)
-        ptr = {"q": c.q.data.ptr, "k_cache": c.k_cache.data.ptr, "v_cache": c.v_cache.data.ptr,
-               "o": o.data.ptr, "lse": lse.data.ptr, "cache_seqlens": c.seqlens.data.ptr,
-               "block_table": c.block_table.data.ptr if c.paged else 0,
-               "k_new": c.k_new.data.ptr if c.k_new is not None else 0,
-               "v_new": c.v_new.data.ptr if c.v_new is not None else 0}
-        if self.combine is not None:
-            o_part = cupy.empty(self.part_rows * c.dv, numpy.float32)
-            lse_part = cupy.empty(self.part_rows, numpy.float32)
-            ptr["o_part"], ptr["lse_part"] = o_part.data.ptr, lse_part.data.ptr
-        words = [(_WORD[n], v) for n, v in ptr.items()]
-        if o.size == 0:
-            if self.append is not None:
-                self.append(stream, *words)
-            return o, lse
-        for launch in (self.append, self.split, self.combine):
-            if launch is not None:
-                launch(stream, *words)
-        return o, lse
+    def pointers(self, c, o, lse, o_part=None, lse_part=None):
+        """(word, address) pairs of one call's arrays."""
+        ptr = {"q": _ptr(c.q), "k_cache": _ptr(c.k_cache), "v_cache": _ptr(c.v_cache),
+               "o": _ptr(o), "lse": _ptr(lse), "cache_seqlens": _ptr(c.seqlens),
+               "block_table": _ptr(c.block_table) if c.paged else 0,
+               "k_new": _ptr(c.k_new) if c.k_new is not None else 0,
+               "v_new": _ptr(c.v_new) if c.v_new is not None else 0,
+               "o_part": _ptr(o_part) if o_part is not None else 0,
+               "lse_part": _ptr(lse_part) if lse_part is not None else 0}
+        return [(_WORD[n], v) for n, v in ptr.items()]
 
     def explain(self) -> str:
         return "\n".join(self.reasons)
 
 
-def _plan_or_reason(c):
+class DecodePlan:
+    """A DecodeSpec with its kernels loaded on the device."""
+
+    def __init__(self, spec: DecodeSpec, device_id: int):
+        self.spec = spec
+
+        def launch(k, name):
+            if k is None:
+                return None
+            source, expr, grid, threads, smem = k
+            return _launch.Launch(_launch.kernel(source, expr, device_id, smem), grid, threads,
+                                  smem, spec.params, name=name)
+        self.launches = [launch(spec.append, "decode_append"), launch(spec.split, "decode_split"),
+                         launch(spec.combine, "decode_combine")]
+
+    def run(self, c):
+        import cupy
+        spec = self.spec
+        stream = cupy.cuda.get_current_stream().ptr
+        o = cupy.empty(spec.out_shape, c.dtype)
+        lse = cupy.empty(spec.out_shape[:-1], numpy.float32)
+        o_part = lse_part = None
+        if spec.combine is not None:
+            o_part = cupy.empty(spec.part_rows * c.dv, numpy.float32)
+            lse_part = cupy.empty(spec.part_rows, numpy.float32)
+        words = spec.pointers(c, o, lse, o_part, lse_part)
+        append, split, combine = self.launches
+        if append is not None:
+            append(stream, *words)
+        if o.size:
+            split(stream, *words)
+            if combine is not None:
+                combine(stream, *words)
+        return o, lse
+
+    def explain(self) -> str:
+        return self.spec.explain()
+
+
+def spec_or_reason(c, dev=None):
+    """The DecodeSpec of call ``c`` (on ``dev``, default: c's device), or why the decode
+    family does not apply."""
     why = why_not(c)
     if why:
         return why
@@ -225,7 +257,7 @@ def _plan_or_reason(c):
     if G * c.Lq > MAX_ROWS:
         return (f"{G} query heads a KV head x Lq={c.Lq} = {G * c.Lq} rows: above {MAX_ROWS} "
                 f"the per-row attention (prefill) is used")
-    dev = _families.device_info(c.device_id)
+    dev = dev or _families.device_info(c.device_id)
     shape = _families.Shape(c.dtype.name, c.B * Hkv, G * c.Lq, c.capacity, c.d, c.dv,
                             Variant(causal=c.causal))
     choice = _families.choose("decode", shape, dev)
@@ -244,7 +276,7 @@ def _plan_or_reason(c):
         f"  Hkv={Hkv}, G={G}, Lq={c.Lq}: {G * c.Lq} packed rows, {tiles} row tiles; {why}",
         f"  {'paged, page_size=' + str(c.page_size) if c.paged else 'dense cache'}, "
         f"capacity {c.capacity} keys"]
-    return DecodePlan(c, Hkv, G, st, choice, splits, reasons)
+    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons)
 
 
 def decode_plan(c):
@@ -254,12 +286,13 @@ def decode_plan(c):
            c.num_splits, c.scale, c.causal)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS.put(key, _plan_or_reason(c))
+        spec = spec_or_reason(c)
+        plan = _PLANS.put(key, spec if isinstance(spec, str) else DecodePlan(spec, c.device_id))
     return plan if isinstance(plan, DecodePlan) else None
 
 
 def explain(c) -> str:
-    plan = _plan_or_reason(c)
+    plan = spec_or_reason(c)
     if isinstance(plan, str):
         return f"generic path (per batch row, cuflash.attention; reads cache_seqlens back): {plan}"
     return plan.explain()
