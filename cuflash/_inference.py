@@ -254,8 +254,9 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             for b in range(B):
                 row = block_table[b, :need[b]]
                 if row.size and (row.min() < 0 or row.max() >= num_blocks):
-                    raise ValueError(f"block_table[{b}] holds page {int(row.min() if row.min() < 0 else row.max())} "
-                                     f"outside 0..num_blocks-1 = {num_blocks - 1}")
+                    page = int(row.min() if row.min() < 0 else row.max())
+                    raise ValueError(f"block_table[{b}] holds page {page} outside "
+                                     f"0..num_blocks-1 = {num_blocks - 1}")
     return KVCacheCall(xp=xp, q=q, k_cache=k_cache, v_cache=v_cache, seqlens=cache_seqlens,
                        block_table=block_table, k_new=k_new, v_new=v_new, B=B, Lq=Lq, d=d,
                        dv=dv, mid=mid, c_mid=c_mid, paged=paged, num_blocks=num_blocks,

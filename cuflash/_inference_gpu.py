@@ -135,7 +135,7 @@ def why_not(c):
 
 
 def _ptr(x) -> int:
-    """Device (CuPy) or host (NumPy, for the emulation tests) address of an array's first element."""
+    """Device (CuPy) or host (NumPy: the emulation tests) address of an array's first element."""
     return x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
 
 

@@ -44,7 +44,8 @@ def test_merge_states_is_attention_over_the_union(dtype):
     assert o.dtype == dtype and lse.dtype == (F64 if dtype == F64 else F32)
     eps = float(ml_dtypes.finfo(dtype).eps)
     assert numpy.abs(o.astype(F64) - ro).max() <= 4 * eps * numpy.abs(ro).max()
-    assert numpy.abs(lse - rl).max() <= 8 * max(eps if dtype == F64 else 2.0 ** -23, 0) * numpy.abs(rl).max() + 1e-6
+    acc_eps = eps if dtype == F64 else 2.0 ** -23      # lse accumulates in float32 / float64
+    assert numpy.abs(lse - rl).max() <= 16 * acc_eps * max(1.0, numpy.abs(rl).max())
 
 
 def cuflash_merge(os_, lses):
@@ -173,8 +174,9 @@ def test_kvcache_cpu_matches_reference_and_appends(paged, page_size, causal, Lq,
             assert numpy.array_equal(kc[at[0], :, :, at[1]], kn[b, :, :, t])
             assert numpy.array_equal(vc[at[0], :, :, at[1]], vn[b, :, :, t])
             written[at] = True
-    assert numpy.array_equal(kc.transpose(0, 3, 1, 2, 4)[~written], k0.transpose(0, 3, 1, 2, 4)[~written])
-    assert numpy.array_equal(vc.transpose(0, 3, 1, 2, 4)[~written], v0.transpose(0, 3, 1, 2, 4)[~written])
+    by_row = (0, 3, 1, 2, 4)                  # (batch/page, position, heads..., d)
+    assert numpy.array_equal(kc.transpose(by_row)[~written], k0.transpose(by_row)[~written])
+    assert numpy.array_equal(vc.transpose(by_row)[~written], v0.transpose(by_row)[~written])
     check_against_reference(q, kc, vc, s, bt, 2, o, lse, causal, ps)
 
 
