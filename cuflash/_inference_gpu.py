@@ -192,14 +192,16 @@ class DecodeSpec:
 
     def pointers(self, c, o, lse, o_part=None, lse_part=None):
         """(word, address) pairs of one call's arrays."""
-        ptr = {"q": _ptr(c.q), "k_cache": _ptr(c.k_cache), "v_cache": _ptr(c.v_cache),
-               "o": _ptr(o), "lse": _ptr(lse), "cache_seqlens": _ptr(c.seqlens),
-               "block_table": _ptr(c.block_table) if c.paged else 0,
-               "k_new": _ptr(c.k_new) if c.k_new is not None else 0,
-               "v_new": _ptr(c.v_new) if c.v_new is not None else 0,
-               "o_part": _ptr(o_part) if o_part is not None else 0,
-               "lse_part": _ptr(lse_part) if lse_part is not None else 0}
-        return [(_WORD[n], v) for n, v in ptr.items()]
+        return self.words(c.q, c.k_cache, c.v_cache, c.seqlens, c.block_table, c.k_new,
+                          c.v_new, o, lse, o_part, lse_part)
+
+    @staticmethod
+    def words(q, k_cache, v_cache, seqlens, block_table, k_new, v_new, o, lse, o_part=None,
+              lse_part=None):
+        ptr = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lse": lse,
+               "cache_seqlens": seqlens, "block_table": block_table, "k_new": k_new,
+               "v_new": v_new, "o_part": o_part, "lse_part": lse_part}
+        return [(_WORD[n], 0 if x is None else _ptr(x)) for n, x in ptr.items()]
 
     def explain(self) -> str:
         return "\n".join(self.reasons)
@@ -208,8 +210,9 @@ class DecodeSpec:
 class DecodePlan:
     """A DecodeSpec with its kernels loaded on the device."""
 
-    def __init__(self, spec: DecodeSpec, device_id: int):
+    def __init__(self, spec: DecodeSpec, device_id: int, dtype):
         self.spec = spec
+        self.device_id = device_id
 
         def launch(k, name):
             if k is None:
@@ -219,18 +222,36 @@ class DecodePlan:
                                   smem, spec.params, name=name)
         self.launches = [launch(spec.append, "decode_append"), launch(spec.split, "decode_split"),
                          launch(spec.combine, "decode_combine")]
+        # one allocation a call: o, then lse, then the partials (256-byte aligned each)
+        self.dtype, self.dv = dtype, spec.out_shape[-1]
+        align = lambda n: -(-n // 256) * 256  # noqa: E731
+        o_bytes = math.prod(spec.out_shape) * numpy.dtype(dtype).itemsize
+        lse_bytes = math.prod(spec.out_shape[:-1]) * 4
+        self.lse_at = align(o_bytes)
+        self.part_at = self.lse_at + align(lse_bytes)
+        parts = spec.part_rows * (self.dv + 1) * 4 if spec.combine is not None else 0
+        self.nbytes = max(256, self.part_at + parts)
 
     def run(self, c):
+        return self.run_arrays(c.q, c.k_cache, c.v_cache, c.seqlens, c.block_table, c.k_new,
+                               c.v_new)
+
+    def run_arrays(self, q, k_cache, v_cache, seqlens, block_table, k_new, v_new):
+        """Allocate the outputs (and partials) at once, patch the pointers, launch."""
         import cupy
         spec = self.spec
-        stream = cupy.cuda.get_current_stream().ptr
-        o = cupy.empty(spec.out_shape, c.dtype)
-        lse = cupy.empty(spec.out_shape[:-1], numpy.float32)
+        mem = cupy.cuda.alloc(self.nbytes)
+        o = cupy.ndarray(spec.out_shape, self.dtype, memptr=mem)
+        lse = cupy.ndarray(spec.out_shape[:-1], numpy.float32, memptr=mem + self.lse_at)
         o_part = lse_part = None
         if spec.combine is not None:
-            o_part = cupy.empty(spec.part_rows * c.dv, numpy.float32)
-            lse_part = cupy.empty(spec.part_rows, numpy.float32)
-        words = spec.pointers(c, o, lse, o_part, lse_part)
+            o_part = cupy.ndarray((spec.part_rows * self.dv,), numpy.float32,
+                                  memptr=mem + self.part_at)
+            lse_part = cupy.ndarray((spec.part_rows,), numpy.float32,
+                                    memptr=mem + self.part_at + 4 * spec.part_rows * self.dv)
+        stream = cupy.cuda.get_current_stream().ptr
+        words = spec.words(q, k_cache, v_cache, seqlens, block_table, k_new, v_new, o, lse,
+                           o_part, lse_part)
         append, split, combine = self.launches
         if append is not None:
             append(stream, *words)
@@ -287,7 +308,8 @@ def decode_plan(c):
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)
-        plan = _PLANS.put(key, spec if isinstance(spec, str) else DecodePlan(spec, c.device_id))
+        plan = _PLANS.put(key, spec if isinstance(spec, str) else DecodePlan(spec, c.device_id,
+                                                                          c.dtype))
     return plan if isinstance(plan, DecodePlan) else None
 
 
