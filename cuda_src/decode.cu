@@ -42,6 +42,14 @@ struct DecodeTraits {
   static constexpr int kKeysPerIter = kGroups * kUnroll;
   // dynamic shared memory: accumulators, maxima and sums of every key group (_traits.decode)
   static constexpr int kSmemBytes = kGroups * ROWS * (HEAD_DIM + 2) * 4;
+  // blocks an SM must hold (the register cap through __launch_bounds__): the heuristic's wave
+  // size, _traits.DECODE's min_blocks. 16-24 warps an SM keep 64-96 KB of loads in flight.
+  // (sm_70 converts half types in software: 4 rows get 3 blocks there, else causal spills)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  static constexpr int kMinBlocks = ROWS == 1 ? 6 : ROWS == 2 ? 5 : ROWS == 4 ? 3 : 2;
+#else
+  static constexpr int kMinBlocks = ROWS == 1 ? 6 : ROWS == 2 ? 5 : ROWS == 4 ? 4 : 2;
+#endif
   static_assert(HEAD_DIM % kElems == 0 && kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0,
                 "a key row is read by a power-of-two number of lanes within one warp");
   static_assert(ROWS >= 1 && ROWS <= 8, "ROWS * 8 accumulators a thread: more would spill");
@@ -57,7 +65,7 @@ __device__ __forceinline__ float group_sum(float x) {
 }
 
 template <typename T, int HEAD_DIM, int ROWS, typename Variant>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, (DecodeTraits<T, HEAD_DIM, ROWS>::kMinBlocks))
 decode_split(const DecodeParams p) {
   using Tr = DecodeTraits<T, HEAD_DIM, ROWS>;
   constexpr int E = Tr::kElems, LANES = Tr::kLanes, GROUPS = Tr::kGroups, U = Tr::kUnroll,
@@ -131,8 +139,9 @@ decode_split(const DecodeParams p) {
     for (int u = 0; u < U; ++u) {
       const int j = base + u * GROUPS + grp;
       const bool live = j < end;
-      const long long ko = live ? key_offset(p, b, j, p.k_b, p.k_row) : 0;
-      const long long vo = live ? key_offset(p, b, j, p.v_b, p.v_row) : 0;
+      const KeySlot at = live ? key_slot(p, b, j) : KeySlot{0, 0};   // one table read a key
+      const long long ko = at.row * p.k_b + at.pos * p.k_row;
+      const long long vo = at.row * p.v_b + at.pos * p.v_row;
 #pragma unroll
       for (int x = 0; x < C; ++x) {
         kb[u][x] = (live && k_col) ? __ldg(reinterpret_cast<const uint4*>(kc + ko) + x)
@@ -251,8 +260,9 @@ decode_append(const DecodeParams p) {
   const int pos = total_keys(p, b) - p.Lnew + t;
   const T* kn = reinterpret_cast<const T*>(p.k_new) + b * p.kn_b + h * p.kn_h + t * p.kn_row;
   const T* vn = reinterpret_cast<const T*>(p.v_new) + b * p.vn_b + h * p.vn_h + t * p.vn_row;
-  T* kc = reinterpret_cast<T*>(p.k_cache) + h * p.k_h + key_offset(p, b, pos, p.k_b, p.k_row);
-  T* vc = reinterpret_cast<T*>(p.v_cache) + h * p.v_h + key_offset(p, b, pos, p.v_b, p.v_row);
+  const KeySlot at = key_slot(p, b, pos);
+  T* kc = reinterpret_cast<T*>(p.k_cache) + h * p.k_h + at.row * p.k_b + at.pos * p.k_row;
+  T* vc = reinterpret_cast<T*>(p.v_cache) + h * p.v_h + at.row * p.v_b + at.pos * p.v_row;
   for (int c = threadIdx.x; c < p.d; c += 128) kc[c] = kn[c * p.kn_col];
   for (int c = threadIdx.x; c < p.dv; c += 128) vc[c] = vn[c * p.vn_col];
 }

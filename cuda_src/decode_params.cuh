@@ -77,17 +77,17 @@ __device__ __forceinline__ int total_keys(const DecodeParams& p, int b) {
   return old + p.Lnew;
 }
 
-// Element offset of key j (0 <= j < capacity) of batch row b in a cache with batch/page stride
-// `stride_b`: through block_table for a paged cache. Page indices read from the table are
-// clamped to [0, num_pages) (they are device values the host never sees).
-__device__ __forceinline__ long long key_offset(const DecodeParams& p, int b, int j,
-                                                long long stride_b, long long stride_row) {
-  if (!p.paged) return b * stride_b + j * stride_row;
+// Where key j (0 <= j < capacity) of batch row b lives: `row` (the batch row of a dense cache,
+// or the page found through block_table) and `pos` (the position in it). Page indices read from
+// the table are clamped to [0, num_pages) (they are device values the host never sees).
+struct KeySlot { long long row, pos; };
+
+__device__ __forceinline__ KeySlot key_slot(const DecodeParams& p, int b, int j) {
+  if (!p.paged) return {b, j};
   const int slot = p.page_shift >= 0 ? (j >> p.page_shift) : (j / p.page_size);
-  const int within = j - slot * p.page_size;
   const int* table = reinterpret_cast<const int*>(p.block_table);
   const int page = min(max(__ldg(table + b * p.bt_b + slot), 0), p.num_pages - 1);
-  return page * stride_b + within * stride_row;
+  return {page, j - slot * p.page_size};
 }
 
 // -- 8 consecutive elements of T <-> float
