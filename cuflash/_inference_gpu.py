@@ -63,7 +63,7 @@ def num_splits_heuristic(blocks: int, capacity: int, keys_per_iter: int, num_sms
     slots = num_sms * min_blocks
     iters = max(1, -(-capacity // keys_per_iter))
     most = max(1, min(MAX_SPLITS, iters // MIN_ITERS_PER_SPLIT))
-    if blocks >= 0.8 * slots or most == 1:
+    if blocks == 0 or blocks >= 0.8 * slots or most == 1:
         return 1
 
     def fill(s: int) -> float:            # how full the last wave of blocks * s is, on average

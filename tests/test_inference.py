@@ -385,3 +385,37 @@ def test_split_heuristic_fills_the_gpu(B, Hkv, L):
         assert s == 1
     elif -(-L // t.block_n) >= 4 * slots:          # enough keys: the splits fill the slots
         assert B * Hkv * s >= 0.8 * slots
+
+
+def test_split_heuristic_edge_cases():
+    h = _inference_gpu.num_splits_heuristic
+    assert h(0, 4096, 32, 132, 4) == 1          # nothing to launch (Lq = 0)
+    assert h(1, 0, 32, 132, 4) == 1             # an empty cache
+    assert h(1, 100, 32, 132, 4) == 1           # 4 iterations: one split
+    assert h(1, 1 << 20, 32, 132, 4) == _inference_gpu.MAX_SPLITS   # 1 block: as many as allowed
+    assert h(8, 1 << 17, 32, 132, 4) == 57      # 456 of 528 slots: the first count >= 85% full
+
+
+def test_decode_spec_on_the_host_for_the_benchmark_shapes():
+    """The plan of the benchmark's calls (no GPU: the spec, not the kernels): the decode family
+    applies, GQA rows are packed, the grid and the split count are what the docs say."""
+    for B, Hq, Hkv, L, paged in ((8, 32, 8, 8192, False), (1, 32, 8, 131072, True),
+                                 (64, 32, 32, 1024, False)):
+        G = Hq // Hkv
+        q = numpy.zeros((B, Hkv, G, 1, 128), BF16)
+        if paged:
+            kc = numpy.zeros((B * L // 16, Hkv, 1, 16, 128), BF16)
+            bt = numpy.arange(B * L // 16, dtype=numpy.int32).reshape(B, -1)
+        else:
+            kc, bt = numpy.zeros((B, Hkv, 1, L, 128), BF16), None
+        s = numpy.full((B,), L, numpy.int32)
+        c = _inference.check_kvcache(q, kc, kc, s, bt, None, None, None, None, False, True)
+        spec = _inference_gpu.spec_or_reason(c, H200)
+        assert not isinstance(spec, str), spec
+        assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
+        assert spec.split[1] == f"cuflash::decode::decode_split<__nv_bfloat16, 128, {G}, " \
+                                "cuflash::Variant<false>>"
+        assert spec.split[2] == B * Hkv * spec.splits
+        assert (spec.combine is None) == (spec.splits == 1)
+        assert spec.params["paged"] == int(paged)
+        assert spec.params["page_shift"] == (4 if paged else -1)
