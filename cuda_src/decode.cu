@@ -43,13 +43,16 @@ struct DecodeTraits {
   // dynamic shared memory: accumulators, maxima and sums of every key group (_traits.decode)
   static constexpr int kSmemBytes = kGroups * ROWS * (HEAD_DIM + 2) * 4;
   // blocks an SM must hold (the register cap through __launch_bounds__): the heuristic's wave
-  // size, _traits.DECODE's min_blocks. 16-24 warps an SM keep 64-96 KB of loads in flight.
-  // (sm_70 converts half types in software: 4 rows get 3 blocks there, else causal spills)
+  // size, _traits.DECODE's min_blocks (minus one for float32, whose 8 elements take two 16-byte
+  // loads, and 4 rows on sm_70, which converts half types in software: else they spill).
+  // 15-24 warps an SM keep 48-96 KB of loads in flight.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  static constexpr int kMinBlocks = ROWS == 1 ? 6 : ROWS == 2 ? 5 : ROWS == 4 ? 3 : 2;
+  static constexpr int kSlow = ROWS == 4 ? 1 : 0;
 #else
-  static constexpr int kMinBlocks = ROWS == 1 ? 6 : ROWS == 2 ? 5 : ROWS == 4 ? 4 : 2;
+  static constexpr int kSlow = 0;
 #endif
+  static constexpr int kMinBlocks =
+      (ROWS <= 2 ? 5 : ROWS == 4 ? 4 : 2) - (ROWS < 8 && (sizeof(T) == 4 || kSlow) ? 1 : 0);
   static_assert(HEAD_DIM % kElems == 0 && kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0,
                 "a key row is read by a power-of-two number of lanes within one warp");
   static_assert(ROWS >= 1 && ROWS <= 8, "ROWS * 8 accumulators a thread: more would spill");
@@ -132,23 +135,34 @@ decode_split(const DecodeParams p) {
 
   const T* kc = reinterpret_cast<const T*>(p.k_cache) + h * p.k_h + col;
   const T* vc = reinterpret_cast<const T*>(p.v_cache) + h * p.v_h + col;
+  // Where this iteration's keys live. A key past `end` is read at `end - 1` instead (inside the
+  // cache, masked below), so every load is unconditional. Paged: the page-table entries are read
+  // one iteration ahead, so the K/V loads never wait for them.
+  KeySlot at[U];
+  if (start < end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) at[u] = key_slot(p, b, min(start + u * GROUPS + grp, end - 1));
+  }
   for (int base = start; base < end; base += Tr::kKeysPerIter) {
     // -- issue every load of this iteration before using any (2 * U * C 16-byte loads)
     uint4 kb[U][C], vb[U][C];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int j = base + u * GROUPS + grp;
-      const bool live = j < end;
-      const KeySlot at = live ? key_slot(p, b, j) : KeySlot{0, 0};   // one table read a key
-      const long long ko = at.row * p.k_b + at.pos * p.k_row;
-      const long long vo = at.row * p.v_b + at.pos * p.v_row;
+      const long long ko = at[u].row * p.k_b + at[u].pos * p.k_row;
+      const long long vo = at[u].row * p.v_b + at[u].pos * p.v_row;
 #pragma unroll
       for (int x = 0; x < C; ++x) {
-        kb[u][x] = (live && k_col) ? __ldg(reinterpret_cast<const uint4*>(kc + ko) + x)
-                                   : make_uint4(0, 0, 0, 0);
-        vb[u][x] = (live && v_col) ? __ldg(reinterpret_cast<const uint4*>(vc + vo) + x)
-                                   : make_uint4(0, 0, 0, 0);
+        // lanes past d (dv) load nothing: zeros (a clamped column instead of the branch costs
+        // registers: 4 rows spill at 4 blocks an SM)
+        kb[u][x] = k_col ? __ldg(reinterpret_cast<const uint4*>(kc + ko) + x) : make_uint4(0, 0, 0, 0);
+        vb[u][x] = v_col ? __ldg(reinterpret_cast<const uint4*>(vc + vo) + x) : make_uint4(0, 0, 0, 0);
       }
+    }
+    // -- the next iteration's key slots (its page-table reads overlap this iteration's math)
+    const int next = base + Tr::kKeysPerIter;
+    if (next < end) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) at[u] = key_slot(p, b, min(next + u * GROUPS + grp, end - 1));
     }
     // -- scores s[r][u] (log2 units), masked keys -inf
     float s[ROWS][U];

@@ -80,7 +80,7 @@ __device__ __forceinline__ int total_keys(const DecodeParams& p, int b) {
 // Where key j (0 <= j < capacity) of batch row b lives: `row` (the batch row of a dense cache,
 // or the page found through block_table) and `pos` (the position in it). Page indices read from
 // the table are clamped to [0, num_pages) (they are device values the host never sees).
-struct KeySlot { long long row, pos; };
+struct KeySlot { int row, pos; };
 
 __device__ __forceinline__ KeySlot key_slot(const DecodeParams& p, int b, int j) {
   if (!p.paged) return {b, j};

@@ -286,10 +286,12 @@ def spec_or_reason(c, dev=None):
     tiles = -(-(G * c.Lq) // t.block_m)
     keys_per_iter = t.block_n // (2 if c.dtype.itemsize == 4 else 1)
     if c.num_splits is None:
+        # DecodeTraits::kMinBlocks: one block fewer for float32 (two loads a lane and key)
+        resident = t.min_blocks - (1 if c.dtype.itemsize == 4 and t.block_m < 8 else 0)
         splits = num_splits_heuristic(c.B * Hkv * tiles, c.capacity, keys_per_iter,
-                                      dev.num_sms, t.min_blocks)
+                                      dev.num_sms, resident)
         why = (f"num_splits={splits} (heuristic: {c.B * Hkv * tiles} blocks a split, "
-               f"{dev.num_sms} SMs x {t.min_blocks} blocks)")
+               f"{dev.num_sms} SMs x {resident} blocks)")
     else:
         splits = c.num_splits
         why = f"num_splits={splits} (given)"

@@ -312,12 +312,12 @@ BWD_SIMT = {
 #   KB an SM, against the ~20 KB that 4.3 TB/s x ~600 ns needs over 132 SMs.
 # * rows = the query rows a block packs (G query heads of a KV head x Lq queries), rounded up
 #   to a power of two: every K/V byte is read once per group, not once per query head.
-# * min_blocks: resident blocks an SM at ptxas's registers on sm_90a (bf16, d = 128: 80 / 93 /
-#   128 / 250 registers for 1 / 2 / 4 / 8 rows): 6 / 5 / 4 / 2. The split heuristic fills
-#   num_sms x min_blocks slots.
+# * min_blocks: resident blocks an SM, the kernel's __launch_bounds__ (DecodeTraits::kMinBlocks;
+#   ptxas on sm_90a, bf16, d = 128: 94 / 96 / 128 / 254 registers for 1 / 2 / 4 / 8 rows, no
+#   spills): 5 / 5 / 4 / 2. The split heuristic fills num_sms x min_blocks slots.
 _D = "head-dim bucket {0}: {1} lanes a key row, {2} keys an iteration; {3} rows packed"
 DECODE = {
-    (hd, rows): decode(hd, rows, {1: 6, 2: 5, 4: 4, 8: 2}[rows],
+    (hd, rows): decode(hd, rows, {1: 5, 2: 5, 4: 4, 8: 2}[rows],
                        reason=_D.format(hd, hd // 8, 128 // (hd // 8) * 4, rows))
     for hd in (32, 64, 128, 256) for rows in (1, 2, 4, 8)
 }
