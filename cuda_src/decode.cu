@@ -44,10 +44,10 @@ struct DecodeTraits {
   static constexpr int kSmemBytes = kGroups * ROWS * (HEAD_DIM + 2) * 4;
   // blocks an SM must hold (the register cap through __launch_bounds__): the heuristic's wave
   // size, _traits.DECODE's min_blocks (minus one for float32, whose 8 elements take two 16-byte
-  // loads, and 4 rows on sm_70, which converts half types in software: else they spill).
+  // loads, and 2 or 4 rows on sm_70, which converts half types in software: else they spill).
   // 15-24 warps an SM keep 48-96 KB of loads in flight.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  static constexpr int kSlow = ROWS == 4 ? 1 : 0;
+  static constexpr int kSlow = (ROWS == 2 || ROWS == 4) ? 1 : 0;
 #else
   static constexpr int kSlow = 0;
 #endif
@@ -277,7 +277,10 @@ decode_append(const DecodeParams p) {
   const KeySlot at = key_slot(p, b, pos);
   T* kc = reinterpret_cast<T*>(p.k_cache) + h * p.k_h + at.row * p.k_b + at.pos * p.k_row;
   T* vc = reinterpret_cast<T*>(p.v_cache) + h * p.v_h + at.row * p.v_b + at.pos * p.v_row;
+  // (not unrolled: unrolled, ptxas spills the float/double builds at its own 32-register pick)
+#pragma unroll 1
   for (int c = threadIdx.x; c < p.d; c += 128) kc[c] = kn[c * p.kn_col];
+#pragma unroll 1
   for (int c = threadIdx.x; c < p.dv; c += 128) vc[c] = vn[c * p.vn_col];
 }
 
