@@ -87,7 +87,7 @@ def test_decode_matches_reference_and_appends(case):
 def test_every_split_count_agrees_and_is_bitwise_reproducible():
     import cupy
     case = (BF16, 8, 4, 1, 128, 8192, 16, 1, False, None)
-    host, dev, kw = _gpu_call(case, seqlens=[100, 5000, 8191], B=2)
+    host, dev, kw = _gpu_call(case, seqlens=[5000, 8191], B=2)
     c = _inference.check_kvcache(*dev[:3], dev[3], dev[4], None, None, None, None, False, True)
     heuristic = _inference_gpu.spec_or_reason(c).splits
     assert heuristic > 1

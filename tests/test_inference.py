@@ -140,6 +140,8 @@ def dense_rows(cache, bt, b, n, page_size):
     """Keys 0..n-1 of batch row b, from a dense cache or through the page table."""
     if bt is None:
         return cache[b, ..., :n, :]
+    if n == 0:
+        return cache[0, ..., :0, :]
     return numpy.stack([cache[bt[b, j // page_size], ..., j % page_size, :] for j in range(n)], -2)
 
 
