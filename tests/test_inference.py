@@ -9,7 +9,6 @@ import ml_dtypes
 import numpy
 import pytest
 
-import cuflash
 from cuflash import _families, _inference, _inference_gpu, _jit, _problem, _varlen, reference
 from _tolerance import assert_attention_close
 
@@ -421,3 +420,11 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         assert (spec.combine is None) == (spec.splits == 1)
         assert spec.params["paged"] == int(paged)
         assert spec.params["page_shift"] == (4 if paged else -1)
+
+
+def test_explain_kvcache_says_the_path():
+    rng = numpy.random.default_rng(12)
+    q, kc, vc, s, bt, kn, vn = make_cache(rng, F32, seqlens=[1, 2, 3])
+    assert "CPU path" in _inference.explain_kvcache(q, kc, vc, cache_seqlens=s)
+    with pytest.raises(TypeError, match="unexpected keywords"):
+        _inference.explain_kvcache(q, kc, vc, cache_seqlens=s, window=2)
