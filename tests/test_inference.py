@@ -428,3 +428,11 @@ def test_explain_kvcache_says_the_path():
     assert "CPU path" in _inference.explain_kvcache(q, kc, vc, cache_seqlens=s)
     with pytest.raises(TypeError, match="unexpected keywords"):
         _inference.explain_kvcache(q, kc, vc, cache_seqlens=s, window=2)
+
+
+def test_pointer_words_are_in_struct_order():
+    """DecodePlan.run_arrays patches words by index: the order of DecodeParams' pointers."""
+    assert _inference_gpu.POINTERS == ("q", "k_cache", "v_cache", "o", "lse", "o_part",
+                                       "lse_part", "cache_seqlens", "block_table", "k_new",
+                                       "v_new")
+    assert list(_inference_gpu.DECODE_PARAMS.names[:11]) == list(_inference_gpu.POINTERS)
