@@ -207,6 +207,16 @@ class DecodeSpec:
         return "\n".join(self.reasons)
 
 
+def _fire(launch, stream: int, words: list) -> None:
+    """Launch with the pointer words patched in. main's ``_launch.Launch`` (after its launcher
+    change) takes the leading words as a list; this branch's base takes (index, value) pairs.
+    After the merge only the first form remains: drop the second."""
+    if hasattr(launch, "kernels"):
+        launch(stream, words)
+    else:
+        launch(stream, *enumerate(words))
+
+
 class DecodePlan:
     """A DecodeSpec with its kernels loaded on the device."""
 
@@ -246,20 +256,19 @@ class DecodePlan:
         base = mem.ptr
         o = cupy.ndarray(spec.out_shape, self.dtype, memptr=mem)
         lse = cupy.ndarray(spec.out_shape[:-1], numpy.float32, memptr=mem + self.lse_at)
-        words = ((0, q.data.ptr), (1, k_cache.data.ptr), (2, v_cache.data.ptr), (3, base),
-                 (4, base + self.lse_at), (5, base + self.part_at),
-                 (6, base + self.part_at + 4 * spec.part_rows * self.dv), (7, seqlens.data.ptr),
-                 (8, 0 if block_table is None else block_table.data.ptr),
-                 (9, 0 if k_new is None else k_new.data.ptr),
-                 (10, 0 if v_new is None else v_new.data.ptr))
+        # the pointer words of DecodeParams, in POINTERS order
+        words = [q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, base, base + self.lse_at,
+                 base + self.part_at, base + self.part_at + 4 * spec.part_rows * self.dv,
+                 seqlens.data.ptr, 0 if block_table is None else block_table.data.ptr,
+                 0 if k_new is None else k_new.data.ptr, 0 if v_new is None else v_new.data.ptr]
         stream = cupy.cuda.get_current_stream().ptr
         append, split, combine = self.launches
         if append is not None:
-            append(stream, *words)
+            _fire(append, stream, words)
         if self.nonempty:
-            split(stream, *words)
+            _fire(split, stream, words)
             if combine is not None:
-                combine(stream, *words)
+                _fire(combine, stream, words)
         return o, lse
 
     def explain(self) -> str:
