@@ -16,6 +16,7 @@ back to the host once (a device sync). ``explain_kvcache`` says which path a cal
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import sys
 from typing import Any
@@ -27,6 +28,16 @@ from ._plan import PlanCache
 
 #: plans of calls that took the decode family, keyed by the raw arguments' layouts (fast path)
 _FAST = PlanCache(256)
+
+# _problem._check_scale gained the dtype (a scale must be a normal number of the accumulation
+# dtype) in main; take either form so this module works on both sides of that change
+_SCALE_TAKES_DTYPE = len(inspect.signature(_problem._check_scale).parameters) == 3
+
+
+def _check_scale(scale, d: int, dtype) -> float:
+    if _SCALE_TAKES_DTYPE:
+        return _problem._check_scale(scale, d, dtype)
+    return _problem._check_scale(scale, d)
 
 _HALF_OR_FLOAT = ("float16", "bfloat16", "float32", "float64")
 
@@ -245,7 +256,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
     elif not isinstance(causal, (bool, numpy.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     _problem.check_return_lse(return_lse)
-    scale = _problem._check_scale(scale, d)
+    scale = _check_scale(scale, d, dtype)
 
     if xp is numpy:   # host values: exact checks before any write
         s = cache_seqlens
