@@ -21,7 +21,10 @@ from cuflash import reference
 from cuflash._api import attention, attention_backward, attention_vjp, explain
 from cuflash._block_mask import block_mask
 from cuflash._captured import captured
+from cuflash._inference import attention_with_kvcache, merge_states
+from cuflash._varlen import attention_varlen, attention_varlen_vjp
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "block_mask", "captured",
-           "explain", "reference"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_vjp",
+           "attention_vjp", "attention_with_kvcache", "block_mask", "captured", "explain",
+           "merge_states", "reference"]
 __version__ = "0.1.0"

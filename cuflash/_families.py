@@ -209,6 +209,8 @@ _FAMILY_ENV = {"fwd": "CUFLASH_FWD", "bwd": "CUFLASH_BWD"}
 
 
 def family_override(kind: str) -> str:
+    if kind not in _FAMILY_ENV:     # e.g. "decode": one family, nothing to override
+        return "auto"
     var = _FAMILY_ENV[kind]
     value = os.environ.get(var, "").strip().lower() or "auto"
     allowed = ["auto"] + [f.name.split("_", 1)[1] for f in by_kind(kind)]
@@ -329,6 +331,24 @@ def _bwd_sm80_instances(fam, arch):
             yield t, {"deterministic": det}
 
 
+# -- decode (helper "inference"): Shape.Lq is the packed query rows of a block's KV head
+#    (G query heads x Lq queries), Shape.Lk the cache capacity
+def _decode_select(fam, shape, dev):
+    if shape.d % 8 or shape.dv % 8:
+        return f"reads rows in 8-element chunks: d={shape.d} and dv={shape.dv} must be multiples of 8"
+    bucket = next(b for b in (32, 64, 128, 256) if b >= shape.dmax)
+    rows = next(r for r in (1, 2, 4, 8) if r >= min(shape.Lq, 8))
+    t = _traits.TABLES[fam.name][(bucket, rows)]
+    tiles = -(-shape.Lq // rows)
+    return t, {}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
+                                    if tiles > 1 else "")]
+
+
+def _decode_instances(fam, arch):
+    for t in _traits.TABLES[fam.name].values():
+        yield t, {}
+
+
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
@@ -387,6 +407,19 @@ REGISTRY: tuple[Family, ...] = (
            instances=lambda fam, arch: ((None, {"out": out}) for out in ("T", "Acc")),
            summary="dQ from its accumulation buffer (the partials of the deterministic "
                    "bwd_simt summed in key-tile order), rounded once to the input dtype"),
+    # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
+    #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
+    Family("decode", "decode", "decode.cu",
+           "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}>",
+           dtypes=frozenset(("float16", "bfloat16", "float32")),
+           smem_expr="cuflash::decode::DecodeTraits<{T}, {head_dim}, {rows}>::kSmemBytes",
+           select=_decode_select, instances=_decode_instances,
+           summary="split-KV decode (Flash-Decoding), GQA rows packed, dense or paged cache"),
+    Family("decode_combine", "aux", "combine.cu", "cuflash::decode::decode_combine<{T}>",
+           dtypes=frozenset(("float16", "bfloat16", "float32")),
+           summary="merge of the decode's split partials by their log-sum-exp"),
+    Family("decode_append", "aux", "decode.cu", "cuflash::decode::decode_append<{T}>",
+           summary="in-place append of k_new / v_new to a dense or paged KV cache"),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in REGISTRY}

@@ -124,9 +124,22 @@ def bwd_simt(head_dim, block_m, block_n, threads, acc=4, reason=""):
                    smem_bytes=smem, min_blocks=2, acc=acc, reason=reason)
 
 
+def decode(head_dim, rows, min_blocks=1, reason=""):
+    """DecodeTraits (cuda_src/decode.cu): 128 threads; a key row is read by head_dim / 8 lanes
+    (8 elements, 16 bytes of half, each), so 1024 / head_dim key groups a block, each loading 4
+    keys (2 for float32) before using any; ``rows`` packed query rows (GQA group x queries).
+    ``block_n`` is the keys of one iteration; ``min_blocks`` the blocks an SM holds at the
+    registers ptxas reports (the split heuristic's wave size). Shared memory: every group's
+    accumulators, maxima and sums."""
+    groups = 128 // (head_dim // 8)
+    return _traits("decode", ("head_dim", "rows"), locals(), head_dim=head_dim, block_m=rows,
+                   block_n=groups * 4, threads=128, smem_bytes=groups * rows * (head_dim + 2) * 4,
+                   min_blocks=min_blocks, reason=reason)
+
+
 MAKE: dict[str, Callable[..., Traits]] = {
     "fwd_sm90": fwd_sm90, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
-    "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt,
+    "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt, "decode": decode,
 }
 
 
@@ -290,5 +303,25 @@ BWD_SIMT = {
     (8, 256): bwd_simt(256, 4, 8, 256, acc=8, reason=_B),
 }
 
+
+# ---------------------------------------------------------------------------------------------
+# decode (cuda_src/decode.cu, helper "inference"), keyed by (head-dim bucket, packed rows)
+# ---------------------------------------------------------------------------------------------
+# * Memory-bound: what matters is bytes in flight. A 128-thread block issues 2 x 4 x 16 bytes a
+#   thread (K and V of 4 keys) before using any: 16 KB a block; at the blocks an SM below, 32-96
+#   KB an SM, against the ~20 KB that 4.3 TB/s x ~600 ns needs over 132 SMs.
+# * rows = the query rows a block packs (G query heads of a KV head x Lq queries), rounded up
+#   to a power of two: every K/V byte is read once per group, not once per query head.
+# * min_blocks: resident blocks an SM, the kernel's __launch_bounds__ (DecodeTraits::kMinBlocks;
+#   ptxas on sm_90a, bf16, d = 128: 94 / 96 / 128 / 254 registers for 1 / 2 / 4 / 8 rows, no
+#   spills): 5 / 5 / 4 / 2. The split heuristic fills num_sms x min_blocks slots.
+_D = "head-dim bucket {0}: {1} lanes a key row, {2} keys an iteration; {3} rows packed"
+DECODE = {
+    (hd, rows): decode(hd, rows, {1: 5, 2: 5, 4: 4, 8: 2}[rows],
+                       reason=_D.format(hd, hd // 8, 128 // (hd // 8) * 4, rows))
+    for hd in (32, 64, 128, 256) for rows in (1, 2, 4, 8)
+}
+
 TABLES = {"fwd_sm90": FWD_SM90, "fwd_sm80": FWD_SM80, "fwd_simt": FWD_SIMT,
-          "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT}
+          "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT,
+          "decode": DECODE}

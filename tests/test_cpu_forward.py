@@ -280,7 +280,7 @@ def test_cupy_is_optional():
 import sys
 sys.modules["cupy"] = None  # `import cupy` now raises ImportError
 import numpy, cuflash, cuflash.reference
-assert cuflash.__version__ == "0.1.0" and cuflash.__all__ == ["attention", "attention_backward", "attention_vjp", "block_mask", "captured", "explain", "reference"]
+assert cuflash.__version__ == "0.1.0" and cuflash.__all__ == ["attention", "attention_backward", "attention_varlen", "attention_varlen_vjp", "attention_vjp", "attention_with_kvcache", "block_mask", "captured", "explain", "merge_states", "reference"]
 q = numpy.random.default_rng(0).standard_normal((2, 5, 8)).astype(numpy.float32)
 o, lse = cuflash.attention(q, q, q, causal=True, return_lse=True)
 assert numpy.isfinite(o).all() and o.shape == (2, 5, 8)

@@ -1,0 +1,123 @@
+"""Run the inference kernels (cuda_src/decode.cu, combine.cu) on the CPU: their source,
+unchanged but for the ``extern __shared__`` declaration, compiled with g++ against the host
+emulation of the CUDA built-ins in tests/emu/cuda_host.h (threads as fibers, shuffles as warp
+collectives, shared memory pre-filled with NaN bytes).
+
+This checks the kernels' logic (split ranges, GQA row packing, paged addressing, the clamps,
+the online softmax, the group merge and the combine) without a GPU, launched with the very
+parameter block ``cuflash._inference_gpu.DecodeSpec`` builds. It says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy
+
+from cuflash._paths import cuda_src_dir
+
+EMU = Path(__file__).resolve().parent / "emu"
+
+_PRELUDE = r"""
+#include "cuda_host.h"
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+  return {__bfloat162float(h.x), __bfloat162float(h.y)};
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+namespace cuflash_emu { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
+"""
+
+_SMEM_DECL = "extern __shared__ float4 smem_[];"
+_SMEM_HOST = "float4* smem_ = reinterpret_cast<float4*>(::emu::st().smem);"
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None and (EMU / "cuda_host.h").exists()
+
+
+class Library:
+    def __init__(self, path: Path, exprs: list[str]):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_uint]
+        self.lib.emu_message.restype = ctypes.c_char_p
+        self.index = {e: i for i, e in enumerate(exprs)}
+
+    def run(self, kernel, params: numpy.ndarray) -> None:
+        """Run one ``(source, expr, grid, threads, smem)`` of a DecodeSpec."""
+        _, expr, grid, threads, smem = kernel
+        buf = numpy.ascontiguousarray(params).view(numpy.uint8)
+        if self.lib.emu_run(self.index[expr], buf.ctypes.data, grid, threads, smem):
+            raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
+
+
+def build(exprs: list[str]) -> Library:
+    """g++-compile the kernels ``exprs`` of decode.cu / combine.cu (cached by source text)."""
+    src_dir = cuda_src_dir()
+    decode = (src_dir / "decode.cu").read_text()
+    if _SMEM_DECL not in decode:
+        raise RuntimeError("decode.cu's shared-memory declaration changed: update _emu_decode")
+    text = _PRELUDE + decode.replace(_SMEM_DECL, _SMEM_HOST) + (src_dir / "combine.cu").read_text()
+    cases = "\n".join(
+        f"    case {i}: body = [&] {{ {e}(P); }}; break;" for i, e in enumerate(exprs))
+    text += """
+extern "C" int emu_run(int which, const void* params, int grid, int threads, unsigned smem) {
+  const auto& P = *static_cast<const cuflash::decode::DecodeParams*>(params);
+  std::function<void()> body;
+  switch (which) {
+%s
+    default: return 2;
+  }
+  for (int b = 0; b < grid; ++b)
+    if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash_emu::smem, smem, body)) return 1;
+  return 0;
+}
+extern "C" const char* emu_message() { return ::emu::st().message; }
+""" % cases
+    headers = (src_dir / "decode_params.cuh").read_text()
+    key = hashlib.sha256((text + headers).encode()).hexdigest()[:20]
+    cache = Path(tempfile.gettempdir()) / "cuflash-emu"
+    cache.mkdir(exist_ok=True)
+    so = cache / f"decode-{key}.so"
+    if not so.exists():
+        cpp = cache / f"decode-{key}.cpp"
+        cpp.write_text(text)
+        cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-w", f"-I{EMU}",
+               f"-I{EMU / 'include'}", f"-I{src_dir}", str(cpp), "-o", str(so) + ".tmp"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"g++ failed on decode.cu:\n{run.stderr[:5000]}")
+        Path(str(so) + ".tmp").rename(so)
+    return Library(so, exprs)
+
+
+def run_spec(lib: Library, spec, c):
+    """Launch a DecodeSpec's kernels on NumPy arrays as the GPU plan does; returns (o, lse)."""
+    o = numpy.full(spec.out_shape, numpy.nan, c.dtype)
+    lse = numpy.full(spec.out_shape[:-1], numpy.nan, numpy.float32)
+    o_part = lse_part = None
+    if spec.combine is not None:
+        o_part = numpy.full(spec.part_rows * c.dv, numpy.nan, numpy.float32)
+        lse_part = numpy.full(spec.part_rows, numpy.nan, numpy.float32)
+    p = spec.params.copy()
+    words = p.reshape(1).view(numpy.uint64)
+    for i, value in spec.pointers(c, o, lse, o_part, lse_part):
+        words[i] = value
+    if spec.append is not None:
+        lib.run(spec.append, p)
+    if o.size:
+        lib.run(spec.split, p)
+        if spec.combine is not None:
+            lib.run(spec.combine, p)
+    return o, lse

@@ -1,0 +1,179 @@
+"""Inference API on the GPU (``gpu`` marker): the split-KV decode family and its generic
+fallback against the float64 reference per batch row, the cache contents after the append,
+paged == dense, every split count from 1 past the heuristic's, bitwise reproducibility,
+merge_states and attention_varlen on CuPy."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+
+from cuflash import _inference, _inference_gpu, _problem, _varlen, reference
+from _tolerance import assert_attention_close
+from test_inference import dense_rows, make_cache
+
+pytestmark = pytest.mark.gpu
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+F16, F32, F64 = (numpy.dtype(t) for t in (numpy.float16, numpy.float32, numpy.float64))
+
+
+def _gpu_call(case, seed=0, seqlens=None, splits="case", B=3):
+    """The same call on the host (NumPy, CPU path) and on the device (CuPy)."""
+    import cupy
+    dtype, Hkv, G, Lq, d, L, page_size, Lnew, causal, n_splits = case
+    rng = numpy.random.default_rng(seed)
+    host = make_cache(rng, dtype, B=B, Hkv=Hkv, G=G, Lq=Lq, d=d, L=L, Lnew=Lnew,
+                      paged=bool(page_size), page_size=page_size or 16, seqlens=seqlens)
+    dev = [None if x is None else cupy.asarray(x) for x in host]
+    kw = dict(causal=causal, return_lse=True,
+              num_splits=n_splits if splits == "case" else splits)
+    return host, dev, kw
+
+
+def _run_device(dev, kw):
+    q, kc, vc, s, bt, kn, vn = dev
+    return _inference.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt,
+                                             k_new=kn, v_new=vn, **kw)
+
+
+def _check_rows(host_after, o, lse, Lnew, causal, page_size):
+    import cupy
+    q, kc, vc, s, bt = host_after[:5]
+    o, lse = cupy.asnumpy(o), cupy.asnumpy(lse)
+    for b in range(q.shape[0]):
+        n = int(s[b]) + Lnew
+        kb, vb = dense_rows(kc, bt, b, n, page_size), dense_rows(vc, bt, b, n, page_size)
+        c = "bottom_right" if causal else False
+        prob = _problem.make_problem(q[b], kb, vb, scale=None, causal=c)
+        ro, rl = reference.attention(q[b], kb, vb, causal=c, return_lse=True)
+        assert_attention_close(prob, o[b], lse[b], ro, rl)
+
+
+CASES = [  # dtype, Hkv, G, Lq, d, L, page_size (0: dense), Lnew, causal, num_splits
+    (BF16, 8, 4, 1, 128, 3000, 0, 1, False, None),
+    (BF16, 8, 4, 1, 128, 3000, 16, 1, False, None),
+    (BF16, 8, 4, 1, 128, 3000, 256, 1, False, None),
+    (F16, 4, 1, 1, 128, 2000, 0, 1, False, None),
+    (F16, 2, 8, 1, 64, 1500, 16, 2, False, 7),
+    (BF16, 2, 4, 4, 128, 700, 7, 4, True, None),        # chunked prefill, odd page size
+    (F16, 1, 2, 16, 256, 900, 32, 16, True, 3),         # 32 rows: four row tiles
+    (F32, 2, 4, 2, 64, 800, 0, 2, True, None),
+    (BF16, 2, 3, 1, 96, 500, 16, 0, False, None),       # no append; d = 96 in the 128 bucket
+    (F16, 2, 1, 1, 32, 100, 1, 1, False, 2),            # page_size 1
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-Hkv{c[1]}G{c[2]}Lq{c[3]}-d{c[4]}-"
+                         f"L{c[5]}-p{c[6]}-new{c[7]}-{'causal' if c[8] else 'full'}-s{c[9]}")
+def test_decode_matches_reference_and_appends(case):
+    import cupy
+    host, dev, kw = _gpu_call(case, seqlens=[0, case[5] // 3, case[5] - case[7]])
+    kc0, vc0 = host[1].copy(), host[2].copy()
+    c = _inference.check_kvcache(*dev[:3], dev[3], dev[4], dev[5], dev[6], kw["num_splits"],
+                                 None, kw["causal"], True)
+    assert not isinstance(_inference_gpu.spec_or_reason(c), str)   # the decode family runs
+    o, lse = _run_device(dev, kw)
+    _inference.attention_with_kvcache(*host[:3], cache_seqlens=host[3], block_table=host[4],
+                                      k_new=host[5], v_new=host[6])          # CPU append
+    assert numpy.array_equal(cupy.asnumpy(dev[1]), host[1])
+    assert numpy.array_equal(cupy.asnumpy(dev[2]), host[2])
+    if case[7] == 0:
+        assert numpy.array_equal(host[1], kc0) and numpy.array_equal(host[2], vc0)
+    _check_rows(host, o, lse, case[7], case[8], case[6] or 16)
+
+
+def test_every_split_count_agrees_and_is_bitwise_reproducible():
+    import cupy
+    case = (BF16, 8, 4, 1, 128, 8192, 16, 1, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=[5000, 8191], B=2)
+    c = _inference.check_kvcache(*dev[:3], dev[3], dev[4], None, None, None, None, False, True)
+    heuristic = _inference_gpu.spec_or_reason(c).splits
+    assert heuristic > 1
+    for s in range(1, heuristic + 2):
+        kw["num_splits"] = s
+        runs = [_run_device(dev[:5] + [None, None], kw) for _ in range(2)]
+        o0, l0 = (cupy.asnumpy(x) for x in runs[0])
+        o1, l1 = (cupy.asnumpy(x) for x in runs[1])
+        assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), s
+        assert numpy.array_equal(l0, l1), s
+        _check_rows(host, o0, l0, 0, False, 16)
+
+
+def test_paged_equals_dense_bitwise():
+    import cupy
+    dense = (F16, 4, 4, 1, 128, 4000, 0, 1, False, 5)
+    paged = dense[:6] + (16,) + dense[7:]
+    o1, l1 = _run_device(*_gpu_call(dense, seed=3, seqlens=[7, 2000, 3999])[1:])
+    o2, l2 = _run_device(*_gpu_call(paged, seed=3, seqlens=[7, 2000, 3999])[1:])
+    assert numpy.array_equal(cupy.asnumpy(o1).view(numpy.uint16),
+                             cupy.asnumpy(o2).view(numpy.uint16))
+    assert numpy.array_equal(cupy.asnumpy(l1), cupy.asnumpy(l2))
+
+
+@pytest.mark.parametrize("case", [
+    (F64, 2, 4, 1, 64, 300, 16, 1, False, None),        # float64: the generic path
+    (F16, 2, 4, 1, 20, 300, 0, 2, True, None),          # d not a multiple of 8
+    (BF16, 2, 8, 32, 64, 600, 16, 32, True, None),      # 256 rows: prefill, generic path
+])
+def test_generic_device_path_matches_reference(case):
+    import cupy
+    host, dev, kw = _gpu_call(case, seqlens=[0, 100, 300 - case[7]] if case[5] == 300
+                              else [0, 100, 500])
+    c = _inference.check_kvcache(*dev[:7], None, None, case[8], True)
+    assert isinstance(_inference_gpu.spec_or_reason(c), str)
+    o, lse = _run_device(dev, kw)
+    _inference.attention_with_kvcache(*host[:3], cache_seqlens=host[3], block_table=host[4],
+                                      k_new=host[5], v_new=host[6])
+    assert numpy.array_equal(cupy.asnumpy(dev[1]), host[1])
+    _check_rows(host, o, lse, case[7], case[8], case[6] or 16)
+
+
+def test_long_cache_bf16_decode():
+    """B = 1, 128k keys (the benchmark's longest), GQA 32/8: against the reference."""
+    case = (BF16, 8, 4, 1, 128, 131072, 0, 1, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=[131071], B=1)
+    o, lse = _run_device(dev, kw)
+    import cupy
+    host[1][0, :, :, 131071] = host[5][0, :, :, 0]
+    host[2][0, :, :, 131071] = host[6][0, :, :, 0]
+    assert numpy.array_equal(cupy.asnumpy(dev[1][0, :, :, 131071]), host[1][0, :, :, 131071])
+    _check_rows(host, o, lse, 1, False, 16)
+
+
+def test_merge_states_on_cupy_matches_numpy():
+    import cupy
+    rng = numpy.random.default_rng(5)
+    os_ = rng.standard_normal((4, 3, 9, 16)).astype(BF16)
+    lses = rng.standard_normal((4, 3, 9)).astype(F32) * 5
+    lses[:, 0, 0] = -numpy.inf
+    o_h, l_h = _inference.merge_states(os_, lses)
+    o_d, l_d = _inference.merge_states(cupy.asarray(os_), cupy.asarray(lses))
+    numpy.testing.assert_allclose(cupy.asnumpy(o_d).astype(F32), o_h.astype(F32), rtol=0,
+                                  atol=2 * float(ml_dtypes.finfo(BF16).eps))
+    numpy.testing.assert_allclose(cupy.asnumpy(l_d), l_h, rtol=1e-6)
+    assert (cupy.asnumpy(o_d)[0, 0] == 0).all() and cupy.asnumpy(l_d)[0, 0] == -numpy.inf
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_varlen_on_cupy_matches_reference(dtype):
+    import cupy
+    rng = numpy.random.default_rng(6)
+    lq, lk = [64, 0, 300, 1, 129], [64, 5, 0, 700, 129]
+    cu_q = numpy.concatenate([[0], numpy.cumsum(lq)]).astype(numpy.int32)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(lk)]).astype(numpy.int32)
+    q = rng.standard_normal((2, 4, cu_q[-1], 64)).astype(dtype)
+    k = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    v = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    o, lse = _varlen.attention_varlen(*(cupy.asarray(x) for x in (q, k, v)), cupy.asarray(cu_q),
+                                      cupy.asarray(cu_k), causal=True, return_lse=True)
+    o, lse = cupy.asnumpy(o), cupy.asnumpy(lse)
+    for s in range(len(lq)):
+        if lq[s] == 0:
+            continue
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        prob = _problem.make_problem(*args, scale=None, causal=True)
+        ro, rl = reference.attention(*args, causal=True, return_lse=True)
+        assert_attention_close(prob, o[..., sq, :], lse[..., sq], ro, rl)

@@ -1,0 +1,153 @@
+"""The decode kernels (cuda_src/decode.cu, combine.cu) run on the CPU by the g++ emulation
+(tests/_emu_decode.py), launched with the parameter block and grids of
+``cuflash._inference_gpu.DecodeSpec``: against the float64 reference, every split count,
+bitwise reproducibility, paged == dense, the device-side clamps. Skipped without g++."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+
+from cuflash import _families, _inference, _inference_gpu, _problem, reference
+from _tolerance import assert_attention_close
+from test_inference import dense_rows, make_cache
+
+import _emu_decode
+
+pytestmark = pytest.mark.skipif(not _emu_decode.available(), reason="needs g++")
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
+#: a small GPU, so that the heuristic splits small caches (and the emulation stays quick)
+SMALL = _families.DeviceInfo(90, 2, 232448, "emulated, 2 SMs")
+
+CASES = [  # dtype, Hkv, G, Lq, d, L, paged, page_size, Lnew, causal, splits
+    (BF16, 2, 4, 1, 64, 300, False, 0, 1, False, None),
+    (BF16, 2, 4, 1, 128, 200, True, 16, 1, False, 3),
+    (F16, 1, 1, 1, 32, 130, True, 7, 0, False, 2),
+    (F16, 2, 2, 3, 64, 90, True, 1, 3, True, 4),
+    (F32, 1, 8, 2, 128, 70, False, 0, 2, True, 5),     # 16 rows: two row tiles
+    (BF16, 1, 2, 1, 256, 40, True, 256, 1, False, 1),
+]
+
+SPLIT_CASE = (BF16, 2, 4, 1, 64, 600, True, 16, 1, False, None)
+CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    exprs = set()
+    for dtype in (BF16, F16, F32):
+        T = _families.ctype(dtype)
+        exprs |= {f"cuflash::decode::decode_append<{T}>", f"cuflash::decode::decode_combine<{T}>"}
+    fam = _families.FAMILIES["decode"]
+    for dtype, Hkv, G, Lq, d, *_, causal, _s in CASES + [SPLIT_CASE, CLAMP_CASE]:
+        t = fam.select(fam, _families.Shape(dtype.name, 1, G * Lq, 1, d, d,
+                                            _families.Variant(causal=causal)), SMALL)[0]
+        exprs.add(fam.expr(dtype.name, t, _families.Variant(causal=causal)))
+        exprs.add(fam.expr(dtype.name, t, _families.Variant(causal=not causal)))
+    return _emu_decode.build(sorted(exprs))
+
+
+def _call(case, seed=0, seqlens=None, splits="case"):
+    dtype, Hkv, G, Lq, d, L, paged, ps, Lnew, causal, n_splits = case
+    rng = numpy.random.default_rng(seed)
+    q, kc, vc, s, bt, kn, vn = make_cache(rng, dtype, B=3, Hkv=Hkv, G=G, Lq=Lq, d=d, L=L,
+                                          Lnew=Lnew, paged=paged, page_size=ps or 16,
+                                          seqlens=seqlens)
+    c = _inference.check_kvcache(q, kc, vc, s, bt, kn, vn,
+                                 n_splits if splits == "case" else splits, None, causal, True)
+    return c
+
+
+def _run(lib, c):
+    spec = _inference_gpu.spec_or_reason(c, SMALL)
+    assert not isinstance(spec, str), spec
+    return spec, _emu_decode.run_spec(lib, spec, c)
+
+
+def _check(c, o, lse):
+    for b in range(c.B):
+        n = int(c.seqlens[b]) + c.Lnew
+        kb = dense_rows(c.k_cache, c.block_table, b, n, c.page_size)
+        vb = dense_rows(c.v_cache, c.block_table, b, n, c.page_size)
+        cz = "bottom_right" if c.causal else False
+        prob = _problem.make_problem(c.q[b], kb, vb, scale=None, causal=cz)
+        ro, rl = reference.attention(c.q[b], kb, vb, causal=cz, return_lse=True)
+        assert_attention_close(prob, o[b], lse[b], ro, rl)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-G{c[2]}-Lq{c[3]}-d{c[4]}-"
+                         f"{'paged' + str(c[7]) if c[6] else 'dense'}-s{c[10]}")
+def test_emulated_decode_matches_reference_and_appends(lib, case):
+    c = _call(case)
+    ref = _call(case)                                  # the same inputs, CPU path
+    if ref.k_new is not None:
+        _inference._append(ref, ref.seqlens)
+    spec, (o, lse) = _run(lib, c)
+    assert numpy.array_equal(c.k_cache, ref.k_cache) and numpy.array_equal(c.v_cache, ref.v_cache)
+    _check(c, o, lse)
+
+
+def test_emulated_every_split_count_agrees_and_is_reproducible(lib):
+    case = SPLIT_CASE
+    c = _call(case, seqlens=[0, 333, 599])
+    heuristic = _inference_gpu.spec_or_reason(c, SMALL).splits
+    assert heuristic > 1
+    k_after = None
+    for s in range(1, heuristic + 2):
+        outs = []
+        for _ in range(2):
+            c = _call(case, seqlens=[0, 333, 599], splits=s)
+            outs.append(_run(lib, c)[1])
+            if k_after is None:
+                k_after = c.k_cache.copy()
+            assert numpy.array_equal(c.k_cache, k_after)
+        assert numpy.array_equal(outs[0][0].view(numpy.uint16), outs[1][0].view(numpy.uint16))
+        assert numpy.array_equal(outs[0][1], outs[1][1])
+        _check(c, *outs[0])
+
+
+def test_emulated_paged_equals_dense_bitwise(lib):
+    dense = (F16, 2, 2, 3, 64, 90, False, 0, 3, True, 3)
+    paged = dense[:6] + (True, 16) + dense[8:]
+    o1, l1 = _run(lib, _call(dense, seed=4, seqlens=[5, 40, 87]))[1]
+    o2, l2 = _run(lib, _call(paged, seed=4, seqlens=[5, 40, 87]))[1]
+    assert numpy.array_equal(o1.view(numpy.uint16), o2.view(numpy.uint16))
+    assert numpy.array_equal(l1, l2)
+
+
+def test_emulated_device_values_out_of_range_are_clamped(lib):
+    """cache_seqlens and block_table entries the host never checks (device values): clamped
+    into range, for the append and the attention alike; nothing outside the cache is read
+    (the caches sit inside NaN-filled buffers: a read outside would make the output NaN)."""
+    case = CLAMP_CASE
+    c = _call(case, seqlens=[3, 10, 20])
+    guard = numpy.full((c.k_cache.shape[0] + 4,) + c.k_cache.shape[1:], numpy.nan, F32)
+    guard[2:-2] = c.k_cache
+    vguard = numpy.full_like(guard, numpy.nan)
+    vguard[2:-2] = c.v_cache
+    c.k_cache, c.v_cache = guard[2:-2], vguard[2:-2]
+    c.seqlens[:] = [-5, 10**6, 20]                 # clamped to 0 and capacity - Lnew
+    c.block_table[2, 0] = 10**5                    # clamped to the last page
+    c.block_table[2, 1] = -7                       # clamped to page 0
+    ref_k, ref_v = c.k_cache.copy(), c.v_cache.copy()
+    spec, (o, lse) = _run(lib, c)
+    assert numpy.isfinite(o).all() and numpy.isfinite(lse).all()
+    assert numpy.isnan(guard[:2]).all() and numpy.isnan(guard[-2:]).all()
+    # the same clamps on the host, through the generic path's helpers
+    ref = _call(case, seqlens=[3, 10, 20])
+    ref.k_cache, ref.v_cache = ref_k, ref_v
+    ref.block_table[:] = c.block_table
+    clamped = _inference._clamped_seqlens(numpy.array([-5, 10**6, 20]), ref)
+    assert list(clamped) == [0, c.capacity - 2, 20]
+    _inference._append(ref, clamped)
+    assert numpy.array_equal(c.k_cache, ref.k_cache)
+    for b in range(3):
+        n = int(clamped[b]) + 2
+        kb = _inference._cache_rows(ref, ref.k_cache, b, n)
+        vb = _inference._cache_rows(ref, ref.v_cache, b, n)
+        ro, rl = reference.attention(ref.q[b], kb, vb, return_lse=True)
+        prob = _problem.make_problem(ref.q[b], kb, vb, scale=None, causal=False)
+        assert_attention_close(prob, o[b], lse[b], ro, rl)
