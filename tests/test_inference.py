@@ -339,22 +339,10 @@ def test_varlen_rejects_bad_cu_seqlens():
 # ---------------------------------------------------------------------------------------------
 
 def test_decode_params_layout_matches_the_struct():
-    """NVRTC checks sizeof and every offsetof of DecodeParams against DECODE_PARAMS."""
-    try:
-        nvrtc = _jit._nvrtc_for("sm_80")
-    except _jit.KernelCompileError as exc:
-        pytest.skip(str(exc))
-    dt = _inference_gpu.DECODE_PARAMS
-    checks = [f'static_assert(sizeof(DecodeParams) == {dt.itemsize}, "sizeof");']
-    checks += [f'static_assert(__builtin_offsetof(DecodeParams, {n}) == {off}, "{n}");'
-               for n, (_, off) in dt.fields.items()]
-    checks += [f'static_assert(__builtin_offsetof(VariantParams, {n}) == {off}, "{n}");'
-               for n, (_, off) in dt["var"].fields.items()]
-    src = (_jit.load_source("decode_params.cuh") + "\nnamespace cuflash { namespace decode {\n"
-           + "\n".join(checks) + "\n__global__ void probe(const DecodeParams p) {}\n} }\n")
-    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash::decode::probe"],
-                                    _jit._options("sm_80"))
-    assert lowered is not None, log
+    """DECODE_PARAMS mirrors cuflash::decode::DecodeParams (and its VariantParams)."""
+    from _layout import assert_struct_matches
+    assert_struct_matches("decode_params.cuh", "cuflash::decode", "DecodeParams",
+                          _inference_gpu.DECODE_PARAMS, nested={"var": "VariantParams"})
 
 
 def test_decode_choice_is_in_the_gate():
