@@ -31,6 +31,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy
 
+from cuflash._problem import positive_real
+
 #: dtypes accepted for bias, alibi_slopes and sink
 FLOAT_DTYPES = tuple(numpy.dtype(t) for t in (numpy.float16, ml_dtypes.bfloat16, numpy.float32,
                                              numpy.float64))
@@ -140,13 +142,7 @@ def check_softcap(softcap: Any) -> float | None:
     """``None`` or a finite real number > 0 (bool is not a number here)."""
     if softcap is None:
         return None
-    if isinstance(softcap, (bool, numpy.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number > 0 or None, got {softcap!r} of type "
-                        f"{type(softcap).__qualname__}")
-    value = float(softcap)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softcap must be finite and > 0, got {softcap=}")
-    return value
+    return positive_real(softcap, "softcap", "> 0")
 
 
 def _array_of(x: Any, name: str, xp: Any, device_id: int | None) -> Any:

@@ -113,6 +113,19 @@ def accumulation_dtype(dtype: numpy.dtype) -> numpy.dtype:
     return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
 
 
+def positive_real(x: Any, name: str, positive: str = "positive") -> float:
+    """``float(x)`` for a finite real number > 0 (bool is not a number here), else TypeError
+    (not a real number) or ValueError (not finite, or not > 0), naming ``name`` and the value.
+    The rule of ``scale`` and of ``softcap``."""
+    if isinstance(x, (bool, numpy.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number{' > 0' if positive != 'positive' else ''}"
+                        f" or None, got {x!r} of type {type(x).__qualname__}")
+    value = float(x)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and {positive}, got {name}={x!r}")
+    return value
+
+
 def _check_scale(scale: Any, d: int, dtype: numpy.dtype) -> float:
     """The softmax scale as a float: finite, positive, and a normal number of the accumulation
     dtype (float32 for float16, bfloat16 and float32 inputs; float64 for float64), since every
@@ -122,12 +135,7 @@ def _check_scale(scale: Any, d: int, dtype: numpy.dtype) -> float:
     """
     if scale is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(scale, (bool, numpy.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {scale!r} of type "
-                        f"{type(scale).__qualname__}")
-    value = float(scale)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"scale must be finite and positive, got {scale=}")
+    value = positive_real(scale, "scale")
     acc = accumulation_dtype(dtype)
     info = numpy.finfo(acc)
     if not float(info.tiny) <= value <= float(info.max):
