@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import numbers
 import sys
 from typing import Any, Callable
