@@ -463,45 +463,19 @@ def choose(kind: str, shape: Shape, device: DeviceInfo) -> Choice:
 
 
 # ---------------------------------------------------------------------------------------------
-# The compile gate: every specialisation the dispatcher can select
+# The compile gate (cuflash/_gate.py): every specialisation the dispatcher can select
 # ---------------------------------------------------------------------------------------------
 
-def _arch_cc(arch: str) -> int:
-    m = re.fullmatch(r"sm_(\d+)a?", arch)
-    if not m:
-        raise ValueError(f"unknown architecture {arch!r}: expected e.g. sm_80 or sm_90a")
-    return int(m.group(1))
-
-
-def specialisations(arch: str) -> list[tuple[str, str]]:
+def specialisations(arch: str, subset: str = "all") -> list[tuple[str, str]]:
     """Every (source, name expression) the dispatcher can select on ``arch`` (e.g. "sm_90a"),
-    each once. sm_90 without the ``a`` cannot run the wgmma families."""
-    cc = _arch_cc(arch)
-    out: dict[tuple[str, str], None] = {}
-    for fam in REGISTRY:
-        if not fam.arch_ok(cc) or (fam.min_cc == 90 and arch != "sm_90a"):
-            continue
-        if fam.kind == "aux":
-            for _, flags in (fam.instances(fam, arch) if fam.instances else [(None, {})]):
-                for dt in sorted(fam.dtypes):
-                    out[(fam.source, fam.expr(dt, **flags))] = None
-            continue
-        for inst in fam.instances(fam, arch):
-            traits, flags = inst[0], inst[1]
-            causal = inst[2] if len(inst) > 2 else None
-            dtypes = inst[3] if len(inst) > 3 else sorted(fam.dtypes)
-            for variant in ALL_VARIANTS:
-                if causal is not None and variant.causal != causal:
-                    continue
-                for dt in dtypes:
-                    out[(fam.source, fam.expr(dt, traits, variant, **flags))] = None
-    return list(out)
+    each once, or its covering set (``subset="covering"``, see cuflash/_gate.py)."""
+    from . import _gate
+    return _gate.specialisations(arch, subset)
 
 
 def check(archs: Iterable[str], progress: Callable[[int, int], None] | None = None,
-          workers: int | None = None):
-    """Compile every specialisation for each arch (the compile gate): a list of
+          workers: int | None = None, subset: str = "all"):
+    """Compile the specialisations of each arch (the compile gate, cuflash/_gate.py): a list of
     ``_jit.CompileReport``. Work is spread over ``workers`` processes (default: all cores)."""
-    from . import _jit
-    jobs = [(source, expr, arch) for arch in archs for source, expr in specialisations(arch)]
-    return _jit.compile_many(jobs, progress=progress, workers=workers)
+    from . import _gate
+    return _gate.check(archs, progress=progress, workers=workers, subset=subset)

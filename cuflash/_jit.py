@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from ._paths import cuda_src_dir
 
@@ -309,11 +310,12 @@ def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, tuple[int, int]] | 
     return counts
 
 
-def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
+def compile_offline(source: str, exprs, arch: str, sass: bool = True) -> list[CompileReport]:
     """Compile the name expressions ``exprs`` from ``cuda_src/<source>`` for ``arch`` (e.g.
     ``"sm_90a"``) with NVRTC, no GPU needed, and report ptxas's resource usage and the
     tensor-core instruction count of each.  One NVRTC program holds them all (the C++ front
     end runs once); if it fails, each is compiled alone so the error lands on its own report.
+    ``sass=False`` skips the disassembly (``hmma``/``hgmma`` stay None).
     """
     exprs = [exprs] if isinstance(exprs, str) else list(exprs)
     try:
@@ -325,8 +327,8 @@ def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
     if lowered is None:
         if len(exprs) == 1:
             return [CompileReport(source, exprs[0], arch, error=log.strip())]
-        return [r for e in exprs for r in compile_offline(source, [e], arch)]
-    tc = _tensor_core_ops_per_function(cubin)
+        return [r for e in exprs for r in compile_offline(source, [e], arch, sass)]
+    tc = _tensor_core_ops_per_function(cubin) if sass else None
     reports = []
     for e in exprs:
         hmma, hgmma = (None, None) if tc is None else tc.get(lowered[e], (0, 0))
@@ -339,12 +341,14 @@ def compile_offline(source: str, exprs, arch: str) -> list[CompileReport]:
     return reports
 
 
-def compile_many(jobs, progress=None, workers: int | None = None) -> list[CompileReport]:
+def compile_many(jobs, progress=None, workers: int | None = None,
+                 sass: Callable[[str], bool] | None = None) -> list[CompileReport]:
     """Compile ``jobs``, a list of ``(source, expr, arch)``, each once, and return one report
     per job in the same order. Jobs are grouped into NVRTC programs of a few specialisations of
     one source and arch (the C++ front end runs once a program) and the programs spread over
     ``workers`` processes (default: every core). ``progress(done, total)`` is called as
-    specialisations finish."""
+    specialisations finish. ``sass(source)`` says whether to disassemble a source's cubins
+    (default: all)."""
     import concurrent.futures
     import os
     unique = list(dict.fromkeys(jobs))
@@ -356,8 +360,8 @@ def compile_many(jobs, progress=None, workers: int | None = None) -> list[Compil
     # programs hold as many specialisations as balance allows: about four tasks per worker
     # over all groups (a group of one source and arch is split only where it is large).
     chunk = max(4, -(-len(unique) // (4 * workers)))
-    tasks = [(source, exprs[i:i + chunk], arch) for (source, arch), exprs in groups.items()
-             for i in range(0, len(exprs), chunk)]
+    tasks = [(source, exprs[i:i + chunk], arch, sass is None or sass(source))
+             for (source, arch), exprs in groups.items() for i in range(0, len(exprs), chunk)]
     tasks.sort(key=lambda t: -len(t[1]))        # the largest first, so the last ones are short
     done: dict[tuple[str, str, str], CompileReport] = {}
 

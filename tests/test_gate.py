@@ -1,0 +1,69 @@
+"""The compile gate's covering set (cuflash/_gate.py) meets its two rules on today's registry,
+and is a function of the registry alone. Fast: no compiling."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuflash import _families, _gate
+
+
+@pytest.fixture(scope="module")
+def full() -> list[tuple[_gate.Spec, str]]:
+    return [(s, arch) for arch in _gate.ARCHS for s in _gate.records(arch)]
+
+
+@pytest.fixture(scope="module")
+def chosen() -> set[tuple[str, str, str]]:
+    jobs = _gate.covering(_gate.ARCHS)
+    assert len(jobs) == len(set(jobs)), "a job chosen twice"
+    return set(jobs)
+
+
+def test_covering_is_a_subset_and_much_smaller(full, chosen):
+    every = {(s.source, s.expr, arch) for s, arch in full}
+    assert chosen <= every
+    assert len(chosen) < len(every) / 2, (len(chosen), len(every))
+
+
+def test_every_tile_configuration_variant_and_flag_is_compiled(full, chosen):
+    """Rule 1: each (source, traits, Variant, flags) row is compiled at least once."""
+    rows = {(s.source, s.factors[1:]) for s, _ in full}
+    got = {(s.source, s.factors[1:]) for s, arch in full if (s.source, s.expr, arch) in chosen}
+    assert rows == got, sorted(map(str, rows - got))[:5]
+
+
+def test_every_dtype_and_arch_meets_every_option(full, chosen):
+    """Rule 2: every element type and every arch with every value of every other factor."""
+    def pairs(s, arch):
+        (_, dt), rest = s.factors[0], s.factors[1:]
+        return ({(s.source, "dtype", dt, f) for f in rest} | {(s.source, "arch", arch, f) for f in rest}
+                | {(s.source, dt, arch)})
+    need = set().union(*(pairs(s, a) for s, a in full))
+    got = set().union(*(pairs(s, a) for s, a in full if (s.source, s.expr, a) in chosen))
+    assert need == got, sorted(map(str, need - got))[:5]
+
+
+def test_every_source_and_arch_of_the_registry_is_in_the_covering_set(full, chosen):
+    assert {(s.source, a) for s, a in full} == {(src, a) for src, _, a in chosen}
+
+
+def test_covering_is_deterministic():
+    assert _gate.covering(_gate.ARCHS) == _gate.covering(_gate.ARCHS)
+
+
+def test_specialisations_by_arch_partition_the_covering_set(chosen):
+    per_arch = {(src, e, a) for a in _gate.ARCHS for src, e in _families.specialisations(a, "covering")}
+    assert per_arch == chosen
+
+
+def test_unknown_subset_and_arch_are_rejected():
+    with pytest.raises(ValueError, match="subset must be 'all' or 'covering', got 'some'"):
+        _families.specialisations("sm_80", "some")
+    with pytest.raises(ValueError, match="unknown architecture 'sm80'"):
+        _families.specialisations("sm80", "covering")
+
+
+def test_the_gate_disassembles_the_attention_families_only():
+    assert _gate._reads_sass("fwd_sm90.cu") and _gate._reads_sass("bwd_simt.cu")
+    assert not any(map(_gate._reads_sass, ("bwd_prep.cu", "decode.cu", "combine.cu")))
