@@ -90,7 +90,7 @@ part_isolated() {
 part_overhead() {
   local log="$OUT/overhead.log"
   env_lines > "$log"
-  timeout 120 "$PY" bench/host_overhead.py --out "$OUT" >> "$log" 2>&1
+  timeout 150 "$PY" bench/host_overhead.py --out "$OUT" --profile >> "$log" 2>&1
   note "overhead: exit $?"
   grep -B 1 -A 8 "^ *impl" "$log"
 }

@@ -17,9 +17,11 @@ Implementations: ``cuflash`` (``cuflash.attention``), ``cuflash_backward``
 (``torch.nn.functional.scaled_dot_product_attention`` on DLPack views of the same arrays,
 with the flash backend forced once outside the loop and autograd off) and
 ``cupy_empty_kernel`` (a ``cupy.RawKernel`` with an empty body, one thread): the floor of a
-launch from Python. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
+launch from Python; ``cupy_alloc``, ``cupy_memset_async`` and ``cupy_ndarray_on_memptr``: the
+pieces a backward call is made of besides its three launches, each alone. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
 "us_per_call", ...}`` and the header of bench/bench_attention.py) and prints a table.
-``--profile`` also prints the 25 functions with the most own time in cuflash's forward call.
+``--profile`` also prints the 25 functions with the most own time in cuflash's forward call,
+and in its backward call.
 """
 from __future__ import annotations
 
@@ -103,6 +105,14 @@ def build(q, k, v) -> dict[str, Callable[[], Any]]:
         print(f"sdpa_flash left out: {ba.short_error(e)}", file=sys.stderr)
     empty = cp.RawKernel(r'extern "C" __global__ void cuflash_empty() {}', "cuflash_empty")
     fns["cupy_empty_kernel"] = lambda: empty((1,), (1,), ())
+    # The pieces a backward call is made of, each alone, to split its host time: a pool
+    # allocation, an asynchronous memset of a small workspace, and an array made on existing
+    # memory (the fast path makes three).
+    mem = cp.cuda.alloc(1 << 16)
+    stream = cp.cuda.get_current_stream().ptr
+    fns["cupy_alloc"] = lambda: cp.cuda.alloc(1 << 16)
+    fns["cupy_memset_async"] = lambda: cp.cuda.runtime.memsetAsync(mem.ptr, 0, 1 << 16, stream)
+    fns["cupy_ndarray_on_memptr"] = lambda: cp.ndarray(q.shape, q.dtype, memptr=mem)
     return fns
 
 
@@ -113,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                    help="folder for host_overhead.json (default bench/results/<gpu>/)")
     p.add_argument("--no-json", action="store_true")
-    p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward call")
+    p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward and backward calls")
     args = p.parse_args(argv)
     try:
         import cupy as cp
@@ -130,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                for _ in range(3))
     sync = cp.cuda.Device().synchronize
     rows = []
-    for impl, fn in build(q, k, v).items():
+    fns = build(q, k, v)
+    for impl, fn in fns.items():
         try:
             rows.append(measure(impl, fn, args.calls, args.repeats, sync))
         except Exception as e:
@@ -146,14 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile:
         import cProfile
         import pstats
-        import cuflash
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(300):
-            cuflash.attention(q, k, v)
-        pr.disable()
-        sync()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        for impl in ("cuflash", "cuflash_backward"):
+            print(f"== cProfile of 300 calls: {impl}")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(300):
+                fns[impl]()
+            pr.disable()
+            sync()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     return 0
 
 
