@@ -26,6 +26,12 @@ def run(capsys, *argv):
     (["check", "--bogus"], "unrecognized arguments: --bogus"),
     (["demo", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["nope"], "invalid choice: 'nope'"),
+    (["demo", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["info", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["info", "--explain", "4,y,8"], "--explain takes shapes like 4,16,1024,128, got '4,y,8'"),
+    (["info", "--explain", "4,8", "--gpu", "tpu"], "unknown device profile 'tpu'"),
+    (["info", "--explain", "4,0"], "head dim d (q.shape[-1])=0 is not supported"),
+    (["info", "--explain", "4,8", "4,8", "4,8", "4,8"], "at most three shapes"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     rc, out, err = run(capsys, *argv)
@@ -61,13 +67,81 @@ def test_bench_errors_that_escape_the_suite_are_one_line(monkeypatch, capsys):
             raise exc
         return main
     cases = [(FileNotFoundError(2, "No such file or directory", "x.json"),
-              "cannot read x.json: No such file or directory"),
+              "cannot open x.json: No such file or directory"),
              (KeyError("header"), "not a cuflash benchmark result (no 'header' field)"),
              (json.JSONDecodeError("Expecting value", "doc", 0), "not a JSON file")]
     for exc, message in cases:
         monkeypatch.setattr(bench, "main", raising(exc))
         rc, out, err = run(capsys, "bench", "--load", "x.json")
         assert rc == 2 and err.count("\n") == 1 and message in err
+
+
+def test_every_command_is_listed(capsys):
+    rc, out, err = run(capsys, "nope")
+    assert "choose from 'demo', 'bench', 'check', 'info', 'fuzz'" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--load"], "argument --load: expected one argument"),
+    (["--budget", "abc"], "argument --budget: must be a finite number of seconds > 0, got abc"),
+    (["--budget", "-1"], "must be a finite number of seconds > 0, got -1"),
+    (["--budget", "inf"], "must be a finite number of seconds > 0, got inf"),
+])
+def test_bench_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    rc, out, err = run(capsys, "bench", *argv)
+    assert rc == 2 and out == "" and "usage:" not in err
+    assert err.count("\n") == 1 and err.startswith("python -m cuflash bench: error: ")
+    assert message in err
+
+
+def test_bench_without_a_gpu_says_no_cuda_gpu_found(monkeypatch, capsys):
+    from cuflash import _cli_common
+    why = "no CUDA GPU found (no NVIDIA driver is installed or loaded)"
+    monkeypatch.setattr(_cli_common, "usable_gpu", lambda: (None, why))
+    rc, out, err = run(capsys, "bench")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "bench needs a CUDA GPU: no CUDA GPU found (no NVIDIA driver" in err
+    assert "insufficient" not in err
+
+
+def test_explain_on_a_gpu_id_without_a_gpu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "usable_gpu", lambda: (None, "no CUDA GPU found"))
+    rc, out, err = run(capsys, "info", "--explain", "4,8", "--gpu", "7")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--gpu 7: no CUDA GPU found; a device profile needs no GPU" in err
+
+
+def test_explain_on_a_gpu_id_that_does_not_exist_is_one_line(monkeypatch, capsys):
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    monkeypatch.setattr(cli, "usable_gpu",
+                        lambda: (types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)),
+                                 None))
+    rc, out, err = run(capsys, "info", "--explain", "4,8", "--gpu", "3")
+    assert rc == 2 and err.count("\n") == 1
+    assert "--gpu 3: there is no such device; this machine has 1" in err
+
+
+def test_fuzz_file_errors_are_one_line(monkeypatch, capsys):
+    import cuflash._fuzz as fuzz
+
+    def main(argv):
+        raise FileNotFoundError(2, "No such file or directory", "/nowhere/report.json")
+    monkeypatch.setattr(fuzz, "main", main)
+    rc, out, err = run(capsys, "fuzz", "--report", "/nowhere/report.json")
+    assert rc == 2 and err.count("\n") == 1
+    assert "fuzz: cannot write /nowhere/report.json: No such file or directory" in err
+
+
+def test_fuzz_on_a_gpu_without_one_says_no_cuda_gpu_found(monkeypatch, capsys):
+    pytest.importorskip("hypothesis")
+    import sys
+    from cuflash import _cli_common
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy: ImportError
+    monkeypatch.setattr(_cli_common, "usable_gpu", lambda: (None, "no CUDA GPU found"))
+    rc, out, err = run(capsys, "fuzz", "--device", "gpu", "--examples", "1", "--quiet")
+    assert rc == 2 and out == ""
+    assert "--device gpu, but CuPy cannot use a device: no CUDA GPU found" in err
 
 
 def fake_nvrtc(version, archs):
@@ -158,6 +232,7 @@ def fake_cupy(runtime):
 ])
 def test_gpu_unavailable_reason(runtime, reason):
     got = cli.gpu_unavailable_reason(fake_cupy(runtime))
+    assert got is None or "insufficient" not in got
     assert got == reason if reason is None or reason == "no CUDA GPU found" else reason in got
 
 
