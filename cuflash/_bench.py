@@ -140,9 +140,11 @@ def plot(rows: Sequence[dict], path: pathlib.Path | str, title: str = "") -> pat
         for key, pts in sorted(lines[d].items()):
             ax.plot(*zip(*sorted(pts)), marker="o", linestyle="--" if key[3] else "-",
                     label=" ".join(key).strip())
-        ax.set(xscale="log", title=f"d = {d}", xlabel="L", ylabel="TFLOP/s", ylim=(0, None))
+        ax.set(xscale="log", title=f"d = {d}", xlabel="L", ylabel="TFLOP/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="xx-small")
+    top = max((t for pts in lines.values() for ps in pts.values() for _, t in ps), default=1)
+    axes[0][0].set_ylim(0, 1.05 * top)     # shared: every panel's lines fit (not the first's)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -297,3 +297,18 @@ def test_check_uses_the_registry_gate_with_progress(monkeypatch, capsys):
     assert "skipped sm_70: the NVRTC here (13.0) does not target it" in err
     assert "compiling for sm_80 [" in err and "2/2 100%" in err
     assert "1 compilations (sm_80): all ok" in out and "skipped 1 arch(es)" in out
+
+
+def test_bench_plot_fits_every_panel(monkeypatch, tmp_path):
+    """The panels share a y axis; its range fits the highest line of any panel (it used to
+    be the first panel's, which cut the d = 128 lines off the H200 plots)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from cuflash import _bench
+    rows = [_bench.make_row("cuflash", "t", "fwd", "bf16", d, 1024, False, 16, 32, ms=ms)
+            for d, ms in ((64, 1.0), (128, 0.1))]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    _bench.plot(rows, tmp_path / "p.png")
+    highest = max(r["tflops"] for r in rows)
+    assert [ax.get_ylim()[1] >= highest for ax in figures[0].axes] == [True, True]
