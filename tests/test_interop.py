@@ -280,13 +280,38 @@ def test_torch_cuda_tensors(dtype):
     assert torch.equal(out, back)  # out= written in place through DLPack
 
 
-@pytest.mark.gpu
 def test_torch_cpu_tensors_run_the_cpu_path():
+    """No GPU needed: runs wherever PyTorch is installed (the GPU machine; not CI's venv)."""
     torch = pytest.importorskip("torch")
     for t in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(2, 4, 16, 8, dtype=t) for _ in range(3))
         o = cuflash.attention(q, k, v)
         assert isinstance(o, numpy.ndarray) and o.shape == (2, 4, 16, 8)
+        assert address(_interop.as_array(q, "q")) == q.data_ptr()     # read in place
+        as_numpy = [_interop.as_array(x, "x") for x in (q, k, v)]
+        numpy.testing.assert_array_equal(o.view(numpy.uint16),
+                                         cuflash.attention(*as_numpy).view(numpy.uint16))
+
+
+def test_jax_cpu_arrays_run_the_cpu_path():
+    """JAX CPU arrays, bfloat16 included, read in place; the result back in one line
+    (``jnp.from_dlpack``; ``jnp.asarray`` for bfloat16, which NumPy cannot export). Runs
+    wherever JAX is installed; no GPU needed."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    cpu = jax.devices("cpu")[0]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = (jax.device_put(jax.random.normal(key, (2, 4, 32, 16), dtype), cpu)
+                   for key in jax.random.split(jax.random.PRNGKey(0), 3))
+        o = cuflash.attention(q, k, v, causal=True)
+        assert isinstance(o, numpy.ndarray) and o.dtype == numpy.dtype(dtype)
+        assert address(_interop.as_array(q, "q")) == q.unsafe_buffer_pointer()
+        ref = cuflash.attention(*(numpy.asarray(x) for x in (q, k, v)), causal=True)
+        numpy.testing.assert_array_equal(o.view(numpy.uint8), ref.view(numpy.uint8))
+        back = jnp.asarray(o) if dtype == jnp.bfloat16 else jnp.from_dlpack(o)
+        assert back.dtype == dtype and back.shape == o.shape
+    with pytest.raises(ValueError, match=r"out \(.*\) came through DLPack read-only"):
+        cuflash.attention(q, k, v, out=jnp.zeros_like(q))      # JAX arrays are immutable
 
 
 @pytest.mark.gpu
