@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Sequence
@@ -383,6 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("python -m cuflash: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                    # `python -m cuflash demo | head`: stop quietly
+        try:                                   # and keep Python's exit flush from failing too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):          # a stdout without a file descriptor (tests)
+            pass
+        return 1
 
 
 if __name__ == "__main__":

@@ -312,3 +312,23 @@ def test_bench_plot_fits_every_panel(monkeypatch, tmp_path):
     _bench.plot(rows, tmp_path / "p.png")
     highest = max(r["tflops"] for r in rows)
     assert [ax.get_ylim()[1] >= highest for ax in figures[0].axes] == [True, True]
+
+
+def test_output_piped_into_a_closed_reader_is_no_traceback():
+    """``python -m cuflash demo | head -2``: the reader closes the pipe early; no
+    BrokenPipeError traceback, exit status 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    read_end, write_end = os.pipe()
+    os.close(read_end)                               # the reader has gone
+    script = ("import sys, cuflash.__main__ as m; m.cmd_info = lambda a: print('y' * 2**16) "
+              "or 0; sys.exit(m.main(['info']))")
+    try:
+        r = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent,
+                           stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
