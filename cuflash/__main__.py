@@ -317,6 +317,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m cuflash", description="cuflash command line")
+    from cuflash._cli_common import cuflash_version
+    p.add_argument("--version", action="version", version=f"cuflash {cuflash_version()}")
     sub = p.add_subparsers(dest="cmd", metavar="{demo,bench,check,info,fuzz}")
     d = sub.add_parser("demo", help="run and check cuflash.attention on random inputs")
     d.add_argument("--cpu", action="store_true", help="use the NumPy CPU path even with a GPU")
@@ -381,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"python -m cuflash: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:                    # --help, --version: argparse printed them
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
         print("python -m cuflash: interrupted", file=sys.stderr)
         return 130

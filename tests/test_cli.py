@@ -76,6 +76,12 @@ def test_bench_errors_that_escape_the_suite_are_one_line(monkeypatch, capsys):
         assert rc == 2 and err.count("\n") == 1 and message in err
 
 
+def test_version(capsys):
+    import cuflash
+    rc, out, err = run(capsys, "--version")
+    assert rc == 0 and out == f"cuflash {cuflash.__version__}\n"
+
+
 def test_every_command_is_listed(capsys):
     rc, out, err = run(capsys, "nope")
     assert "choose from 'demo', 'bench', 'check', 'info', 'fuzz'" in err
