@@ -338,3 +338,37 @@ def test_output_piped_into_a_closed_reader_is_no_traceback():
         os.close(write_end)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_bench_suite_draws_a_progress_bar_and_lists_skips_after_it(monkeypatch, capsys):
+    """run_short (the GPU suite) on a stand-in for CuPy built from NumPy, with the timing
+    stubbed: one bar over every (point, implementation), then the skip reasons."""
+    import sys
+
+    import numpy as np
+
+    from cuflash import _bench
+    fake_cupy = types.SimpleNamespace(
+        float32=np.float32, inf=np.inf, triu=np.triu, full=np.full,
+        random=types.SimpleNamespace(RandomState=lambda seed: types.SimpleNamespace(
+            standard_normal=lambda shape, dtype: np.zeros(shape, dtype))),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(_bench, "_sdpa_peers", lambda: {})
+    monkeypatch.setattr(_bench, "batch_heads", lambda L, d: (1, 1))
+
+    def timed(cp, fn, budget_s):
+        if fn.__code__.co_names[-1:] == ("naive_attention",):
+            raise MemoryError("out of memory")
+        return 1.0
+    monkeypatch.setattr(_bench, "_median_ms", timed)
+    rows = _bench.run_short(0.01)
+    points = len(_bench.SHORT_D) * len(_bench.SHORT_L) * 2
+    assert len(rows) == 2 * points
+    assert [r["impl"] for r in rows[:2]] == ["cuflash", "naive_cupy"]
+    assert all(r["ms"] == 1.0 for r in rows[::2]) and all(r["skipped"] for r in rows[1::2])
+    err = capsys.readouterr().err
+    assert f"] {2 * points}/{2 * points} 100%" in err
+    skips = [line for line in err.splitlines() if line.startswith("skipped ")]
+    assert len(skips) == points and skips[0].endswith("naive_cupy: MemoryError: out of memory")
+    assert err.index(f"{2 * points}/{2 * points}") < err.index(skips[0])
