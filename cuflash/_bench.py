@@ -8,7 +8,6 @@ at module import time.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
