@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Sequence
@@ -20,51 +21,8 @@ from typing import Sequence
 from cuflash._check import (DEFAULT_ARCHS, UsageError, check_failed,  # noqa: F401
                             cmd_check, format_check_table, gate_function, run_check_all,
                             targetable_archs)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def gpu_unavailable_reason(cupy) -> str | None:
-    """Why CuPy cannot use a GPU here, in a user's words, or None when it can.
-
-    Without an NVIDIA driver CUDA says "CUDA driver version is insufficient for CUDA runtime
-    version" (the driver version reads as 0); that is reported as no GPU found. A real but
-    old driver is reported with both versions.
-    """
-    rt = cupy.cuda.runtime
-    try:
-        driver = rt.driverGetVersion()
-    except Exception as e:
-        return f"no CUDA GPU found (the NVIDIA driver cannot be queried: {_short(e)})"
-    if driver == 0:
-        return "no CUDA GPU found (no NVIDIA driver is installed or loaded)"
-    try:
-        n = rt.getDeviceCount()
-    except Exception as e:
-        text = str(e)
-        if "NoDevice" in text or "no CUDA-capable device" in text:
-            return "no CUDA GPU found"
-        if "InsufficientDriver" in text:
-            def ver(v: int) -> str:
-                return f"{v // 1000}.{v % 1000 // 10}"
-            return (f"the NVIDIA driver (CUDA {ver(driver)}) is older than this CuPy's CUDA "
-                    f"runtime ({ver(rt.runtimeGetVersion())}): update the driver or install "
-                    f"the CuPy build for it (cuflash[cuda12])")
-        return f"CUDA is not usable: {_short(e)}"
-    return None if n > 0 else "no CUDA GPU found"
-
-
-def usable_gpu():
-    """``(cupy, None)`` when CuPy imports and sees at least one device, else ``(None, why)``."""
-    try:
-        import cupy
-    except Exception as e:        # no CuPy: the CPU path
-        return None, f"CuPy is not installed ({_short(e)}); pip install cuflash[cuda13]"
-    why = gpu_unavailable_reason(cupy)
-    return (None, why) if why else (cupy, None)
+from cuflash._cli_common import (gpu_unavailable_reason, short_error as _short,  # noqa: F401
+                                 usable_gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +215,14 @@ def cmd_explain(args) -> int:
     q, k, v = (np.broadcast_to(zero, s) for s in (q_shape, k_shape, v_shape))
     causal = {"false": False, "true": True}.get(args.causal, args.causal)
     device = int(args.gpu) if args.gpu.isdigit() else args.gpu
+    if isinstance(device, int):               # a real GPU: say why it is not usable, in one line
+        cupy, why = usable_gpu()
+        if cupy is None:
+            raise UsageError(f"--gpu {device}: {why}; a device profile needs no GPU "
+                             f"(--gpu h200, h100, a100, l40s or v100)")
+        count = cupy.cuda.runtime.getDeviceCount()
+        if device >= count:
+            raise UsageError(f"--gpu {device}: there is no such device; this machine has {count}")
     try:
         print(cuflash.explain(q, k, v, causal=causal, backward=args.backward,
                               deterministic=args.deterministic, device=device,
@@ -270,7 +236,7 @@ def cmd_info(args) -> int:
     if args.explain:
         return cmd_explain(args)
     import platform
-    from cuflash._bench import cuflash_version, version_of
+    from cuflash._cli_common import cuflash_version, version_of
     rows = [("cuflash", cuflash_version()), ("python", platform.python_version())]
     for dist in ("numpy", "ml_dtypes"):
         rows.append((dist, version_of(dist) or "not installed"))
@@ -332,6 +298,16 @@ def cmd_info(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with errors as one line (exit 2) instead of usage plus error."""
 
@@ -341,10 +317,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m cuflash", description="cuflash command line")
-    sub = p.add_subparsers(dest="cmd", metavar="{demo,bench,check,info}")
+    from cuflash._cli_common import cuflash_version
+    p.add_argument("--version", action="version", version=f"cuflash {cuflash_version()}")
+    sub = p.add_subparsers(dest="cmd", metavar="{demo,bench,check,info,fuzz}")
     d = sub.add_parser("demo", help="run and check cuflash.attention on random inputs")
     d.add_argument("--cpu", action="store_true", help="use the NumPy CPU path even with a GPU")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_non_negative_int, default=0)
     sub.add_parser("bench", help="benchmark suite (options: python -m cuflash bench --help)",
                    add_help=False)
     c = sub.add_parser("check", help="offline compile gate (NVRTC, no GPU needed)")
@@ -363,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--enable-gqa", action="store_true")
     i.add_argument("--gpu", default="h200",
                    help="a device profile (h200, h100, a100, l40s, v100) or a GPU id (default h200)")
+    sub.add_parser("fuzz", help="correctness campaign against the float64 reference (options: "
+                               "python -m cuflash fuzz --help)", add_help=False)
     return p
 
 
@@ -371,9 +351,9 @@ def _bench(argv: list[str]) -> int:
     from cuflash._bench import main as bench_main
     try:
         return bench_main(argv)
-    except OSError as e:                       # --load of a missing or unreadable file
+    except OSError as e:                       # a file it cannot read (--load) or write
         name = e.filename or ""
-        raise UsageError(f"cannot read {name}: {e.strerror or e}") from None
+        raise UsageError(f"cannot open {name}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"not a JSON file: {e}") from None
     except KeyError as e:                      # --load of a JSON without the suite's fields
@@ -389,7 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(argv[1:])
         if argv and argv[0] == "fuzz":         # correctness campaign (cuflash/_fuzz.py)
             from cuflash._fuzz import main as fuzz_main
-            return fuzz_main(argv[1:])
+            try:
+                return fuzz_main(argv[1:])
+            except OSError as e:               # --report in a folder that does not exist, ...
+                raise UsageError(f"fuzz: cannot write {e.filename or ''}: "
+                                 f"{e.strerror or _short(e)}") from None
         parser = build_parser()
         args = parser.parse_args(argv)
         if args.cmd is None:
@@ -399,9 +383,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"python -m cuflash: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:                    # --help, --version: argparse printed them
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
         print("python -m cuflash: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                    # `python -m cuflash demo | head`: stop quietly
+        try:                                   # and keep Python's exit flush from failing too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):          # a stdout without a file descriptor (tests)
+            pass
+        return 1
 
 
 if __name__ == "__main__":

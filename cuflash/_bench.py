@@ -8,7 +8,6 @@ at module import time.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -18,6 +17,8 @@ import statistics
 import sys
 import time
 from typing import Any, Sequence
+
+from cuflash._cli_common import cuflash_version, version_of  # noqa: F401  (the harness's too)
 
 __all__ = ["main"]
 
@@ -138,31 +139,16 @@ def plot(rows: Sequence[dict], path: pathlib.Path | str, title: str = "") -> pat
         for key, pts in sorted(lines[d].items()):
             ax.plot(*zip(*sorted(pts)), marker="o", linestyle="--" if key[3] else "-",
                     label=" ".join(key).strip())
-        ax.set(xscale="log", title=f"d = {d}", xlabel="L", ylabel="TFLOP/s", ylim=(0, None))
+        ax.set(xscale="log", title=f"d = {d}", xlabel="L", ylabel="TFLOP/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="xx-small")
+    top = max((t for pts in lines.values() for ps in pts.values() for _, t in ps), default=1)
+    axes[0][0].set_ylim(0, 1.05 * top)     # shared: every panel's lines fit (not the first's)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return pathlib.Path(path)
-
-
-def version_of(dist: str) -> str | None:
-    """Installed version of a distribution without importing it (None when absent)."""
-    import importlib.metadata as md
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def cuflash_version() -> str:
-    try:
-        import cuflash
-        return str(cuflash.__version__)
-    except Exception:       # a broken package must not stop `info` or a results header
-        return version_of("cuflash") or "0+unknown"
 
 
 def batched_matmul(xp, a, b):
@@ -236,8 +222,11 @@ def run_short(budget_s: float) -> list[dict]:
     import cupy as cp
     import ml_dtypes
     import cuflash
+    from cuflash._progress import Progress
     peers, rows = _sdpa_peers(), []
-    for d, L, causal in itertools.product(SHORT_D, SHORT_L, (False, True)):
+    points = list(itertools.product(SHORT_D, SHORT_L, (False, True)))
+    bar = Progress(total=len(points) * (2 + len(peers)), label="bench")
+    for d, L, causal in points:
         B, H = batch_heads(L, d)
         rs = cp.random.RandomState(0)       # random normal: never time on zeros
         q, k, v = (rs.standard_normal((B, H, L, d), dtype=cp.float32)
@@ -250,40 +239,49 @@ def run_short(budget_s: float) -> list[dict]:
             fns[name] = functools.partial(peer, q, k, v, causal, scale)
         for name, fn in fns.items():
             args = (name, "short", "fwd", "bf16", d, L, causal, B, H)
+            bar.label = f"bench d={d} L={L}{' causal' if causal else ''} {name}"
             try:
                 rows.append(make_row(*args, ms=_median_ms(cp, fn, budget_s)))
             except Exception as e:     # unsupported shape, out of memory, ...
                 rows.append(make_row(*args, skipped=f"{type(e).__name__}: {e}"[:200]))
-            print(f"d={d} L={L} causal={causal} {name}: {_fmt(rows[-1]['tflops'], '.1f')} "
-                  f"TFLOP/s {rows[-1].get('skipped', '')}", file=sys.stderr, flush=True)
+            bar.advance()
         del q, k, v, bias, fns
         cp.get_default_memory_pool().free_all_blocks()
+    bar.close()
+    for r in rows:                     # after the bar: why a cell of the table is "-"
+        if r.get("skipped"):
+            print(f"skipped d={r['d']} L={r['L']} causal={r['causal']} {r['impl']}: "
+                  f"{r['skipped']}", file=sys.stderr)
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cuflash bench", description=__doc__.split(
+    from cuflash._cli_common import OneLineParser, positive_seconds, usable_gpu
+    p = OneLineParser(prog="python -m cuflash bench", description=__doc__.split(
         ";")[0].replace("``", "") + ". The lab harness is bench/bench_attention.py.")
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls a point")
+    p.add_argument("--budget", type=positive_seconds, default=0.3,
+                   help="seconds of timed calls a point")
     p.add_argument("--json", type=pathlib.Path, help="also write the rows to this JSON file")
     p.add_argument("--plot", type=pathlib.Path, metavar="PNG", help="write a plot (matplotlib)")
     p.add_argument("--load", type=pathlib.Path, metavar="JSON", help="print a saved results "
                    "file (this command's or the harness's); needs no GPU")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:                     # a bad argument (one line, above) or --help
+        return int(e.code or 0)
     if args.load is not None:
         try:
             header, rows = read_json(args.load)
         except ResultFileError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"{p.prog}: error: {e}", file=sys.stderr)
             return 2
     else:
-        try:
-            import cupy as cp
-            name = cp.cuda.runtime.getDeviceProperties(0)["name"]  # raises without a device
-        except Exception as e:
-            print(f"bench needs a CUDA GPU and CuPy: {type(e).__name__}: {e}".splitlines()[0],
-                  file=sys.stderr)
+        cp, why = usable_gpu()
+        if cp is None:
+            print(f"{p.prog}: error: bench needs a CUDA GPU: {why}; --load prints a saved "
+                  f"results file without one", file=sys.stderr)
             return 2
+        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
         header = {"gpu": name.decode() if isinstance(name, bytes) else str(name),
                   "cupy": cp.__version__, "torch": version_of("torch"),
                   "cuflash": cuflash_version(), "command": "python -m cuflash bench"}

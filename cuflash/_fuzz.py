@@ -76,9 +76,10 @@ def _device(name: str | None):
             import cupy
             n = cupy.cuda.runtime.getDeviceCount()
         except Exception as e:      # no CuPy, no driver: the CPU unless the GPU was asked for
-            if name == "gpu":
+            if name == "gpu":       # (helper firsthour: the reason in a user's words)
+                from cuflash._cli_common import usable_gpu
                 raise _Usage(f"--device gpu, but CuPy cannot use a device: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                             f"{usable_gpu()[1] or type(e).__name__}")
             n = 0
         if n > 0:
             dev = cupy.cuda.Device()

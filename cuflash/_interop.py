@@ -65,10 +65,17 @@ class _Bfloat16AsUint16:
         return self._x.__dlpack_device__()
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        try:  # DLPack >= 1.0 (carries the read-only flag: NumPy then allows writes)
-            capsule = self._x.__dlpack__(max_version=(1, 0))
-        except TypeError:
-            capsule = self._x.__dlpack__()
+        # Ask the producer for what NumPy's importer asked for: a NumPy that reads DLPack 1.0
+        # (versioned capsules, with the read-only flag, so writes are allowed) passes
+        # max_version; an older one (< 2.1) passes nothing and could not read a versioned one.
+        capsule = None
+        for ask in (kwargs, {k: kwargs[k] for k in ("max_version",) if k in kwargs}, {}):
+            try:
+                capsule = self._x.__dlpack__(**ask)
+                break
+            except TypeError:      # an older producer without some of these keywords
+                if not ask:
+                    raise
         api = ctypes.pythonapi
         api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = \
             ctypes.c_char_p, [ctypes.py_object]
@@ -91,6 +98,18 @@ class _Bfloat16AsUint16:
 
 
 def _from_cpu_dlpack(x: Any, name: str) -> numpy.ndarray:
+    a = _read_cpu_dlpack(x, name)
+    if name == "out" and not a.flags.writeable:
+        # NumPy < 2.2 imports every DLPack array read-only; a newer one only a read-only tensor
+        old = numpy.lib.NumpyVersion(numpy.__version__) < "2.2.0"
+        raise ValueError(f"out ({_type_name(x)}) came through DLPack read-only" + (
+            f": NumPy {numpy.__version__} imports every DLPack array read-only (NumPy >= 2.2 "
+            f"imports writeable ones); upgrade NumPy or pass a numpy.ndarray as out"
+            if old else ""))
+    return a
+
+
+def _read_cpu_dlpack(x: Any, name: str) -> numpy.ndarray:
     try:
         return numpy.from_dlpack(x)
     except (BufferError, TypeError, ValueError, RuntimeError) as first:

@@ -26,6 +26,12 @@ def run(capsys, *argv):
     (["check", "--bogus"], "unrecognized arguments: --bogus"),
     (["demo", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["nope"], "invalid choice: 'nope'"),
+    (["demo", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["info", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["info", "--explain", "4,y,8"], "--explain takes shapes like 4,16,1024,128, got '4,y,8'"),
+    (["info", "--explain", "4,8", "--gpu", "tpu"], "unknown device profile 'tpu'"),
+    (["info", "--explain", "4,0"], "head dim d (q.shape[-1])=0 is not supported"),
+    (["info", "--explain", "4,8", "4,8", "4,8", "4,8"], "at most three shapes"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     rc, out, err = run(capsys, *argv)
@@ -61,13 +67,87 @@ def test_bench_errors_that_escape_the_suite_are_one_line(monkeypatch, capsys):
             raise exc
         return main
     cases = [(FileNotFoundError(2, "No such file or directory", "x.json"),
-              "cannot read x.json: No such file or directory"),
+              "cannot open x.json: No such file or directory"),
              (KeyError("header"), "not a cuflash benchmark result (no 'header' field)"),
              (json.JSONDecodeError("Expecting value", "doc", 0), "not a JSON file")]
     for exc, message in cases:
         monkeypatch.setattr(bench, "main", raising(exc))
         rc, out, err = run(capsys, "bench", "--load", "x.json")
         assert rc == 2 and err.count("\n") == 1 and message in err
+
+
+def test_version(capsys):
+    import cuflash
+    rc, out, err = run(capsys, "--version")
+    assert rc == 0 and out == f"cuflash {cuflash.__version__}\n"
+
+
+def test_every_command_is_listed(capsys):
+    rc, out, err = run(capsys, "nope")
+    assert "choose from 'demo', 'bench', 'check', 'info', 'fuzz'" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--load"], "argument --load: expected one argument"),
+    (["--budget", "abc"], "argument --budget: must be a finite number of seconds > 0, got abc"),
+    (["--budget", "-1"], "must be a finite number of seconds > 0, got -1"),
+    (["--budget", "inf"], "must be a finite number of seconds > 0, got inf"),
+])
+def test_bench_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    rc, out, err = run(capsys, "bench", *argv)
+    assert rc == 2 and out == "" and "usage:" not in err
+    assert err.count("\n") == 1 and err.startswith("python -m cuflash bench: error: ")
+    assert message in err
+
+
+def test_bench_without_a_gpu_says_no_cuda_gpu_found(monkeypatch, capsys):
+    from cuflash import _cli_common
+    why = "no CUDA GPU found (no NVIDIA driver is installed or loaded)"
+    monkeypatch.setattr(_cli_common, "usable_gpu", lambda: (None, why))
+    rc, out, err = run(capsys, "bench")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "bench needs a CUDA GPU: no CUDA GPU found (no NVIDIA driver" in err
+    assert "insufficient" not in err
+
+
+def test_explain_on_a_gpu_id_without_a_gpu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "usable_gpu", lambda: (None, "no CUDA GPU found"))
+    rc, out, err = run(capsys, "info", "--explain", "4,8", "--gpu", "7")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--gpu 7: no CUDA GPU found; a device profile needs no GPU" in err
+
+
+def test_explain_on_a_gpu_id_that_does_not_exist_is_one_line(monkeypatch, capsys):
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    monkeypatch.setattr(cli, "usable_gpu",
+                        lambda: (types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)),
+                                 None))
+    rc, out, err = run(capsys, "info", "--explain", "4,8", "--gpu", "3")
+    assert rc == 2 and err.count("\n") == 1
+    assert "--gpu 3: there is no such device; this machine has 1" in err
+
+
+def test_fuzz_file_errors_are_one_line(monkeypatch, capsys):
+    import cuflash._fuzz as fuzz
+
+    def main(argv):
+        raise FileNotFoundError(2, "No such file or directory", "/nowhere/report.json")
+    monkeypatch.setattr(fuzz, "main", main)
+    rc, out, err = run(capsys, "fuzz", "--report", "/nowhere/report.json")
+    assert rc == 2 and err.count("\n") == 1
+    assert "fuzz: cannot write /nowhere/report.json: No such file or directory" in err
+
+
+def test_fuzz_on_a_gpu_without_one_says_no_cuda_gpu_found(monkeypatch, capsys):
+    pytest.importorskip("hypothesis")
+    import sys
+    from cuflash import _cli_common
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy: ImportError
+    monkeypatch.setattr(_cli_common, "usable_gpu", lambda: (None, "no CUDA GPU found"))
+    rc, out, err = run(capsys, "fuzz", "--device", "gpu", "--examples", "1", "--quiet")
+    assert rc == 2 and out == ""
+    assert "--device gpu, but CuPy cannot use a device: no CUDA GPU found" in err
 
 
 def fake_nvrtc(version, archs):
@@ -158,6 +238,7 @@ def fake_cupy(runtime):
 ])
 def test_gpu_unavailable_reason(runtime, reason):
     got = cli.gpu_unavailable_reason(fake_cupy(runtime))
+    assert got is None or "insufficient" not in got
     assert got == reason if reason is None or reason == "no CUDA GPU found" else reason in got
 
 
@@ -222,3 +303,72 @@ def test_check_uses_the_registry_gate_with_progress(monkeypatch, capsys):
     assert "skipped sm_70: the NVRTC here (13.0) does not target it" in err
     assert "compiling for sm_80 [" in err and "2/2 100%" in err
     assert "1 compilations (sm_80): all ok" in out and "skipped 1 arch(es)" in out
+
+
+def test_bench_plot_fits_every_panel(monkeypatch, tmp_path):
+    """The panels share a y axis; its range fits the highest line of any panel (it used to
+    be the first panel's, which cut the d = 128 lines off the H200 plots)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from cuflash import _bench
+    rows = [_bench.make_row("cuflash", "t", "fwd", "bf16", d, 1024, False, 16, 32, ms=ms)
+            for d, ms in ((64, 1.0), (128, 0.1))]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    _bench.plot(rows, tmp_path / "p.png")
+    highest = max(r["tflops"] for r in rows)
+    assert [ax.get_ylim()[1] >= highest for ax in figures[0].axes] == [True, True]
+
+
+def test_output_piped_into_a_closed_reader_is_no_traceback():
+    """``python -m cuflash demo | head -2``: the reader closes the pipe early; no
+    BrokenPipeError traceback, exit status 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    read_end, write_end = os.pipe()
+    os.close(read_end)                               # the reader has gone
+    script = ("import sys, cuflash.__main__ as m; m.cmd_info = lambda a: print('y' * 2**16) "
+              "or 0; sys.exit(m.main(['info']))")
+    try:
+        r = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent,
+                           stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_bench_suite_draws_a_progress_bar_and_lists_skips_after_it(monkeypatch, capsys):
+    """run_short (the GPU suite) on a stand-in for CuPy built from NumPy, with the timing
+    stubbed: one bar over every (point, implementation), then the skip reasons."""
+    import sys
+
+    import numpy as np
+
+    from cuflash import _bench
+    fake_cupy = types.SimpleNamespace(
+        float32=np.float32, inf=np.inf, triu=np.triu, full=np.full,
+        random=types.SimpleNamespace(RandomState=lambda seed: types.SimpleNamespace(
+            standard_normal=lambda shape, dtype: np.zeros(shape, dtype))),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(_bench, "_sdpa_peers", lambda: {})
+    monkeypatch.setattr(_bench, "batch_heads", lambda L, d: (1, 1))
+
+    def timed(cp, fn, budget_s):
+        if fn.__code__.co_names[-1:] == ("naive_attention",):
+            raise MemoryError("out of memory")
+        return 1.0
+    monkeypatch.setattr(_bench, "_median_ms", timed)
+    rows = _bench.run_short(0.01)
+    points = len(_bench.SHORT_D) * len(_bench.SHORT_L) * 2
+    assert len(rows) == 2 * points
+    assert [r["impl"] for r in rows[:2]] == ["cuflash", "naive_cupy"]
+    assert all(r["ms"] == 1.0 for r in rows[::2]) and all(r["skipped"] for r in rows[1::2])
+    err = capsys.readouterr().err
+    assert f"] {2 * points}/{2 * points} 100%" in err
+    skips = [line for line in err.splitlines() if line.startswith("skipped ")]
+    assert len(skips) == points and skips[0].endswith("naive_cupy: MemoryError: out of memory")
+    assert err.index(f"{2 * points}/{2 * points}") < err.index(skips[0])

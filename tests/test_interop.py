@@ -61,6 +61,22 @@ class Bfloat16DLPack(DLPackOnly):
         return capsule
 
 
+#: NumPy >= 2.2 imports a writeable DLPack tensor as a writeable array (an older NumPy makes
+#: every one read-only, and cuflash then refuses it as ``out``, saying why)
+NUMPY_WRITES_THROUGH_DLPACK = numpy.lib.NumpyVersion(numpy.__version__) >= "2.2.0"
+
+
+def expect_out_written(call, out_through_dlpack):
+    """``call()`` writes into ``out``; with an old NumPy and ``out`` through DLPack it raises
+    the ValueError that names the NumPy version instead."""
+    if out_through_dlpack and not NUMPY_WRITES_THROUGH_DLPACK:
+        with pytest.raises(ValueError, match="imports every DLPack array read-only"):
+            call()
+        return False
+    call()
+    return True
+
+
 def address(a):
     return a.__array_interface__["data"][0]
 
@@ -76,8 +92,9 @@ def test_cpu_protocol_arrays_are_taken_without_a_copy(wrap):
     assert type(o) is numpy.ndarray
     numpy.testing.assert_array_equal(o, cuflash.attention(q, k, v))
     out = numpy.empty((2, 5, 4), numpy.float32)
-    assert cuflash.attention(wq, wk, wv, out=wrap(out)) is not None
-    numpy.testing.assert_array_equal(out, o)  # written into the caller's memory
+    if expect_out_written(lambda: cuflash.attention(wq, wk, wv, out=wrap(out)),
+                          wrap is DLPackOnly):
+        numpy.testing.assert_array_equal(out, o)  # written into the caller's memory
 
 
 def test_cpu_bfloat16_through_dlpack_is_viewed_not_copied():
@@ -90,8 +107,41 @@ def test_cpu_bfloat16_through_dlpack_is_viewed_not_copied():
     numpy.testing.assert_array_equal(o.view(numpy.uint16),
                                      cuflash.attention(q, k, v).view(numpy.uint16))
     out = numpy.zeros((3, 8), ml_dtypes.bfloat16)
-    cuflash.attention(q, k, v, out=Bfloat16DLPack(out))  # writeable through DLPack 1.0
-    numpy.testing.assert_array_equal(out.view(numpy.uint16), o.view(numpy.uint16))
+    if expect_out_written(lambda: cuflash.attention(q, k, v, out=Bfloat16DLPack(out)), True):
+        # writeable through DLPack 1.0
+        numpy.testing.assert_array_equal(out.view(numpy.uint16), o.view(numpy.uint16))
+
+
+def test_bfloat16_relabelling_asks_the_producer_for_what_numpy_asked_for():
+    """A NumPy < 2.1 asks for no max_version and cannot read a versioned capsule; a newer one
+    asks for DLPack 1.0. The bfloat16 re-labeller passes the request on, so both read it."""
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    wrapped = _interop._Bfloat16AsUint16(Bfloat16DLPack(rand(3, 8, dtype=ml_dtypes.bfloat16)))
+    assert name(wrapped.__dlpack__()) == b"dltensor"
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.1.0":  # NumPy exports DLPack 1.0
+        assert name(wrapped.__dlpack__(max_version=(1, 0))) == b"dltensor_versioned"
+
+    class OldProducer(Bfloat16DLPack):  # knows no keywords at all
+        def __dlpack__(self, stream=None):
+            return super().__dlpack__()
+    old = _interop._Bfloat16AsUint16(OldProducer(rand(3, 8, dtype=ml_dtypes.bfloat16)))
+    assert name(old.__dlpack__(max_version=(1, 0), dl_device=None, copy=None)) == b"dltensor"
+
+
+@pytest.mark.skipif(not NUMPY_WRITES_THROUGH_DLPACK, reason="NumPy < 2.2: every DLPack "
+                    "import is read-only (tested above)")
+def test_read_only_out_through_dlpack_says_why(monkeypatch):
+    q = rand(2, 5, 8)
+    frozen = numpy.empty((2, 5, 8), numpy.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"^out \(test_interop.DLPackOnly\) came through "
+                                         r"DLPack read-only$"):
+        cuflash.attention(q, q, q, out=DLPackOnly(frozen))
+    monkeypatch.setattr(numpy, "__version__", "1.25.0")
+    with pytest.raises(ValueError, match=r"NumPy 1.25.0 imports every DLPack array read-only "
+                                         r"\(NumPy >= 2.2 imports writeable ones\)"):
+        cuflash.attention(q, q, q, out=DLPackOnly(frozen))
 
 
 def test_dlpack_on_another_device_is_a_type_error():
@@ -230,13 +280,38 @@ def test_torch_cuda_tensors(dtype):
     assert torch.equal(out, back)  # out= written in place through DLPack
 
 
-@pytest.mark.gpu
 def test_torch_cpu_tensors_run_the_cpu_path():
+    """No GPU needed: runs wherever PyTorch is installed (the GPU machine; not CI's venv)."""
     torch = pytest.importorskip("torch")
     for t in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(2, 4, 16, 8, dtype=t) for _ in range(3))
         o = cuflash.attention(q, k, v)
         assert isinstance(o, numpy.ndarray) and o.shape == (2, 4, 16, 8)
+        assert address(_interop.as_array(q, "q")) == q.data_ptr()     # read in place
+        as_numpy = [_interop.as_array(x, "x") for x in (q, k, v)]
+        numpy.testing.assert_array_equal(o.view(numpy.uint16),
+                                         cuflash.attention(*as_numpy).view(numpy.uint16))
+
+
+def test_jax_cpu_arrays_run_the_cpu_path():
+    """JAX CPU arrays, bfloat16 included, read in place; the result back in one line
+    (``jnp.from_dlpack``; ``jnp.asarray`` for bfloat16, which NumPy cannot export). Runs
+    wherever JAX is installed; no GPU needed."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    cpu = jax.devices("cpu")[0]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, k, v = (jax.device_put(jax.random.normal(key, (2, 4, 32, 16), dtype), cpu)
+                   for key in jax.random.split(jax.random.PRNGKey(0), 3))
+        o = cuflash.attention(q, k, v, causal=True)
+        assert isinstance(o, numpy.ndarray) and o.dtype == numpy.dtype(dtype)
+        assert address(_interop.as_array(q, "q")) == q.unsafe_buffer_pointer()
+        ref = cuflash.attention(*(numpy.asarray(x) for x in (q, k, v)), causal=True)
+        numpy.testing.assert_array_equal(o.view(numpy.uint8), ref.view(numpy.uint8))
+        back = jnp.asarray(o) if dtype == jnp.bfloat16 else jnp.from_dlpack(o)
+        assert back.dtype == dtype and back.shape == o.shape
+    with pytest.raises(ValueError, match=r"out \(.*\) came through DLPack read-only"):
+        cuflash.attention(q, k, v, out=jnp.zeros_like(q))      # JAX arrays are immutable
 
 
 @pytest.mark.gpu
