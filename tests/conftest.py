@@ -39,16 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @functools.cache
 def cuda_unavailable_reason() -> str | None:
-    """Why no CUDA device can be used here, or None when one can."""
-    try:
-        import cupy
-    except ImportError as e:
-        return f"cupy cannot be imported: {e}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDARuntimeError without a driver, or any failure to reach one
-        return f"no usable CUDA device: {type(e).__name__}: {e}"
-    return None if count > 0 else "no CUDA device"
+    """Why no CUDA device can be used here, in the words the command line uses ("no CUDA GPU
+    found", an old driver with both versions, CuPy missing), or None when one can."""
+    from cuflash._cli_common import usable_gpu
+    return usable_gpu()[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
