@@ -349,6 +349,19 @@ def _decode_instances(fam, arch):
         yield t, {}
 
 
+# -- decode_sm80 (helper "inference"): the tensor-core decode; Shape.Lq = packed rows, any
+#    number (tiles of 16); the caller (cuflash/_inference_gpu.py) keeps paged caches whose page
+#    size is not a multiple of 16 on "decode"
+def _decode_sm80_select(fam, shape, dev):
+    if shape.d % 8 or shape.dv % 8:
+        return f"copies rows in 8-element chunks: d={shape.d} and dv={shape.dv} must be multiples of 8"
+    t = _traits.TABLES[fam.name][64 if shape.dmax <= 64 else 128]
+    if t.smem_bytes > dev.smem_optin:
+        return f"needs {t.smem_bytes} B of shared memory a block, the device has {dev.smem_optin}"
+    tiles = -(-shape.Lq // 16)
+    return t, {}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
+
+
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
@@ -409,6 +422,12 @@ REGISTRY: tuple[Family, ...] = (
                    "bwd_simt summed in key-tile order), rounded once to the input dtype"),
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
+    Family("decode_sm80", "decode", "decode_mma.cu",
+           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}>",
+           min_cc=80, dtypes=HALF, head_dims=(1, 128),
+           smem_expr="cuflash::decode::DecodeMmaTraits<{T}, {head_dim}>::kSmemBytes",
+           select=_decode_sm80_select, instances=_decode_instances,
+           summary="tensor-core split-KV decode: GQA rows as mma.sync's M, cp.async K/V pipeline"),
     Family("decode", "decode", "decode.cu",
            "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}>",
            dtypes=frozenset(("float16", "bfloat16", "float32")),

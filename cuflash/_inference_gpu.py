@@ -183,7 +183,7 @@ class DecodeSpec:
         # (source, expr, grid, threads, smem) of each kernel, in launch order; None: not run
         self.append = (("decode.cu", f"cuflash::decode::decode_append<{T}>",
                         c.B * Hkv * c.Lnew, 128, 0) if c.Lnew else None)
-        self.split = ("decode.cu", choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
+        self.split = (choice.family.source, choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
                       t.smem_bytes)
         self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
                          128, 0) if splits > 1 else None)
@@ -270,6 +270,17 @@ class DecodePlan:
         return self.spec.explain()
 
 
+def _generic_decode(shape, passed_over, why: str):
+    """decode.cu's decode_split for ``shape``, as a Choice, after ``passed_over`` (the tensor-
+    core family) was found not to fit for a reason only the call knows (``why``)."""
+    fam = _families.FAMILIES["decode"]
+    traits, flags, more = fam.select(fam, shape, None)
+    reasons = [r for r in passed_over.reasons if not r.startswith("  ")][:-1] + [why]
+    reasons += [f"{fam.name}: {fam.summary}"] + ["  " + r for r in more]
+    return _families.Choice(fam, traits, (), fam.expr(shape.dtype, traits, shape.variant),
+                            tuple(reasons))
+
+
 def spec_or_reason(c, dev=None):
     """The DecodeSpec of call ``c`` (on ``dev``, default: c's device), or why the decode
     family does not apply."""
@@ -287,6 +298,10 @@ def spec_or_reason(c, dev=None):
     shape = _families.Shape(c.dtype.name, c.B * Hkv, G * c.Lq, c.capacity, c.d, c.dv,
                             Variant(causal=c.causal))
     choice = _families.choose("decode", shape, dev)
+    if choice.family.name == "decode_sm80" and c.paged and c.page_size % 16:
+        choice = _generic_decode(shape, choice,
+                                 f"decode_sm80: not used, page_size={c.page_size} is not a "
+                                 f"multiple of 16 (its 16-key tiles would straddle pages)")
     t = choice.traits
     tiles = -(-(G * c.Lq) // t.block_m)
     keys_per_iter = t.block_n // (2 if c.dtype.itemsize == 4 else 1)
