@@ -90,15 +90,21 @@ __device__ __forceinline__ void pin(long long& x) { asm volatile("" : "+l"(x)); 
 template <typename T>
 struct TileSrc { const T* k; const T* v; };
 
+// The page holding key0 (clamped into [0, num_pages): a device value), or 0 for a dense cache.
+// Read one iteration before the tile is issued, so the copies never wait for the table.
+__device__ __forceinline__ int page_of(const DecodeParams& p, int b, int key0) {
+  if (!CUFLASH_PAGED(p)) return 0;
+  const int slot = p.page_shift >= 0 ? (key0 >> p.page_shift) : (key0 / p.page_size);
+  const int* table = reinterpret_cast<const int*>(p.block_table);
+  return min(max(__ldg(table + b * p.bt_b + slot), 0), p.num_pages - 1);
+}
+
 template <typename T>
-__device__ __forceinline__ TileSrc<T> tile_src(const DecodeParams& p, int b, int key0,
+__device__ __forceinline__ TileSrc<T> tile_src(const DecodeParams& p, int b, int key0, int page,
                                                long long lane_k, long long lane_v) {
   long long ko, vo;
   if (CUFLASH_PAGED(p)) {
-    const int slot = p.page_shift >= 0 ? (key0 >> p.page_shift) : (key0 / p.page_size);
-    const int* table = reinterpret_cast<const int*>(p.block_table);
-    const int page = min(max(__ldg(table + b * p.bt_b + slot), 0), p.num_pages - 1);
-    const int pos = key0 - slot * p.page_size;
+    const int pos = p.page_shift >= 0 ? (key0 & (p.page_size - 1)) : (key0 % p.page_size);
     ko = page * p.k_b + pos * p.k_row;
     vo = page * p.v_b + pos * p.v_row;
   } else {
@@ -207,7 +213,7 @@ decode_mma(const DecodeParams p) {
   for (int s = 0; s < S - 1; ++s) {
     if (s < ntiles) {
       const int key0 = first + s * Tr::kKeysPerIter;
-      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, key0, lane_k, lane_v),
+      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, key0, page_of(p, b, key0), lane_k, lane_v),
                               warp_s + 2 * s * Tr::kTileBytes, soff, kstep, vstep, end - key0,
                               ld_row, k_bytes, v_bytes);
     }
@@ -246,13 +252,16 @@ decode_mma(const DecodeParams p) {
   // shared offsets (from warp_s) of the stage read now and of the stage refilled now
   unsigned rd = 0, wr = (S - 1) * 2 * Tr::kTileBytes;
   constexpr unsigned kRing = S * 2 * Tr::kTileBytes;
+  // the page of the next tile to issue (tile S - 1), read ahead
+  int page = S - 1 < ntiles ? page_of(p, b, first + (S - 1) * Tr::kKeysPerIter) : 0;
   for (int t = 0; t < ntiles; ++t) {
     const int key0 = first + t * Tr::kKeysPerIter;
     __syncwarp();                           // every lane is done with the stage refilled now
     if (t + S - 1 < ntiles) {
       const int knext = key0 + (S - 1) * Tr::kKeysPerIter;
-      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, knext, lane_k, lane_v), warp_s + wr, soff,
+      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, knext, page, lane_k, lane_v), warp_s + wr, soff,
                               kstep, vstep, end - knext, ld_row, k_bytes, v_bytes);
+      if (t + S < ntiles) page = page_of(p, b, knext + Tr::kKeysPerIter);
     }
     cp_async_commit();
     cp_async_wait<S - 1>();                 // tile t landed (this lane's copies)

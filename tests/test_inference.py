@@ -402,8 +402,10 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         spec = _inference_gpu.spec_or_reason(c, H200)
         assert not isinstance(spec, str), spec
         assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
-        assert spec.split[1] == f"cuflash::decode::decode_split<__nv_bfloat16, 128, {G}, " \
-                                "cuflash::Variant<false>>"
+        # the tensor-core decode on an H200: 16 packed rows a tile, whatever G
+        assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
+                                  "128, cuflash::Variant<false>>")
+        assert spec.row_tiles == 1
         assert spec.split[2] == B * Hkv * spec.splits
         assert (spec.combine is None) == (spec.splits == 1)
         assert spec.params["paged"] == int(paged)
