@@ -4,8 +4,10 @@ A call runs up to three kernels on CuPy's current stream, in order:
 
 1. ``decode_append`` (``cuda_src/decode.cu``), when ``k_new`` is given: the new rows into the
    cache, at the clamped ``cache_seqlens[b]``;
-2. ``decode_split``: the decode family chosen by the registry (``_families.choose("decode")``)
-   over ``num_splits`` key ranges of every (batch row, KV head, row tile);
+2. the decode family chosen by the registry (``_families.choose("decode")``) over
+   ``num_splits`` key ranges of every (batch row, KV head, row tile): ``decode_mma``
+   (``cuda_src/decode_mma.cu``, tensor cores, sm_80+, half types, d <= 128, page sizes that
+   are multiples of 16) or else ``decode_split`` (``cuda_src/decode.cu``);
 3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1``: the partials merged
    by their log-sum-exp in split order (with one split the decode writes the output itself).
 

@@ -84,6 +84,39 @@ def test_decode_matches_reference_and_appends(case):
     _check_rows(host, o, lse, case[7], case[8], case[6] or 16)
 
 
+def test_tensor_core_decode_is_the_one_that_runs():
+    """On sm_80 and newer, f16/bf16 with d <= 128 and a dense cache or pages of a multiple of 16
+    run decode_mma.cu; page size 7 and float32 keep decode.cu (so the cases above test both)."""
+    import cupy
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("decode_mma needs sm_80")
+    expect = {0: "decode_mma.cu", 1: "decode_mma.cu", 2: "decode_mma.cu", 3: "decode_mma.cu",
+              4: "decode_mma.cu", 5: "decode.cu", 6: "decode.cu", 7: "decode.cu",
+              8: "decode_mma.cu", 9: "decode.cu"}
+    for i, case in enumerate(CASES):
+        _, dev, kw = _gpu_call(case, seqlens=[0, 1, 2])
+        c = _inference.check_kvcache(*dev[:7], kw["num_splits"], None, kw["causal"], True)
+        assert _inference_gpu.spec_or_reason(c).split[0] == expect[i], case
+
+
+def test_sequence_major_cache_matches_reference():
+    """A (B, L, Hkv, d) cache passed as its (B, Hkv, 1, L, d) view (key rows Hkv * d apart), the
+    layout serving stacks keep, at the benchmark's GQA shape."""
+    import cupy
+    rng = numpy.random.default_rng(9)
+    B, Hkv, G, L, d = 2, 8, 4, 5000, 128
+    q = rng.standard_normal((B, Hkv, G, 1, d)).astype(BF16)
+    kb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    vb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    kc, vc = kb.transpose(0, 2, 3, 1, 4), vb.transpose(0, 2, 3, 1, 4)
+    s = numpy.array([4000, 4999], numpy.int32)
+    dkb, dvb = cupy.asarray(kb), cupy.asarray(vb)
+    o, lse = _inference.attention_with_kvcache(
+        cupy.asarray(q), dkb.transpose(0, 2, 3, 1, 4), dvb.transpose(0, 2, 3, 1, 4),
+        cache_seqlens=cupy.asarray(s), return_lse=True)
+    _check_rows((q, kc, vc, s, None), o, lse, 0, False, 16)
+
+
 def test_every_split_count_agrees_and_is_bitwise_reproducible():
     import cupy
     case = (BF16, 8, 4, 1, 128, 8192, 16, 1, False, None)

@@ -182,3 +182,20 @@ def test_emulated_device_values_out_of_range_are_clamped(lib):
         ro, rl = reference.attention(ref.q[b], kb, vb, return_lse=True)
         prob = _problem.make_problem(ref.q[b], kb, vb, scale=None, causal=False)
         assert_attention_close(prob, o[b], lse[b], ro, rl)
+
+
+def test_emulated_tensor_core_decode_on_a_sequence_major_cache(lib):
+    """A cache stored (B, L, Hkv, d) and passed as its (B, Hkv, 1, L, d) view: key rows Hkv * d
+    elements apart (the usual serving layout), K and V of different strides."""
+    rng = numpy.random.default_rng(11)
+    B, Hkv, G, L, d = 2, 3, 4, 120, 64
+    q = rng.standard_normal((B, Hkv, G, 1, d)).astype(BF16)
+    kb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    vb = rng.standard_normal((B, L, Hkv + 1, 1, d)).astype(BF16)[:, :, 1:]  # V: other strides
+    kc, vc = kb.transpose(0, 2, 3, 1, 4), vb.transpose(0, 2, 3, 1, 4)
+    s = numpy.array([77, 119], numpy.int32)
+    c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 2, None, False, True)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode_mma.cu"
+    assert spec.params["k_row"] == Hkv * d and spec.params["v_row"] == (Hkv + 1) * d
+    _check(c, o, lse)
