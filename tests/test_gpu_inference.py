@@ -210,3 +210,41 @@ def test_varlen_on_cupy_matches_reference(dtype):
         prob = _problem.make_problem(*args, scale=None, causal=True)
         ro, rl = reference.attention(*args, causal=True, return_lse=True)
         assert_attention_close(prob, o[..., sq, :], lse[..., sq], ro, rl)
+
+
+@pytest.mark.parametrize("dtype,causal", [(BF16, False), (BF16, True), (F16, "top_left"),
+                                          (F32, True)])
+def test_varlen_one_launch_matches_the_per_sequence_loop(dtype, causal, monkeypatch):
+    """The varlen build (one launch over every (sequence, Q tile)) against the per-sequence
+    loop (CUFLASH_VARLEN_KERNEL=0) and the reference: 40 mixed sequences, GQA, empty ones."""
+    import cupy
+
+    from cuflash import _inference_varlen
+    rng = numpy.random.default_rng(8)
+    lq = list(rng.integers(0, 300, 40))
+    lk = [x if i % 3 else int(rng.integers(0, 400)) for i, x in enumerate(lq)]
+    lq[5], lk[7] = 0, 0
+    cu_q = numpy.concatenate([[0], numpy.cumsum(lq)]).astype(numpy.int32)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(lk)]).astype(numpy.int32)
+    q = rng.standard_normal((2, 4, cu_q[-1], 128)).astype(dtype)
+    k = rng.standard_normal((2, 1, cu_k[-1], 128)).astype(dtype)
+    v = rng.standard_normal((2, 1, cu_k[-1], 128)).astype(dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    prob = _problem.make_problem(*dev[:3], scale=None, causal=causal)
+    assert _inference_varlen.why_not(prob) is None
+    o1, l1 = _varlen.attention_varlen(*dev, causal=causal, return_lse=True)
+    monkeypatch.setenv("CUFLASH_VARLEN_KERNEL", "0")
+    o0, l0 = _varlen.attention_varlen(*dev, causal=causal, return_lse=True)
+    o1, l1, o0, l0 = (cupy.asnumpy(x) for x in (o1, l1, o0, l0))
+    for s in range(len(lq)):
+        if lq[s] == 0:
+            continue
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lk[s] == 0:
+            assert (o1[..., sq, :] == 0).all() and (l1[..., sq] == -numpy.inf).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        p = _problem.make_problem(*args, scale=None, causal=causal)
+        ro, rl = reference.attention(*args, causal=causal, return_lse=True)
+        assert_attention_close(p, o1[..., sq, :], l1[..., sq], ro, rl)
+        assert_attention_close(p, o0[..., sq, :], l0[..., sq], ro, rl)
