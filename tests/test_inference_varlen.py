@@ -96,3 +96,20 @@ def test_varlen_build_compiles_without_spills_offline():
         for e in exprs:
             r = _jit._parse_ptxas(log, lowered[e])
             assert r["spill_stores"] == r["spill_loads"] == r["stack"] == 0, (e, r)
+
+
+def test_bench_varlen_mixes_and_pair_counts():
+    """bench/suite_varlen.py's host side: every mix is TOTAL tokens of 64..8192 each."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "suite_varlen.py"
+    spec = importlib.util.spec_from_file_location("suite_varlen", path)
+    sv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sv)
+    for name, lengths in sv.mixes().items():
+        assert sum(lengths) == sv.TOTAL, name
+        assert all(64 <= n <= 8192 for n in lengths), (name, lengths)
+    assert len(set(sv.mixes()["mixed"])) > 3
+    assert sv.pairs([3, 4], causal=False) == 25 and sv.pairs([3, 4], causal=True) == 16
+    row = sv._row("x", "m", [64, 64], 32, 8, True, 2.0, 100)
+    assert row["tflops"] == 4 * 128 * 32 * 100 / 2e-3 / 1e12 and row["n_seq"] == 2
