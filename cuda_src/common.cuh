@@ -74,12 +74,13 @@ struct BlockTile { int b, m_block; };
 // CUFLASH_VARLEN defined (cuflash/_inference_varlen.py prefixes the source with it; the plain
 // builds never see it, so their preprocessed text, hence their machine code, is unchanged).
 // Grid: nbatch x varlen_items blocks, batch-major; the host-made work list holds one item per
-// (sequence, Q tile): where the sequence's queries and keys start in the packed arrays, its
-// lengths, the Q tile and the causal offset of that sequence. A kernel's prologue turns its
-// Params into the view of its block's sequence (varlen_view: pointers advanced to the
-// sequence, Lq / Lk / causal_offset of the sequence), and block_tile returns the item's tile;
-// the rest of the kernel is the plain one (EVEN = false: per-sequence bounds).
-struct VarlenItem { int q0, Lq, k0, Lk, m_block, causal_offset; };
+// (sequence, tile): where the sequence's queries and keys start in the packed arrays, its
+// lengths, the tile (the forward's Q tile, the backward's key tile) and the causal offset of
+// that sequence. A kernel's prologue turns its Params into the view of its block's sequence
+// (varlen_view: pointers advanced to the sequence, Lq / Lk / causal_offset of the sequence),
+// and block_tile / bwd_block_tile return the item's tile; the rest of the kernel is the plain
+// one (EVEN = false: per-sequence bounds).
+struct VarlenItem { int q0, Lq, k0, Lk, tile, causal_offset; };
 
 #ifdef CUFLASH_VARLEN
 __device__ __forceinline__ VarlenItem varlen_item(const Params& p, unsigned bid) {
@@ -91,7 +92,7 @@ __device__ __forceinline__ VarlenItem varlen_item(const Params& p, unsigned bid)
 
 __device__ __forceinline__ BlockTile block_tile(const Params& p, unsigned bid = blockIdx.x) {
 #ifdef CUFLASH_VARLEN
-  return {static_cast<int>(bid / unsigned(p.varlen_items)), varlen_item(p, bid).m_block};
+  return {static_cast<int>(bid / unsigned(p.varlen_items)), varlen_item(p, bid).tile};
 #else
   const GridTile t = grid_tile(bid, p.nbatch, p.num_m_blocks, p.grid_order);
   return {t.b, p.num_m_blocks - 1 - t.tile};   // the last Q tile (the heaviest) first
@@ -103,8 +104,12 @@ __device__ __forceinline__ BlockTile block_tile(const Params& p, unsigned bid = 
 struct BwdBlockTile { int b, n_block; };
 
 __device__ __forceinline__ BwdBlockTile bwd_block_tile(const Params& p) {
+#ifdef CUFLASH_VARLEN
+  return {static_cast<int>(blockIdx.x / unsigned(p.varlen_items)), varlen_item(p, blockIdx.x).tile};
+#else
   const GridTile t = grid_tile(blockIdx.x, p.nbatch, p.num_n_blocks, p.grid_order);
   return {t.b, t.tile};
+#endif
 }
 
 // Element offsets of batch item `b` (C order over batch_shape) in each strided tensor (dout:
@@ -143,22 +148,34 @@ __device__ __forceinline__ BatchPtrs<T> batch_ptrs(const Params& p, const BatchO
           reinterpret_cast<const T*>(p.dout) + off.dout};
 }
 
-// The Params of block `bid`'s sequence in a varlen build (see VarlenItem): q, k, v, o advanced
-// to the sequence's first rows, lse so that the kernels' `lse + b * Lq` lands on row q0 of
-// batch item b's packed row (packed length: in.Lq), the sequence's Lq, Lk and causal offset.
-// In a kernel: `fwd(const Params CUFLASH_VARLEN_PARAM(p))` and `CUFLASH_VARLEN_VIEW(T, p)` as
-// its first statement; both expand to nothing new in a plain build.
+// The Params of block `bid`'s sequence in a varlen build (see VarlenItem): q, k, v, o, dO
+// advanced to the sequence's first rows; the per-row buffers that the kernels index as
+// `buf + (b * Lq + row) * width` (lse, D, dQ's accumulator; dK, dV's with Lk) advanced so that
+// with the sequence's Lq (Lk) they land on row q0 (k0) of batch item b's packed rows (packed
+// lengths: in.Lq, in.Lk); the sequence's Lq, Lk and causal offset. The forward's backward-only
+// pointers are 0 and stay unused. Not for the deterministic modes (dq_sem, dq_block_stride:
+// the host never builds those in varlen). In a kernel: `fwd(const Params
+// CUFLASH_VARLEN_PARAM(p))` and `CUFLASH_VARLEN_VIEW(T, p)` as its first statement; both expand
+// to nothing new in a plain build.
 #ifdef CUFLASH_VARLEN
 template <typename T, typename Acc>
 __device__ __forceinline__ Params varlen_view(const Params& in, unsigned bid) {
+  using u64 = unsigned long long;
   const VarlenItem it = varlen_item(in, bid);
-  const unsigned long long b = bid / unsigned(in.varlen_items);
+  const u64 b = bid / unsigned(in.varlen_items);
+  const u64 qrow = b * static_cast<u64>(in.Lq - it.Lq) + it.q0;   // packed row of row 0
+  const u64 krow = b * static_cast<u64>(in.Lk - it.Lk) + it.k0;
   Params p = in;
-  p.q += sizeof(T) * static_cast<unsigned long long>(it.q0 * in.q_row_stride);
-  p.k += sizeof(T) * static_cast<unsigned long long>(it.k0 * in.k_row_stride);
-  p.v += sizeof(T) * static_cast<unsigned long long>(it.k0 * in.v_row_stride);
-  p.o += sizeof(T) * static_cast<unsigned long long>(it.q0 * in.o_row_stride);
-  p.lse += sizeof(Acc) * (b * static_cast<unsigned long long>(in.Lq - it.Lq) + it.q0);
+  p.q += sizeof(T) * static_cast<u64>(it.q0 * in.q_row_stride);
+  p.k += sizeof(T) * static_cast<u64>(it.k0 * in.k_row_stride);
+  p.v += sizeof(T) * static_cast<u64>(it.k0 * in.v_row_stride);
+  p.o += sizeof(T) * static_cast<u64>(it.q0 * in.o_row_stride);
+  p.dout += sizeof(T) * static_cast<u64>(it.q0 * in.dout_row_stride);
+  p.lse += sizeof(Acc) * qrow;
+  p.dpsum += sizeof(Acc) * qrow;
+  p.dq_acc += sizeof(Acc) * qrow * in.d;
+  p.dk_acc += ((in.out_flags & kBwdDkOut) ? sizeof(T) : sizeof(Acc)) * krow * in.d;
+  p.dv_acc += ((in.out_flags & kBwdDvOut) ? sizeof(T) : sizeof(Acc)) * krow * in.dv;
   p.Lq = it.Lq;
   p.Lk = it.Lk;
   p.var.causal_offset = it.causal_offset;

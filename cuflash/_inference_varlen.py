@@ -42,19 +42,24 @@ def varlen_source(source: str) -> str:
     return VARLEN_DEFINE + _jit.load_source(source)
 
 
-def work_list(cu_q, cu_k, block_m: int, causal) -> numpy.ndarray:
-    """The (items, 8) int32 work list: (q0, Lq, k0, Lk, m_block, causal_offset, 0, 0) for every
-    Q tile of every sequence with queries, heaviest (most visible keys) first, ties in sequence
-    order. ``causal``: the ``causal=`` argument (its offset is per sequence)."""
+def work_list(cu_q, cu_k, block: int, causal, keys: bool = False) -> numpy.ndarray:
+    """The (items, 8) int32 work list: (q0, Lq, k0, Lk, tile, causal_offset, 0, 0) for every Q
+    tile (``keys``: every key tile, the backward's) of ``block`` rows of every sequence that has
+    such rows, heaviest (most visible pairs) first, ties in sequence order. ``causal``: the
+    ``causal=`` argument (its offset is per sequence)."""
     items, work = [], []
     for s in range(len(cu_q) - 1):
         q0, k0 = int(cu_q[s]), int(cu_k[s])
         lq, lk = int(cu_q[s + 1]) - q0, int(cu_k[s + 1]) - k0
         is_causal, off = _problem._check_causal(causal, lq, lk)
-        for m in range(-(-lq // block_m)):
+        for m in range(-(-(lk if keys else lq) // block)):
             items.append((q0, lq, k0, lk, m, off, 0, 0))
-            last_row = min(lq, (m + 1) * block_m) - 1
-            work.append(max(0, min(lk, last_row + off + 1)) if is_causal else lk)
+            if keys:          # queries that see key tile m: rows i >= first key - off
+                first_row = max(0, m * block - off) if is_causal else 0
+                work.append(max(0, lq - first_row))
+            else:
+                last_row = min(lq, (m + 1) * block) - 1
+                work.append(max(0, min(lk, last_row + off + 1)) if is_causal else lk)
     order = sorted(range(len(items)), key=lambda i: -work[i])
     out = numpy.zeros((len(items), ITEM_WORDS), numpy.int32)
     if items:
@@ -68,19 +73,25 @@ def work_list(cu_q, cu_k, block_m: int, causal) -> numpy.ndarray:
 #: 56 bytes at 255 registers, (64, 32, 4, 2) none at 204 / 230; (64, 32, 8, 1) (the causal
 #: small grid) 12 bytes at 128, (64, 32, 4, 1) none at 144. Every other fwd_sm80 and fwd_sm90
 #: entry compiles without spills in its varlen build (bench/NOTES.md, "Varlen in the kernels").
+#: bwd_sm80 (head_dim, block_m, sub_m, warps): (128, 64, 16, 8) spills 8 bytes at 255 registers
+#: (non-causal), (128, 32, 16, 8) none at 253 / 255 (107 KB of shared memory: fits an A100).
 SPILLS_IN_VARLEN = {("fwd_sm80", 64, 64, 4, 2): {"block_n": 32},
-                    ("fwd_sm80", 64, 32, 8, 1): {"warps": 4}}
+                    ("fwd_sm80", 64, 32, 8, 1): {"warps": 4},
+                    ("bwd_sm80", 128, 64, 16, 8): {"block_m": 32}}
 
 
 def _tiles_key(fam, t):
-    if fam.name != "fwd_sm80":
-        return None
-    return (fam.name, t["head_dim"], t["block_n"], t["warps"], t["slices"])
+    if fam.name == "fwd_sm80":
+        return (fam.name, t["head_dim"], t["block_n"], t["warps"], t["slices"])
+    if fam.name == "bwd_sm80":
+        return (fam.name, t["head_dim"], t["block_m"], t["sub_m"], t["warps"])
+    return None
 
 
-def choose(prob, dev):
-    """(family, traits, varlen name expression, reasons) for the packed problem ``prob``."""
-    choice = _families.choose("fwd", Shape.of(prob), dev)
+def choose(prob, dev, choice=None):
+    """(family, traits, varlen name expression, reasons) for the packed problem ``prob``: the
+    forward's, or the backward's given its plain ``choice``."""
+    choice = choice or _families.choose("fwd", Shape.of(prob), dev)
     t = choice.traits
     change = SPILLS_IN_VARLEN.get(_tiles_key(choice.family, t))
     reasons = list(choice.reasons)
@@ -165,6 +176,44 @@ def forward(prob, cu_q, cu_k, causal, o, lse) -> str | None:
            [prob.q.data.ptr, prob.k.data.ptr, prob.v.data.ptr, o.data.ptr, lse.data.ptr])
     # the list must outlive the kernel: CuPy frees into its pool, reused only by later work on
     # this stream, which runs after the kernel
+    return None
+
+
+def _set_varlen(launch, items: int, ptr: int) -> None:
+    """Write varlen_items / varlen into a Launch's parameter block (Params at offset 0)."""
+    raw = launch.buf.view(numpy.uint8)
+    n_at, p_at = (_launch.PARAMS.fields[f][1] for f in ("varlen_items", "varlen"))
+    raw[n_at:n_at + 4] = numpy.frombuffer(numpy.int32(items).tobytes(), numpy.uint8)
+    raw[p_at:p_at + 8] = numpy.frombuffer(numpy.uint64(ptr).tobytes(), numpy.uint8)
+
+
+def backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic) -> str | None:
+    """dq, dk, dv of the packed problem (CuPy) with ONE launch of the backward family's varlen
+    build over every (sequence, key tile); D = rowsum(dO o O), the dQ finish and the sums over
+    broadcast dims are the plain plan's (``_plan.BackwardPlan`` of the packed problem, whose
+    main launch is swapped for the varlen build). Returns None, or why it did not run."""
+    why = why_not(prob)
+    if why:
+        return why
+    if deterministic:
+        return "deterministic=True: its ordered dQ is per (batch item, Q tile) of one sequence"
+    import cupy
+
+    from . import _plan
+    plan = _plan.BackwardPlan(prob, do, o, lse, dq, dk, dv, False)
+    if plan.copies or len(plan.offsets) > 1:
+        return "inputs the plan copies, or more than 4 merged batch dims"
+    dev = _families.device_info(prob.device_id)
+    fam, t, expr, _ = choose(prob, dev, plan.choice)
+    wl = work_list(cu_q, cu_k, t.block_n, causal, keys=True)
+    if not wl.shape[0]:
+        return "no sequence has keys"
+    wl_dev = cupy.asarray(wl)
+    kernel = _kernel(fam.source, expr, prob.device_id, t.smem_bytes)
+    nbatch = int(numpy.prod(prob.batch_shape))
+    plan.launch.kernels[1] = (kernel.kernel.ptr, nbatch * wl.shape[0], t.threads, t.smem_bytes)
+    _set_varlen(plan.launch, wl.shape[0], wl_dev.data.ptr)
+    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
     return None
 
 

@@ -113,3 +113,33 @@ def test_bench_varlen_mixes_and_pair_counts():
     assert sv.pairs([3, 4], causal=False) == 25 and sv.pairs([3, 4], causal=True) == 16
     row = sv._row("x", "m", [64, 64], 32, 8, True, 2.0, 100)
     assert row["tflops"] == 4 * 128 * 32 * 100 / 2e-3 / 1e12 and row["n_seq"] == 2
+
+
+def test_backward_varlen_build_avoids_the_spilling_tile_and_compiles_clean():
+    """bwd_sm80 at d = 128: the plain (64-row) tile spills in the varlen build; the varlen
+    choice takes 32 rows, which NVRTC compiles with no spill (sm_80)."""
+    from cuflash import _jit
+    try:
+        nvrtc = _jit._nvrtc_for("sm_80")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    q = numpy.zeros((4, 512, 128), BF16)
+    prob = _problem.make_problem(q, q, q, scale=None, causal=False)
+    plain = _families.choose("bwd", _families.Shape.of(prob), A100)
+    fam, t, expr, reasons = _inference_varlen.choose(prob, A100, plain)
+    assert fam.name == "bwd_sm80" and t["block_m"] == 32 and "varlen build" in reasons[-1]
+    log, lowered, _ = nvrtc.compile(_inference_varlen.varlen_source(fam.source), fam.source,
+                                    [expr], _jit._options("sm_80", ("--ptxas-options=-v",)))
+    assert lowered is not None, log
+    r = _jit._parse_ptxas(log, lowered[expr])
+    assert r["spill_stores"] == r["spill_loads"] == r["stack"] == 0, r
+
+
+def test_backward_work_list_is_over_key_tiles():
+    lq, lk = [100, 0, 5], [130, 64, 0]
+    wl = _inference_varlen.work_list(_cu(lq), _cu(lk), 64, True, keys=True)
+    assert sorted(tuple(r[[2, 3, 4]]) for r in wl) == [(0, 130, 0), (0, 130, 1), (0, 130, 2),
+                                                        (130, 64, 0)]
+    # bottom-right, sequence 0 (offset 30): key tile 2 (keys 128..) is seen by rows >= 98
+    work = {int(r[4]): r for r in wl if r[2] == 0}
+    assert [int(r[4]) for r in wl][:1] == [0] and work[2][5] == 30

@@ -79,3 +79,66 @@ def test_varlen_build_of_fwd_sm80_matches_reference_per_sequence(case):
         ro, rl = reference.attention(*args, causal=causal, return_lse=True)
         assert_attention_close(prob, o[..., sq, :], lse[..., sq], ro, rl)
     assert not numpy.isnan(o.astype(numpy.float32)).any()   # every packed row was written
+
+
+#: (dtype, lengths q, lengths k, d, causal, heads): a sequence with queries and no keys, one
+#: with keys and no queries (its dK, dV must be written as 0), GQA (dK, dV summed over G)
+BWD_CASES = [
+    (BF16, [70, 0, 20, 33], [50, 40, 0, 33], 64, True, (2, 1)),
+    (numpy.dtype(numpy.float16), [17, 129], [130, 64], 128, False, (2, 2)),
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0]}-d{c[3]}-{c[4]}")
+def test_varlen_build_of_bwd_sm80_matches_reference_per_sequence(case):
+    from _tolerance_bwd import assert_gradients_close
+    q, k, v, cu_q, cu_k = _inputs(case, seed=3)
+    causal = case[4]
+    dtype = q.dtype
+    # o, lse per sequence from the reference, as the GPU forward returns them
+    o = numpy.zeros(q.shape[:-1] + (v.shape[-1],), dtype)
+    lse = numpy.full(q.shape[:-1], -numpy.inf, numpy.float32)
+    for s in range(len(cu_q) - 1):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if cu_q[s] < cu_q[s + 1] and cu_k[s] < cu_k[s + 1]:
+            ro, rl = reference.attention(q[..., sq, :], k[..., sk, :], v[..., sk, :],
+                                         causal=causal, return_lse=True)
+            o[..., sq, :], lse[..., sq] = ro.astype(dtype), rl
+    do = numpy.random.default_rng(4).standard_normal(o.shape).astype(dtype)
+
+    prob = _problem.make_problem(q, k, v, scale=None, causal=bool(causal))
+    plain = _families.choose("bwd", _families.Shape.of(prob), A100)
+    fam, t, expr, _ = _inference_varlen.choose(prob, A100, plain)
+    assert fam.name == "bwd_sm80"
+    lib = _emu_sm80.build("bwd_sm80.cu", [("bwd", expr)],
+                          kernel_text=_inference_varlen.VARLEN_DEFINE
+                          + (_emu_sm80.cuda_src_dir() / "bwd_sm80.cu").read_text())
+    wl = _inference_varlen.work_list(cu_q, cu_k, t.block_n, causal, keys=True)
+    bs = prob.batch_shape
+    qb, kb, vb = (numpy.broadcast_to(x, bs + x.shape[-2:]) for x in (q, k, v))
+    D = (do.astype(numpy.float32) * o.astype(numpy.float32)).sum(-1, dtype=numpy.float32)
+    D = numpy.ascontiguousarray(numpy.where(lse == -numpy.inf, 0, D), numpy.float32)
+    dq_acc = numpy.zeros(bs + (prob.Lq, prob.d), numpy.float32)
+    dk_acc = numpy.full(bs + (prob.Lk, prob.d), numpy.nan, numpy.float32)   # all written?
+    dv_acc = numpy.full(bs + (prob.Lk, prob.dv), numpy.nan, numpy.float32)
+    p, nbatch = _emu_sm80.pack_params(prob, {"q": qb, "k": kb, "v": vb, "o": o, "dout": do},
+                                      lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc,
+                                      dv_acc=dv_acc, dq_sem=None)
+    p["varlen_items"], p["varlen"] = wl.shape[0], wl.ctypes.data
+    lib.launch("bwd", expr, p, nbatch * wl.shape[0], t.threads, t.smem_bytes,
+               readable=(q, k, v, do))
+    assert not numpy.isnan(dk_acc).any() and not numpy.isnan(dv_acc).any()
+    grads = [_problem.sum_to_shape(x, shape, dtype)
+             for x, shape in zip((dq_acc, dk_acc, dv_acc), (q.shape, k.shape, v.shape))]
+    for s in range(len(cu_q) - 1):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if cu_q[s] == cu_q[s + 1] or cu_k[s] == cu_k[s + 1]:   # no pairs: every gradient 0
+            assert (grads[0][..., sq, :] == 0).all()
+            assert (grads[1][..., sk, :] == 0).all() and (grads[2][..., sk, :] == 0).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        ref = reference.attention_backward(do[..., sq, :], *args, causal=causal)
+        ps = _problem.make_problem(*args, scale=None, causal=causal)
+        assert_gradients_close(ps, do[..., sq, :],
+                               (grads[0][..., sq, :], grads[1][..., sk, :], grads[2][..., sk, :]),
+                               ref, (args[0].shape, args[1].shape, args[2].shape))
