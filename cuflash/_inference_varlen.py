@@ -67,17 +67,23 @@ def work_list(cu_q, cu_k, block: int, causal, keys: bool = False) -> numpy.ndarr
     return out
 
 
-#: fwd_sm80 tiles whose varlen build spills (the view's per-sequence Lq, Lk and causal offset
-#: live in registers, not in the parameter bank): (head_dim, block_n, warps, slices) -> the
-#: tile arguments to use instead. NVRTC 13, sm_80, bf16 (f16 the same): (64, 64, 4, 2) spills
-#: 56 bytes at 255 registers, (64, 32, 4, 2) none at 204 / 230; (64, 32, 8, 1) (the causal
-#: small grid) 12 bytes at 128, (64, 32, 4, 1) none at 144. Every other fwd_sm80 and fwd_sm90
-#: entry compiles without spills in its varlen build (bench/NOTES.md, "Varlen in the kernels").
-#: bwd_sm80 (head_dim, block_m, sub_m, warps): (128, 64, 16, 8) spills 8 bytes at 255 registers
-#: (non-causal), (128, 32, 16, 8) none at 253 / 255 (107 KB of shared memory: fits an A100).
-SPILLS_IN_VARLEN = {("fwd_sm80", 64, 64, 4, 2): {"block_n": 32},
-                    ("fwd_sm80", 64, 32, 8, 1): {"warps": 4},
-                    ("bwd_sm80", 128, 64, 16, 8): {"block_m": 32}}
+#: Tiles whose varlen build spills (the view's per-sequence Lq, Lk, causal offset and pointers
+#: live in registers where the plain build reads the parameter bank): (family, head_dim, then
+#: fwd_sm80's block_n, warps, slices or bwd_sm80's block_m, sub_m, warps) -> (the tile
+#: arguments to use instead, the lowest compute capability where it spills). NVRTC 13, bf16
+#: (f16 the same), spill bytes of the plain tile -> registers of the replacement, no spill:
+#:   fwd_sm80 (64, 64, 4, 2): 56 (sm_80), 40 (sm_90a) -> block_n 32: 204-232
+#:   fwd_sm80 (64, 32, 8, 1) causal small grid: 12 -> 4 warps: 143-145
+#:   fwd_sm80 (128, 32, 4, 2): 16 on sm_90a only (0 at 255 on sm_80) -> 1 slice: 218-223
+#:   fwd_sm80 (256, 32, 8, 1): 24 on sm_90a only -> 4 warps: 241-246
+#:   bwd_sm80 (128, 64, 16, 8) non-causal: 8 (sm_80) -> block_m 32: 253-255
+#: (fwd_sm80 and bwd_sm80 run on sm_90a only for d <= 32 or with CUFLASH_FWD/BWD overrides.)
+#: Every other table entry's varlen build compiles without spills (bench/NOTES.md).
+SPILLS_IN_VARLEN = {("fwd_sm80", 64, 64, 4, 2): ({"block_n": 32}, 80),
+                    ("fwd_sm80", 64, 32, 8, 1): ({"warps": 4}, 80),
+                    ("fwd_sm80", 128, 32, 4, 2): ({"slices": 1}, 90),
+                    ("fwd_sm80", 256, 32, 8, 1): ({"warps": 4}, 90),
+                    ("bwd_sm80", 128, 64, 16, 8): ({"block_m": 32}, 80)}
 
 
 def _tiles_key(fam, t):
@@ -93,9 +99,9 @@ def choose(prob, dev, choice=None):
     forward's, or the backward's given its plain ``choice``."""
     choice = choice or _families.choose("fwd", Shape.of(prob), dev)
     t = choice.traits
-    change = SPILLS_IN_VARLEN.get(_tiles_key(choice.family, t))
+    change, min_cc = SPILLS_IN_VARLEN.get(_tiles_key(choice.family, t), (None, 0))
     reasons = list(choice.reasons)
-    if change:
+    if change and dev.cc >= min_cc:
         t = t.replace(**change)
         reasons.append(f"  varlen build: {change} (the plain tiles spill there)")
     flags = dict(choice.flags)

@@ -54,7 +54,7 @@ def test_varlen_choice_is_never_even_and_avoids_spilling_tiles(dev, d, causal):
     assert expr.endswith(", false>")                    # EVEN = false
     if fam.name == "fwd_sm80":
         key = (fam.name, t["head_dim"], t["block_n"], t["warps"], t["slices"])
-        assert key not in _inference_varlen.SPILLS_IN_VARLEN
+        assert dev.cc < _inference_varlen.SPILLS_IN_VARLEN.get(key, (None, 10**6))[1]
 
 
 def test_float32_takes_the_simt_varlen_build():
