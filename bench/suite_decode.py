@@ -94,6 +94,14 @@ def _fill(cupy, shape, seed):
     return x
 
 
+def _kernel(inf, q, k_cache, v_cache, seqlens, block_table) -> str:
+    """The decode plan's explanation in one line: which kernel (decode_mma or decode_split),
+    its split count, or why the generic path ran."""
+    text = inf.explain_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                               block_table=block_table)
+    return " | ".join(line.strip() for line in text.splitlines())
+
+
 def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=LAYOUTS,
                      max_gb=40.0, peers=True, log=print) -> list[dict]:
     import cupy
@@ -138,7 +146,11 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
                         qs[i].reshape(B, Hkv, G, 1, D), ks[i][:, :, None], vs[i][:, :, None],
                         cache_seqlens=seqlens)
                 ms = _time(ours, n_sets)
-                rows.append(_row("cuflash", B, Hq, Hkv, Lk, False, 0, ms, nbytes))
+                q0, k0, v0 = ((qs[0], ks[0], vs[0]) if G == 1 else
+                              (qs[0].reshape(B, Hkv, G, 1, D), ks[0][:, :, None],
+                               vs[0][:, :, None]))
+                rows.append(_row("cuflash", B, Hq, Hkv, Lk, False, 0, ms, nbytes,
+                                 kernel=_kernel(inf, q0, k0, v0, seqlens, None)))
                 for name, fn, why in (("sdpa_flash", flash, flash_why),
                                       ("sdpa_cudnn", cudnn, cudnn_why)):
                     if fn is None:
@@ -177,7 +189,9 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
                                                           cache_seqlens=seqlens,
                                                           block_table=bts[i])
                     ms = _time(ours_paged, n_sets)
-                    rows.append(_row("cuflash", B, Hq, Hkv, Lk, True, ps, ms, nbytes))
+                    q0 = qs[0] if G == 1 else qs[0].reshape(B, Hkv, G, 1, D)
+                    rows.append(_row("cuflash", B, Hq, Hkv, Lk, True, ps, ms, nbytes,
+                                     kernel=_kernel(inf, q0, kps[0], vps[0], seqlens, bts[0])))
                     del kps, vps, bts
                     pool.free_all_blocks()
                 del qs

@@ -175,8 +175,13 @@ def run_varlen_suite(*, heads=HEADS, causals=CAUSALS, mix_names=None, peers=True
                     ms_loop = _time(varlen)
                 diff = float(cupy.abs(o1.astype(cupy.float32) - o0.astype(cupy.float32)).max())
                 del o0, o1
+                from cuflash import _inference_varlen, _problem
+                how = _inference_varlen.explain(
+                    _problem.make_problem(q, k, v, scale=None, causal=causal), cu_host, cu_host,
+                    causal)
                 rows.append(_row("cuflash_varlen", name, lengths, Hq, Hkv, causal,
-                                 _time(varlen), real, max_diff_vs_loop=diff))
+                                 _time(varlen), real, max_diff_vs_loop=diff,
+                                 kernel=" | ".join(x.strip() for x in how.splitlines())))
                 rows.append(_row("cuflash_varlen_loop", name, lengths, Hq, Hkv, causal,
                                  ms_loop, real))
                 # -- the padded batch (n, Hkv, G, Lmax, d), and a dense batch at the mean length
