@@ -42,6 +42,8 @@ MMA_CASES = [
 
 SPLIT_CASE = (BF16, 2, 4, 1, 64, 600, True, 16, 1, False, None)
 STRADDLE_CASE = (F16, 1, 4, 1, 64, 60, True, 8, 1, False, 2)
+#: decode_mma for d = 32, dv = 112 (test_emulated_tensor_core_decode_with_dv_other_than_d)
+_DV_EXPR = "cuflash::decode::decode_mma<__half, 128, cuflash::Variant<false>>"
 CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
 
 
@@ -54,12 +56,14 @@ def lib():
     for dtype, Hkv, G, Lq, d, *_, causal, _s in CASES + MMA_CASES + [SPLIT_CASE, CLAMP_CASE,
                                                                       STRADDLE_CASE]:
         for fam in _families.by_kind("decode"):
-            for cz in (causal, not causal):
+            # the generic kernel in both variants (tests flip causal); decode_mma as the case
+            for cz in (causal, not causal) if fam.name == "decode" else (causal,):
                 v = _families.Variant(causal=cz)
                 shape = _families.Shape(dtype.name, 1, G * Lq, 1, d, d, v)
                 if fam.rejects(shape, SMALL) is None:
                     t = fam.select(fam, shape, SMALL)[0]
                     exprs.add(fam.expr(dtype.name, t, v))
+    exprs.add(_DV_EXPR)
     return _emu_decode.build(sorted(exprs))
 
 
@@ -198,4 +202,16 @@ def test_emulated_tensor_core_decode_on_a_sequence_major_cache(lib):
     spec, (o, lse) = _run(lib, c)
     assert spec.split[0] == "decode_mma.cu"
     assert spec.params["k_row"] == Hkv * d and spec.params["v_row"] == (Hkv + 1) * d
+    _check(c, o, lse)
+
+
+def test_emulated_tensor_core_decode_with_dv_other_than_d(lib):
+    """d = 32, dv = 112 (the 128 bucket): K columns past 32 and V columns past 112 copy
+    nothing; o has 112 columns."""
+    rng = numpy.random.default_rng(12)
+    q, kc, vc, s, bt, kn, vn = make_cache(rng, F16, B=2, Hkv=2, G=4, Lq=1, d=32, dv=112, L=90,
+                                          Lnew=1, paged=True, page_size=16, seqlens=[40, 88])
+    c = _inference.check_kvcache(q, kc, vc, s, bt, kn, vn, 2, None, False, True)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode_mma.cu" and o.shape[-1] == 112
     _check(c, o, lse)

@@ -75,6 +75,7 @@ def test_numpy_and_the_override_keep_the_loop(monkeypatch):
     assert "2 work items" in text and "one launch" in text
 
 
+@pytest.mark.slow      # NVRTC: a few seconds a family
 def test_varlen_build_compiles_without_spills_offline():
     """One fwd_sm90 (sm_90a) and the two replaced fwd_sm80 (sm_80) varlen builds, NVRTC."""
     from cuflash import _jit
@@ -115,6 +116,7 @@ def test_bench_varlen_mixes_and_pair_counts():
     assert row["tflops"] == 4 * 128 * 32 * 100 / 2e-3 / 1e12 and row["n_seq"] == 2
 
 
+@pytest.mark.slow      # NVRTC
 def test_backward_varlen_build_avoids_the_spilling_tile_and_compiles_clean():
     """bwd_sm80 at d = 128: the plain (64-row) tile spills in the varlen build; the varlen
     choice takes 32 rows, which NVRTC compiles with no spill (sm_80)."""
