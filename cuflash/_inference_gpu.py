@@ -23,6 +23,7 @@ batch row's actual keys evenly among the splits, so short rows still use every s
 from __future__ import annotations
 
 import math
+import os
 
 import numpy
 
@@ -272,6 +273,12 @@ class DecodePlan:
         return self.spec.explain()
 
 
+def _forced() -> str:
+    """CUFLASH_DECODE: "split" keeps the generic decode_split where decode_mma would run (A/B
+    runs of the two kernels in one process); anything else: the registry's choice."""
+    return os.environ.get("CUFLASH_DECODE", "auto").strip().lower()
+
+
 def _generic_decode(shape, passed_over, why: str):
     """decode.cu's decode_split for ``shape``, as a Choice, after ``passed_over`` (the tensor-
     core family) was found not to fit for a reason only the call knows (``why``)."""
@@ -300,7 +307,9 @@ def spec_or_reason(c, dev=None):
     shape = _families.Shape(c.dtype.name, c.B * Hkv, G * c.Lq, c.capacity, c.d, c.dv,
                             Variant(causal=c.causal))
     choice = _families.choose("decode", shape, dev)
-    if choice.family.name == "decode_sm80" and c.paged and c.page_size % 16:
+    if choice.family.name == "decode_sm80" and _forced() == "split":
+        choice = _generic_decode(shape, choice, "decode_sm80: skipped (CUFLASH_DECODE=split)")
+    elif choice.family.name == "decode_sm80" and c.paged and c.page_size % 16:
         choice = _generic_decode(shape, choice,
                                  f"decode_sm80: not used, page_size={c.page_size} is not a "
                                  f"multiple of 16 (its 16-key tiles would straddle pages)")
@@ -328,7 +337,7 @@ def decode_plan(c):
     """The cached DecodePlan of call ``c``, or None when the decode family does not apply."""
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
-           c.num_splits, c.scale, c.causal)
+           c.num_splits, c.scale, c.causal, _forced())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)
