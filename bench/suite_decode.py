@@ -19,6 +19,9 @@ Method:
 - ``isolated`` = True: inputs rotate over enough copies (>= 256 MB in all) that K/V are never
   served from the 50 MB L2 by the previous call.
 
+``--ab`` adds ``cuflash_split`` rows: the generic decode_split kernel (``CUFLASH_DECODE=split``)
+on the same dense caches, the before of decode_mma.cu.
+
 Run standalone: ``PYTHONPATH=. python bench/suite_decode.py --out decode.json`` (about 2-3 min on
 an H200); ``run_decode_suite()`` returns the rows for bench/bench_attention.py to wire in.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -94,8 +98,16 @@ def _fill(cupy, shape, seed):
     return x
 
 
+def _kernel(inf, q, k_cache, v_cache, seqlens, block_table) -> str:
+    """The decode plan's explanation in one line: which kernel (decode_mma or decode_split),
+    its split count, or why the generic path ran."""
+    text = inf.explain_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                               block_table=block_table)
+    return " | ".join(line.strip() for line in text.splitlines())
+
+
 def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=LAYOUTS,
-                     max_gb=40.0, peers=True, log=print) -> list[dict]:
+                     max_gb=40.0, peers=True, ab=False, log=print) -> list[dict]:
     import cupy
     import numpy
 
@@ -138,7 +150,19 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
                         qs[i].reshape(B, Hkv, G, 1, D), ks[i][:, :, None], vs[i][:, :, None],
                         cache_seqlens=seqlens)
                 ms = _time(ours, n_sets)
-                rows.append(_row("cuflash", B, Hq, Hkv, Lk, False, 0, ms, nbytes))
+                q0, k0, v0 = ((qs[0], ks[0], vs[0]) if G == 1 else
+                              (qs[0].reshape(B, Hkv, G, 1, D), ks[0][:, :, None],
+                               vs[0][:, :, None]))
+                rows.append(_row("cuflash", B, Hq, Hkv, Lk, False, 0, ms, nbytes,
+                                 kernel=_kernel(inf, q0, k0, v0, seqlens, None)))
+                if ab:     # the generic decode_split on the same arrays (before / after)
+                    os.environ["CUFLASH_DECODE"] = "split"
+                    try:
+                        ms = _time(ours, n_sets)
+                        rows.append(_row("cuflash_split", B, Hq, Hkv, Lk, False, 0, ms, nbytes,
+                                         kernel=_kernel(inf, q0, k0, v0, seqlens, None)))
+                    finally:
+                        os.environ.pop("CUFLASH_DECODE", None)
                 for name, fn, why in (("sdpa_flash", flash, flash_why),
                                       ("sdpa_cudnn", cudnn, cudnn_why)):
                     if fn is None:
@@ -177,7 +201,9 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
                                                           cache_seqlens=seqlens,
                                                           block_table=bts[i])
                     ms = _time(ours_paged, n_sets)
-                    rows.append(_row("cuflash", B, Hq, Hkv, Lk, True, ps, ms, nbytes))
+                    q0 = qs[0] if G == 1 else qs[0].reshape(B, Hkv, G, 1, D)
+                    rows.append(_row("cuflash", B, Hq, Hkv, Lk, True, ps, ms, nbytes,
+                                     kernel=_kernel(inf, q0, kps[0], vps[0], seqlens, bts[0])))
                     del kps, vps, bts
                     pool.free_all_blocks()
                 del qs
@@ -195,8 +221,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="B=8, Hq 32 / Hkv 8, Lk 8k and 128k")
     p.add_argument("--max-gb", type=float, default=40.0)
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--ab", action="store_true",
+                   help="also time the generic decode_split (CUFLASH_DECODE=split) on the dense "
+                        "caches: rows impl 'cuflash_split'")
     a = p.parse_args(argv)
-    kw = dict(max_gb=a.max_gb, peers=not a.no_peers)
+    kw = dict(max_gb=a.max_gb, peers=not a.no_peers, ab=a.ab)
     if a.quick:
         kw.update(batches=(8,), heads=((32, 8),), lengths=(8192, 131072))
     t0 = time.perf_counter()

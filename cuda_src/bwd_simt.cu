@@ -150,7 +150,8 @@ struct BwdSimtTraits {
 // first.
 template <typename T, int HEAD_DIM, typename Var, bool DETERMINISTIC, int BLOCK_M, int BLOCK_N, int NTHREADS>
 __global__ void __launch_bounds__(NTHREADS, 2)   // 2 blocks per SM: see BwdSimtTraits' register budget
-bwd_simt(const Params p) {
+bwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = BwdSimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS>;
   using Acc = typename Tr::Acc;
   using TileS = typename Tr::TileS;

@@ -136,7 +136,8 @@ struct BwdSm80Traits {
 // never waits. Memory stays O(nbatch * Lq * d) (one dQ buffer, no per-key-tile partials).
 template <typename T, int HEAD_DIM, int BLOCK_M, int SUB_M, int WARPS, int MIN_BLOCKS, typename Var, bool DETERMINISTIC>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
-bwd_sm80(const Params p) {
+bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = BwdSm80Traits<T, HEAD_DIM, BLOCK_M, SUB_M, WARPS, MIN_BLOCKS>;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;

@@ -138,7 +138,8 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
 // tile-major under a causal mask).
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
-bwd_sm90(const Params p) {
+bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M, WARPGROUPS, MIN_BLOCKS>;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;

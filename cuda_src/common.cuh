@@ -43,6 +43,11 @@ struct Params {
   //    itself, in the input dtype T (no broadcast dimension to sum over), written directly
   //    instead of through a float32 buffer
   int out_flags;
+  // -- varlen (helper "inference"): the number of work items and the device pointer of the
+  //    work list (VarlenItem, below) of a varlen build; 0 in every other launch. Last, so that
+  //    no other field moves.
+  int varlen_items;
+  unsigned long long varlen;
 };
 constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
 
@@ -64,9 +69,34 @@ __device__ __forceinline__ GridTile grid_tile(unsigned i, int nbatch, int ntiles
 // The last Q tile (under a causal mask the one that sees the most keys) is tile 0.
 struct BlockTile { int b, m_block; };
 
+// ---- varlen (helper "inference", issue 11). Sequences packed along the length axis
+// (cuflash.attention_varlen) run as ONE launch of a forward family compiled with
+// CUFLASH_VARLEN defined (cuflash/_inference_varlen.py prefixes the source with it; the plain
+// builds never see it, so their preprocessed text, hence their machine code, is unchanged).
+// Grid: nbatch x varlen_items blocks, batch-major; the host-made work list holds one item per
+// (sequence, tile): where the sequence's queries and keys start in the packed arrays, its
+// lengths, the tile (the forward's Q tile, the backward's key tile) and the causal offset of
+// that sequence. A kernel's prologue turns its Params into the view of its block's sequence
+// (varlen_view: pointers advanced to the sequence, Lq / Lk / causal_offset of the sequence),
+// and block_tile / bwd_block_tile return the item's tile; the rest of the kernel is the plain
+// one (EVEN = false: per-sequence bounds).
+struct VarlenItem { int q0, Lq, k0, Lk, tile, causal_offset; };
+
+#ifdef CUFLASH_VARLEN
+__device__ __forceinline__ VarlenItem varlen_item(const Params& p, unsigned bid) {
+  const uint4* w = reinterpret_cast<const uint4*>(p.varlen) + 2 * (bid % unsigned(p.varlen_items));
+  const uint4 a = __ldg(w), c = __ldg(w + 1);
+  return {int(a.x), int(a.y), int(a.z), int(a.w), int(c.x), int(c.y)};
+}
+#endif
+
 __device__ __forceinline__ BlockTile block_tile(const Params& p, unsigned bid = blockIdx.x) {
+#ifdef CUFLASH_VARLEN
+  return {static_cast<int>(bid / unsigned(p.varlen_items)), varlen_item(p, bid).tile};
+#else
   const GridTile t = grid_tile(bid, p.nbatch, p.num_m_blocks, p.grid_order);
   return {t.b, p.num_m_blocks - 1 - t.tile};   // the last Q tile (the heaviest) first
+#endif
 }
 
 // The (batch item, key tile) of a backward block; grid.x = nbatch * num_n_blocks. Key tile 0
@@ -74,8 +104,12 @@ __device__ __forceinline__ BlockTile block_tile(const Params& p, unsigned bid = 
 struct BwdBlockTile { int b, n_block; };
 
 __device__ __forceinline__ BwdBlockTile bwd_block_tile(const Params& p) {
+#ifdef CUFLASH_VARLEN
+  return {static_cast<int>(blockIdx.x / unsigned(p.varlen_items)), varlen_item(p, blockIdx.x).tile};
+#else
   const GridTile t = grid_tile(blockIdx.x, p.nbatch, p.num_n_blocks, p.grid_order);
   return {t.b, t.tile};
+#endif
 }
 
 // Element offsets of batch item `b` (C order over batch_shape) in each strided tensor (dout:
@@ -113,6 +147,48 @@ __device__ __forceinline__ BatchPtrs<T> batch_ptrs(const Params& p, const BatchO
           reinterpret_cast<const T*>(p.v) + off.v, reinterpret_cast<T*>(p.o) + off.o,
           reinterpret_cast<const T*>(p.dout) + off.dout};
 }
+
+// The Params of block `bid`'s sequence in a varlen build (see VarlenItem): q, k, v, o, dO
+// advanced to the sequence's first rows; the per-row buffers that the kernels index as
+// `buf + (b * Lq + row) * width` (lse, D, dQ's accumulator; dK, dV's with Lk) advanced so that
+// with the sequence's Lq (Lk) they land on row q0 (k0) of batch item b's packed rows (packed
+// lengths: in.Lq, in.Lk); the sequence's Lq, Lk and causal offset. The forward's backward-only
+// pointers are 0 and stay unused. Not for the deterministic modes (dq_sem, dq_block_stride:
+// the host never builds those in varlen). In a kernel: `fwd(const Params
+// CUFLASH_VARLEN_PARAM(p))` and `CUFLASH_VARLEN_VIEW(T, p)` as its first statement; both expand
+// to nothing new in a plain build.
+#ifdef CUFLASH_VARLEN
+template <typename T, typename Acc>
+__device__ __forceinline__ Params varlen_view(const Params& in, unsigned bid) {
+  using u64 = unsigned long long;
+  const VarlenItem it = varlen_item(in, bid);
+  const u64 b = bid / unsigned(in.varlen_items);
+  const u64 qrow = b * static_cast<u64>(in.Lq - it.Lq) + it.q0;   // packed row of row 0
+  const u64 krow = b * static_cast<u64>(in.Lk - it.Lk) + it.k0;
+  Params p = in;
+  p.q += sizeof(T) * static_cast<u64>(it.q0 * in.q_row_stride);
+  p.k += sizeof(T) * static_cast<u64>(it.k0 * in.k_row_stride);
+  p.v += sizeof(T) * static_cast<u64>(it.k0 * in.v_row_stride);
+  p.o += sizeof(T) * static_cast<u64>(it.q0 * in.o_row_stride);
+  p.dout += sizeof(T) * static_cast<u64>(it.q0 * in.dout_row_stride);
+  p.lse += sizeof(Acc) * qrow;
+  p.dpsum += sizeof(Acc) * qrow;
+  p.dq_acc += sizeof(Acc) * qrow * in.d;
+  p.dk_acc += ((in.out_flags & kBwdDkOut) ? sizeof(T) : sizeof(Acc)) * krow * in.d;
+  p.dv_acc += ((in.out_flags & kBwdDvOut) ? sizeof(T) : sizeof(Acc)) * krow * in.dv;
+  p.Lq = it.Lq;
+  p.Lk = it.Lk;
+  p.var.causal_offset = it.causal_offset;
+  return p;
+}
+#define CUFLASH_VARLEN_PARAM(p) p##_packed
+#define CUFLASH_VARLEN_VIEW(T, p) \
+  const ::cuflash::Params p = \
+      ::cuflash::varlen_view<T, typename ::cuflash::AccOf<T>::type>(p##_packed, blockIdx.x);
+#else
+#define CUFLASH_VARLEN_PARAM(p) p
+#define CUFLASH_VARLEN_VIEW(T, p)
+#endif
 
 // -- conversions between storage types and accumulation types
 template <typename T> struct AccOf { using type = float; };

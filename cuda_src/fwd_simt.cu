@@ -236,7 +236,8 @@ struct SimtTraits {
 // grid.x = nbatch * num_m_blocks; one block = BLOCK_M query rows of one batch item.
 template <typename T, int HEAD_DIM, typename Var, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
 __global__ void __launch_bounds__(NTHREADS, 2)   // 2 = min_blocks of fwd_simt in cuflash/_traits.py
-fwd_simt(const Params p) {
+fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = SimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>;
   using Acc = typename Tr::Acc;
   constexpr int TM = Tr::TM, TN = Tr::TN, DN = Tr::DN, GV = Tr::GV, NG = Tr::NG;

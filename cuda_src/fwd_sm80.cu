@@ -58,7 +58,8 @@ struct Sm80Traits {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS, int SLICES, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
-fwd_sm80(const Params p) {
+fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = Sm80Traits<T, HEAD_DIM, BLOCK_N, WARPS, SLICES, MIN_BLOCKS>;
   constexpr int MS = SLICES;
   using QTile = typename Tr::QTile;

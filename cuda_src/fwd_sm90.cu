@@ -57,7 +57,8 @@ struct Sm90Traits {
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
-fwd_sm90(const Params p) {
+fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
+  CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;

@@ -331,22 +331,8 @@ def _bwd_sm80_instances(fam, arch):
             yield t, {"deterministic": det}
 
 
-# -- decode (helper "inference"): Shape.Lq is the packed query rows of a block's KV head
-#    (G query heads x Lq queries), Shape.Lk the cache capacity
-def _decode_select(fam, shape, dev):
-    if shape.d % 8 or shape.dv % 8:
-        return f"reads rows in 8-element chunks: d={shape.d} and dv={shape.dv} must be multiples of 8"
-    bucket = next(b for b in (32, 64, 128, 256) if b >= shape.dmax)
-    rows = next(r for r in (1, 2, 4, 8) if r >= min(shape.Lq, 8))
-    t = _traits.TABLES[fam.name][(bucket, rows)]
-    tiles = -(-shape.Lq // rows)
-    return t, {}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
-                                    if tiles > 1 else "")]
-
-
-def _decode_instances(fam, arch):
-    for t in _traits.TABLES[fam.name].values():
-        yield t, {}
+# -- decode, decode_sm80 (helper "inference"): select / instances in _inference_select.py
+from . import _inference_select as _isel  # noqa: E402
 
 
 REGISTRY: tuple[Family, ...] = (
@@ -409,11 +395,17 @@ REGISTRY: tuple[Family, ...] = (
                    "bwd_simt summed in key-tile order), rounded once to the input dtype"),
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
+    Family("decode_sm80", "decode", "decode_mma.cu",
+           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}>",
+           min_cc=80, dtypes=HALF, head_dims=(1, 128),
+           smem_expr="cuflash::decode::DecodeMmaTraits<{T}, {head_dim}>::kSmemBytes",
+           select=_isel.decode_sm80_select, instances=_isel.decode_instances,
+           summary="tensor-core split-KV decode: GQA rows as mma.sync's M, cp.async K/V pipeline"),
     Family("decode", "decode", "decode.cu",
            "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}>",
            dtypes=frozenset(("float16", "bfloat16", "float32")),
            smem_expr="cuflash::decode::DecodeTraits<{T}, {head_dim}, {rows}>::kSmemBytes",
-           select=_decode_select, instances=_decode_instances,
+           select=_isel.decode_select, instances=_isel.decode_instances,
            summary="split-KV decode (Flash-Decoding), GQA rows packed, dense or paged cache"),
     Family("decode_combine", "aux", "combine.cu", "cuflash::decode::decode_combine<{T}>",
            dtypes=frozenset(("float16", "bfloat16", "float32")),

@@ -4,8 +4,10 @@ A call runs up to three kernels on CuPy's current stream, in order:
 
 1. ``decode_append`` (``cuda_src/decode.cu``), when ``k_new`` is given: the new rows into the
    cache, at the clamped ``cache_seqlens[b]``;
-2. ``decode_split``: the decode family chosen by the registry (``_families.choose("decode")``)
-   over ``num_splits`` key ranges of every (batch row, KV head, row tile);
+2. the decode family chosen by the registry (``_families.choose("decode")``) over
+   ``num_splits`` key ranges of every (batch row, KV head, row tile): ``decode_mma``
+   (``cuda_src/decode_mma.cu``, tensor cores, sm_80+, half types, d <= 128, page sizes that
+   are multiples of 16) or else ``decode_split`` (``cuda_src/decode.cu``);
 3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1``: the partials merged
    by their log-sum-exp in split order (with one split the decode writes the output itself).
 
@@ -21,6 +23,7 @@ batch row's actual keys evenly among the splits, so short rows still use every s
 from __future__ import annotations
 
 import math
+import os
 
 import numpy
 
@@ -183,7 +186,7 @@ class DecodeSpec:
         # (source, expr, grid, threads, smem) of each kernel, in launch order; None: not run
         self.append = (("decode.cu", f"cuflash::decode::decode_append<{T}>",
                         c.B * Hkv * c.Lnew, 128, 0) if c.Lnew else None)
-        self.split = ("decode.cu", choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
+        self.split = (choice.family.source, choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
                       t.smem_bytes)
         self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
                          128, 0) if splits > 1 else None)
@@ -270,6 +273,23 @@ class DecodePlan:
         return self.spec.explain()
 
 
+def _forced() -> str:
+    """CUFLASH_DECODE: "split" keeps the generic decode_split where decode_mma would run (A/B
+    runs of the two kernels in one process); anything else: the registry's choice."""
+    return os.environ.get("CUFLASH_DECODE", "auto").strip().lower()
+
+
+def _generic_decode(shape, passed_over, why: str):
+    """decode.cu's decode_split for ``shape``, as a Choice, after ``passed_over`` (the tensor-
+    core family) was found not to fit for a reason only the call knows (``why``)."""
+    fam = _families.FAMILIES["decode"]
+    traits, flags, more = fam.select(fam, shape, None)
+    reasons = [r for r in passed_over.reasons if not r.startswith("  ")][:-1] + [why]
+    reasons += [f"{fam.name}: {fam.summary}"] + ["  " + r for r in more]
+    return _families.Choice(fam, traits, (), fam.expr(shape.dtype, traits, shape.variant),
+                            tuple(reasons))
+
+
 def spec_or_reason(c, dev=None):
     """The DecodeSpec of call ``c`` (on ``dev``, default: c's device), or why the decode
     family does not apply."""
@@ -287,6 +307,12 @@ def spec_or_reason(c, dev=None):
     shape = _families.Shape(c.dtype.name, c.B * Hkv, G * c.Lq, c.capacity, c.d, c.dv,
                             Variant(causal=c.causal))
     choice = _families.choose("decode", shape, dev)
+    if choice.family.name == "decode_sm80" and _forced() == "split":
+        choice = _generic_decode(shape, choice, "decode_sm80: skipped (CUFLASH_DECODE=split)")
+    elif choice.family.name == "decode_sm80" and c.paged and c.page_size % 16:
+        choice = _generic_decode(shape, choice,
+                                 f"decode_sm80: not used, page_size={c.page_size} is not a "
+                                 f"multiple of 16 (its 16-key tiles would straddle pages)")
     t = choice.traits
     tiles = -(-(G * c.Lq) // t.block_m)
     keys_per_iter = t.block_n // (2 if c.dtype.itemsize == 4 else 1)
@@ -311,7 +337,7 @@ def decode_plan(c):
     """The cached DecodePlan of call ``c``, or None when the decode family does not apply."""
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
-           c.num_splits, c.scale, c.causal)
+           c.num_splits, c.scale, c.causal, _forced())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

@@ -46,7 +46,9 @@ PARAMS = numpy.dtype(
     + [(f"{t}_{kind}_stride", "<i8") for t in TENSORS for kind in ("row", "col")]
     + [("dq_block_stride", "<i8"), ("var", VARIANT_PARAMS), ("batch_shape", "<i4", (_B,))]
     + [(name, "<i4") for name in ("nbatch", "Lq", "Lk", "d", "dv", "num_m_blocks",
-                                  "num_n_blocks", "grid_order", "out_flags")],
+                                  "num_n_blocks", "grid_order", "out_flags")]
+    # helper "inference" (varlen builds, cuflash/_inference_varlen.py): last, nothing moves
+    + [("varlen_items", "<i4"), ("varlen", "<u8")],
     align=True)
 _POINTER_WORD = {name: i for i, name in enumerate(POINTERS)}
 

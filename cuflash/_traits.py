@@ -137,9 +137,20 @@ def decode(head_dim, rows, min_blocks=1, reason=""):
                    min_blocks=min_blocks, reason=reason)
 
 
+def decode_sm80(head_dim, min_blocks=1, reason=""):
+    """DecodeMmaTraits (cuda_src/decode_mma.cu, helper "inference"): 4 warps, 16 packed query
+    rows (the MMA's M), 16 keys a warp tile, 64 keys a block iteration; shared memory: the Q
+    tile and each warp's 3 stages of (K, V) tiles of 16 x head_dim b16 elements."""
+    tile = 16 * head_dim * 2
+    return _traits("decode_sm80", ("head_dim",), locals(), head_dim=head_dim, block_m=16,
+                   block_n=64, threads=128, smem_bytes=tile + 4 * 3 * 2 * tile,
+                   min_blocks=min_blocks, reason=reason)
+
+
 MAKE: dict[str, Callable[..., Traits]] = {
     "fwd_sm90": fwd_sm90, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
     "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt, "decode": decode,
+    "decode_sm80": decode_sm80,   # helper "inference"
 }
 
 
@@ -322,6 +333,15 @@ DECODE = {
     for hd in (32, 64, 128, 256) for rows in (1, 2, 4, 8)
 }
 
+# decode_sm80 (cuda_src/decode_mma.cu, helper "inference"), keyed by head-dim bucket. The packed
+# query rows are the M of mma.sync; K/V tiles stream through cp.async, 2 of 3 stages in flight a
+# warp. ptxas (NVRTC 13, sm_90a / sm_80, bf16): 185 / 174 registers at 128, 121 / 116 at 64, no
+# spills; min_blocks from shared memory (100 KB a block at 128, 52 KB at 64): 2 and 4 blocks an
+# SM, ~128 KB of K/V in flight an SM either way. Steady-state loop: 14-18 instructions a 16-byte
+# copy (bench/probes/decode_sass.py --hot; bench/NOTES.md "decode: the instruction budget").
+_DM = "head-dim bucket {0}: 16 packed rows as the MMA's M, 64 keys an iteration, {1} blocks an SM"
+DECODE_SM80 = {hd: decode_sm80(hd, mb, reason=_DM.format(hd, mb)) for hd, mb in ((64, 4), (128, 2))}
+
 TABLES = {"fwd_sm90": FWD_SM90, "fwd_sm80": FWD_SM80, "fwd_simt": FWD_SIMT,
           "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT,
-          "decode": DECODE}
+          "decode": DECODE, "decode_sm80": DECODE_SM80}

@@ -1,12 +1,13 @@
 """``attention_varlen``: sequences packed along the length axis (DESIGN.md, "Inference").
 
-Implementation today: one :func:`cuflash.attention` per sequence, on views of the packed
-arrays (``q[..., cu_q[s]:cu_q[s+1], :]``), writing into views of one output. No copy of the
-inputs; on CuPy one launch (or a few) per sequence, so it suits a few long sequences better
-than many short ones. ``cu_seqlens`` are read back to the host once per call on CuPy (a device
-sync; ``max_seqlen_*`` do not avoid it here, they are checked against the read-back lengths).
-A varlen mode inside every kernel family (a block finds its sequence from ``cu_seqlens`` on the
-device) is the fast path still to build.
+On CuPy: ONE launch of a forward family's varlen build over every (sequence, Q tile), and of
+a backward family's over every (sequence, key tile) (``cuflash/_inference_varlen.py``; a block
+finds its sequence in a host-made work list). Where that does not apply (NumPy, layouts it
+cannot read, ``deterministic=True`` backward, ``CUFLASH_VARLEN_KERNEL=0``): one
+:func:`cuflash.attention` (``attention_backward``) per sequence, on views of the packed arrays (``q[..., cu_q[s]:cu_q[s+1], :]``), writing into views of one output; no copy
+of the inputs. ``cu_seqlens`` are read back to the host once per call on CuPy (a device sync;
+``max_seqlen_*`` do not avoid it here, they are checked against the read-back lengths): they
+are validated, and the work list is made from them.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     with _problem.device_scope(prob):
         o = xp.empty(prob.batch_shape + (prob.Lq, prob.dv), prob.dtype)
         lse = xp.empty(prob.batch_shape + (prob.Lq,), prob.lse_dtype)
+        if xp is not numpy and o.size:
+            from . import _inference_varlen
+            if _inference_varlen.forward(prob, cu_q, cu_k, causal, o, lse) is None:
+                return (o, lse) if return_lse else o
         for s in range(cu_q.size - 1):
             qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
             if qe == qs:
@@ -114,8 +119,10 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
                          max_seqlen_q: Any = None, max_seqlen_k: Any = None, scale: Any = None,
                          causal: Any = False, deterministic: bool = False):
     """``o, pullback = attention_varlen_vjp(...)``: the forward of :func:`attention_varlen` and
-    its pullback ``pullback(do) -> (dq, dk, dv)``, one :func:`cuflash.attention_backward` per
-    sequence (the pattern of :func:`cuflash.attention_vjp`). Gradients have the shapes of
+    its pullback ``pullback(do) -> (dq, dk, dv)`` (the pattern of :func:`cuflash.attention_vjp`):
+    on CuPy one launch of the backward family's varlen build over every (sequence, key tile),
+    else (NumPy, ``deterministic=True``, layouts it cannot read) one
+    :func:`cuflash.attention_backward` per sequence. Gradients have the shapes of
     q, k, v (summed over broadcast dims as attention_backward does)."""
     from ._api import attention_backward
     _problem.check_deterministic(deterministic)
@@ -130,6 +137,11 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         with _problem.device_scope(prob):
             dq, dk, dv = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), \
                 xp.zeros(v.shape, v.dtype)
+            if xp is not numpy and dq.size and dk.size:
+                from . import _inference_varlen
+                if _inference_varlen.backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv,
+                                              deterministic) is None:
+                    return dq, dk, dv
             for s in range(cu_q.size - 1):
                 qs, qe, ks, ke = (int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]),
                                   int(cu_k[s + 1]))

@@ -1,7 +1,9 @@
-"""Run the inference kernels (cuda_src/decode.cu, combine.cu) on the CPU: their source,
-unchanged but for the ``extern __shared__`` declaration, compiled with g++ against the host
-emulation of the CUDA built-ins in tests/emu/cuda_host.h (threads as fibers, shuffles as warp
-collectives, shared memory pre-filled with NaN bytes).
+"""Run the inference kernels (cuda_src/decode.cu, decode_mma.cu, combine.cu) on the CPU: their
+source, unchanged but for decode.cu's ``extern __shared__`` declaration, compiled with g++
+against the host emulation of the CUDA built-ins in tests/emu/ (threads as fibers, shuffles as
+warp collectives, shared memory pre-filled with NaN bytes; decode_mma.cu's cp.async, ldmatrix
+and mma.sync through tests/_emu_sm80.py's emulation of mma_sm80.cuh, cp.async sources checked
+against the arrays registered as readable).
 
 This checks the kernels' logic (split ranges, GQA row packing, paged addressing, the clamps,
 the online softmax, the group merge and the combine) without a GPU, launched with the very
@@ -21,6 +23,8 @@ import numpy
 
 from cuflash._paths import cuda_src_dir
 
+import _emu_sm80
+
 EMU = Path(__file__).resolve().parent / "emu"
 
 _PRELUDE = r"""
@@ -35,7 +39,15 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-namespace cuflash_emu { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
+inline int __any_sync(unsigned, int pred) {
+  ::emu::my_xchg()[0] = pred != 0;
+  const int parity = ::emu::warp_sync();
+  int any = 0;
+  for (int l = 0; l < 32; ++l) any |= int(::emu::lane_xchg(parity, l)[0]);
+  return any;
+}
+// decode_mma.cu's extern __shared__ array (and the buffer every launch runs on)
+namespace cuflash { namespace decode { alignas(128) unsigned char smem[::emu::kSmemBytes]; } }
 """
 
 _SMEM_DECL = "extern __shared__ float4 smem_[];"
@@ -52,11 +64,18 @@ class Library:
         self.lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_uint]
         self.lib.emu_message.restype = ctypes.c_char_p
+        self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         self.index = {e: i for i, e in enumerate(exprs)}
 
-    def run(self, kernel, params: numpy.ndarray) -> None:
-        """Run one ``(source, expr, grid, threads, smem)`` of a DecodeSpec."""
+    def run(self, kernel, params: numpy.ndarray, readable=()) -> None:
+        """Run one ``(source, expr, grid, threads, smem)`` of a DecodeSpec; ``readable``: the
+        arrays cp.async may read."""
         _, expr, grid, threads, smem = kernel
+        self.lib.emu_clear_readable()
+        for a in readable:
+            if a is not None:
+                lo, hi = _emu_sm80._span(a)
+                self.lib.emu_readable(lo, hi - lo)
         buf = numpy.ascontiguousarray(params).view(numpy.uint8)
         if self.lib.emu_run(self.index[expr], buf.ctypes.data, grid, threads, smem):
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
@@ -68,7 +87,9 @@ def build(exprs: list[str]) -> Library:
     decode = (src_dir / "decode.cu").read_text()
     if _SMEM_DECL not in decode:
         raise RuntimeError("decode.cu's shared-memory declaration changed: update _emu_decode")
-    text = _PRELUDE + decode.replace(_SMEM_DECL, _SMEM_HOST) + (src_dir / "combine.cu").read_text()
+    text = (_PRELUDE + decode.replace(_SMEM_DECL, _SMEM_HOST) + (src_dir / "combine.cu").read_text()
+            + (src_dir / "decode_mma.cu").read_text())
+    text = _emu_sm80.host_source(text)     # local includes; mma_sm80.cuh -> its emulation
     cases = "\n".join(
         f"    case {i}: body = [&] {{ {e}(P); }}; break;" for i, e in enumerate(exprs))
     text += """
@@ -80,13 +101,16 @@ extern "C" int emu_run(int which, const void* params, int grid, int threads, uns
     default: return 2;
   }
   for (int b = 0; b < grid; ++b)
-    if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash_emu::smem, smem, body)) return 1;
+    if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash::decode::smem, smem, body)) return 1;
   return 0;
 }
 extern "C" const char* emu_message() { return ::emu::st().message; }
+extern "C" void emu_readable(const void* lo, unsigned long long n) {
+  ::emu::st().readable.push_back({static_cast<const char*>(lo), static_cast<const char*>(lo) + n});
+}
+extern "C" void emu_clear_readable() { ::emu::st().readable.clear(); }
 """ % cases
-    headers = (src_dir / "decode_params.cuh").read_text()
-    key = hashlib.sha256((text + headers).encode()).hexdigest()[:20]
+    key = hashlib.sha256(text.encode()).hexdigest()[:20]
     cache = Path(tempfile.gettempdir()) / "cuflash-emu"
     cache.mkdir(exist_ok=True)
     so = cache / f"decode-{key}.so"
@@ -117,7 +141,7 @@ def run_spec(lib: Library, spec, c):
     if spec.append is not None:
         lib.run(spec.append, p)
     if o.size:
-        lib.run(spec.split, p)
+        lib.run(spec.split, p, readable=(c.q, c.k_cache, c.v_cache))
         if spec.combine is not None:
             lib.run(spec.combine, p)
     return o, lse

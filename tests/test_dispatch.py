@@ -168,7 +168,8 @@ def test_gate_lists_families_per_arch():
     src = {a: {s for s, _ in _families.specialisations(a)} for a in ("sm_70", "sm_80", "sm_90a")}
     assert src["sm_70"] == {"fwd_simt.cu", "bwd_simt.cu", "bwd_prep.cu",
                            "decode.cu", "combine.cu"}   # inference: plain FMA, any arch
-    assert src["sm_80"] == src["sm_70"] | {"fwd_sm80.cu", "bwd_sm80.cu"}
+    assert src["sm_80"] == src["sm_70"] | {"fwd_sm80.cu", "bwd_sm80.cu",
+                                           "decode_mma.cu"}   # inference: tensor-core decode
     assert src["sm_90a"] == src["sm_80"] | {"fwd_sm90.cu", "bwd_sm90.cu"}
     for a in src:
         sp = _families.specialisations(a)

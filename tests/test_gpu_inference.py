@@ -84,6 +84,39 @@ def test_decode_matches_reference_and_appends(case):
     _check_rows(host, o, lse, case[7], case[8], case[6] or 16)
 
 
+def test_tensor_core_decode_is_the_one_that_runs():
+    """On sm_80 and newer, f16/bf16 with d <= 128 and a dense cache or pages of a multiple of 16
+    run decode_mma.cu; page size 7 and float32 keep decode.cu (so the cases above test both)."""
+    import cupy
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("decode_mma needs sm_80")
+    expect = {0: "decode_mma.cu", 1: "decode_mma.cu", 2: "decode_mma.cu", 3: "decode_mma.cu",
+              4: "decode_mma.cu", 5: "decode.cu", 6: "decode.cu", 7: "decode.cu",
+              8: "decode_mma.cu", 9: "decode.cu"}
+    for i, case in enumerate(CASES):
+        _, dev, kw = _gpu_call(case, seqlens=[0, 1, 2])
+        c = _inference.check_kvcache(*dev[:7], kw["num_splits"], None, kw["causal"], True)
+        assert _inference_gpu.spec_or_reason(c).split[0] == expect[i], case
+
+
+def test_sequence_major_cache_matches_reference():
+    """A (B, L, Hkv, d) cache passed as its (B, Hkv, 1, L, d) view (key rows Hkv * d apart), the
+    layout serving stacks keep, at the benchmark's GQA shape."""
+    import cupy
+    rng = numpy.random.default_rng(9)
+    B, Hkv, G, L, d = 2, 8, 4, 5000, 128
+    q = rng.standard_normal((B, Hkv, G, 1, d)).astype(BF16)
+    kb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    vb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    kc, vc = kb.transpose(0, 2, 3, 1, 4), vb.transpose(0, 2, 3, 1, 4)
+    s = numpy.array([4000, 4999], numpy.int32)
+    dkb, dvb = cupy.asarray(kb), cupy.asarray(vb)
+    o, lse = _inference.attention_with_kvcache(
+        cupy.asarray(q), dkb.transpose(0, 2, 3, 1, 4), dvb.transpose(0, 2, 3, 1, 4),
+        cache_seqlens=cupy.asarray(s), return_lse=True)
+    _check_rows((q, kc, vc, s, None), o, lse, 0, False, 16)
+
+
 def test_every_split_count_agrees_and_is_bitwise_reproducible():
     import cupy
     case = (BF16, 8, 4, 1, 128, 8192, 16, 1, False, None)
@@ -177,3 +210,79 @@ def test_varlen_on_cupy_matches_reference(dtype):
         prob = _problem.make_problem(*args, scale=None, causal=True)
         ro, rl = reference.attention(*args, causal=True, return_lse=True)
         assert_attention_close(prob, o[..., sq, :], lse[..., sq], ro, rl)
+
+
+@pytest.mark.parametrize("dtype,causal", [(BF16, False), (BF16, True), (F16, "top_left"),
+                                          (F32, True)])
+def test_varlen_one_launch_matches_the_per_sequence_loop(dtype, causal, monkeypatch):
+    """The varlen build (one launch over every (sequence, Q tile)) against the per-sequence
+    loop (CUFLASH_VARLEN_KERNEL=0) and the reference: 40 mixed sequences, GQA, empty ones."""
+    import cupy
+
+    from cuflash import _inference_varlen
+    rng = numpy.random.default_rng(8)
+    lq = list(rng.integers(0, 300, 40))
+    lk = [x if i % 3 else int(rng.integers(0, 400)) for i, x in enumerate(lq)]
+    lq[5], lk[7] = 0, 0
+    cu_q = numpy.concatenate([[0], numpy.cumsum(lq)]).astype(numpy.int32)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(lk)]).astype(numpy.int32)
+    q = rng.standard_normal((2, 4, cu_q[-1], 128)).astype(dtype)
+    k = rng.standard_normal((2, 1, cu_k[-1], 128)).astype(dtype)
+    v = rng.standard_normal((2, 1, cu_k[-1], 128)).astype(dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    prob = _problem.make_problem(*dev[:3], scale=None, causal=causal)
+    assert _inference_varlen.why_not(prob) is None
+    o1, l1 = _varlen.attention_varlen(*dev, causal=causal, return_lse=True)
+    monkeypatch.setenv("CUFLASH_VARLEN_KERNEL", "0")
+    o0, l0 = _varlen.attention_varlen(*dev, causal=causal, return_lse=True)
+    o1, l1, o0, l0 = (cupy.asnumpy(x) for x in (o1, l1, o0, l0))
+    for s in range(len(lq)):
+        if lq[s] == 0:
+            continue
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lk[s] == 0:
+            assert (o1[..., sq, :] == 0).all() and (l1[..., sq] == -numpy.inf).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        p = _problem.make_problem(*args, scale=None, causal=causal)
+        ro, rl = reference.attention(*args, causal=causal, return_lse=True)
+        assert_attention_close(p, o1[..., sq, :], l1[..., sq], ro, rl)
+        assert_attention_close(p, o0[..., sq, :], l0[..., sq], ro, rl)
+
+
+@pytest.mark.parametrize("dtype,causal", [(BF16, True), (F16, False), (F32, True)])
+def test_varlen_backward_one_launch_matches_the_per_sequence_loop(dtype, causal, monkeypatch):
+    """attention_varlen_vjp's pullback: the backward's varlen build against the per-sequence
+    loop and the float64 reference gradients, GQA, sequences without queries or keys."""
+    import cupy
+
+    from _tolerance_bwd import assert_gradients_close
+    rng = numpy.random.default_rng(10)
+    lq = [int(x) for x in rng.integers(1, 200, 12)]
+    lk = [int(x) for x in rng.integers(1, 300, 12)]
+    lq[2], lk[4] = 0, 0
+    cu_q = numpy.concatenate([[0], numpy.cumsum(lq)]).astype(numpy.int32)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(lk)]).astype(numpy.int32)
+    q = rng.standard_normal((2, 2, cu_q[-1], 64)).astype(dtype)
+    k = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    v = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    do = rng.standard_normal(q.shape).astype(dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, cu_q, cu_k)]
+    grads = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CUFLASH_VARLEN_KERNEL", flag)
+        _, pull = _varlen.attention_varlen_vjp(*dev, causal=causal)
+        grads.append([cupy.asnumpy(g) for g in pull(cupy.asarray(do))])
+    for s in range(len(lq)):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lq[s] == 0 or lk[s] == 0:
+            for g in grads:
+                assert (g[0][..., sq, :] == 0).all() and (g[1][..., sk, :] == 0).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        ref = reference.attention_backward(do[..., sq, :], *args, causal=causal)
+        p = _problem.make_problem(*args, scale=None, causal=causal)
+        for g in grads:
+            assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
+                                                      g[2][..., sk, :]), ref,
+                                   (args[0].shape, args[1].shape, args[2].shape))

@@ -402,8 +402,10 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         spec = _inference_gpu.spec_or_reason(c, H200)
         assert not isinstance(spec, str), spec
         assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
-        assert spec.split[1] == f"cuflash::decode::decode_split<__nv_bfloat16, 128, {G}, " \
-                                "cuflash::Variant<false>>"
+        # the tensor-core decode on an H200: 16 packed rows a tile, whatever G
+        assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
+                                  "128, cuflash::Variant<false>>")
+        assert spec.row_tiles == 1
         assert spec.split[2] == B * Hkv * spec.splits
         assert (spec.combine is None) == (spec.splits == 1)
         assert spec.params["paged"] == int(paged)
@@ -424,3 +426,16 @@ def test_pointer_words_are_in_struct_order():
                                        "lse_part", "cache_seqlens", "block_table", "k_new",
                                        "v_new")
     assert list(_inference_gpu.DECODE_PARAMS.names[:11]) == list(_inference_gpu.POINTERS)
+
+
+def test_cuflash_decode_split_forces_the_generic_kernel(monkeypatch):
+    """CUFLASH_DECODE=split (A/B runs): decode_split where decode_mma would run, said so."""
+    B, Hkv, G, L = 2, 2, 4, 256
+    q = numpy.zeros((B, Hkv, G, 1, 128), BF16)
+    kc = numpy.zeros((B, Hkv, 1, L, 128), BF16)
+    s = numpy.full((B,), L, numpy.int32)
+    c = _inference.check_kvcache(q, kc, kc, s, None, None, None, None, None, False, True)
+    assert _inference_gpu.spec_or_reason(c, H200).split[0] == "decode_mma.cu"
+    monkeypatch.setenv("CUFLASH_DECODE", "split")
+    spec = _inference_gpu.spec_or_reason(c, H200)
+    assert spec.split[0] == "decode.cu" and "CUFLASH_DECODE=split" in spec.explain()

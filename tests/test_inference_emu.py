@@ -31,7 +31,19 @@ CASES = [  # dtype, Hkv, G, Lq, d, L, paged, page_size, Lnew, causal, splits
     (BF16, 1, 2, 1, 256, 40, True, 256, 1, False, 1),
 ]
 
+#: the tensor-core decode (decode_mma.cu): GQA groups, 2 row tiles, head dims past the bucket's
+#: columns, split tails, causal chunked prefill, page 32 and 16
+MMA_CASES = [
+    (BF16, 2, 4, 1, 128, 333, False, 0, 1, False, 3),
+    (F16, 1, 8, 3, 64, 150, True, 32, 3, True, 2),     # 24 rows: two row tiles of 16
+    (BF16, 2, 1, 1, 96, 200, True, 16, 0, False, None),  # d = 96 in the 128 bucket
+    (F16, 1, 2, 5, 128, 77, False, 0, 5, True, 1),
+]
+
 SPLIT_CASE = (BF16, 2, 4, 1, 64, 600, True, 16, 1, False, None)
+STRADDLE_CASE = (F16, 1, 4, 1, 64, 60, True, 8, 1, False, 2)
+#: decode_mma for d = 32, dv = 112 (test_emulated_tensor_core_decode_with_dv_other_than_d)
+_DV_EXPR = "cuflash::decode::decode_mma<__half, 128, cuflash::Variant<false>>"
 CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
 
 
@@ -41,12 +53,17 @@ def lib():
     for dtype in (BF16, F16, F32):
         T = _families.ctype(dtype)
         exprs |= {f"cuflash::decode::decode_append<{T}>", f"cuflash::decode::decode_combine<{T}>"}
-    fam = _families.FAMILIES["decode"]
-    for dtype, Hkv, G, Lq, d, *_, causal, _s in CASES + [SPLIT_CASE, CLAMP_CASE]:
-        t = fam.select(fam, _families.Shape(dtype.name, 1, G * Lq, 1, d, d,
-                                            _families.Variant(causal=causal)), SMALL)[0]
-        exprs.add(fam.expr(dtype.name, t, _families.Variant(causal=causal)))
-        exprs.add(fam.expr(dtype.name, t, _families.Variant(causal=not causal)))
+    for dtype, Hkv, G, Lq, d, *_, causal, _s in CASES + MMA_CASES + [SPLIT_CASE, CLAMP_CASE,
+                                                                      STRADDLE_CASE]:
+        for fam in _families.by_kind("decode"):
+            # the generic kernel in both variants (tests flip causal); decode_mma as the case
+            for cz in (causal, not causal) if fam.name == "decode" else (causal,):
+                v = _families.Variant(causal=cz)
+                shape = _families.Shape(dtype.name, 1, G * Lq, 1, d, d, v)
+                if fam.rejects(shape, SMALL) is None:
+                    t = fam.select(fam, shape, SMALL)[0]
+                    exprs.add(fam.expr(dtype.name, t, v))
+    exprs.add(_DV_EXPR)
     return _emu_decode.build(sorted(exprs))
 
 
@@ -87,6 +104,24 @@ def test_emulated_decode_matches_reference_and_appends(lib, case):
         _inference._append(ref, ref.seqlens)
     spec, (o, lse) = _run(lib, c)
     assert numpy.array_equal(c.k_cache, ref.k_cache) and numpy.array_equal(c.v_cache, ref.v_cache)
+    _check(c, o, lse)
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"{c[0]}-G{c[2]}-Lq{c[3]}-d{c[4]}-"
+                         f"{'paged' + str(c[7]) if c[6] else 'dense'}-s{c[10]}")
+def test_emulated_tensor_core_decode_matches_reference(lib, case):
+    c = _call(case, seed=7)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode_mma.cu", spec.explain()
+    _check(c, o, lse)
+
+
+def test_emulated_generic_decode_where_pages_straddle_tiles(lib):
+    """A page size that is not a multiple of 16 keeps the generic decode_split, and says so."""
+    c = _call(STRADDLE_CASE)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode.cu"
+    assert "page_size=8 is not a multiple of 16" in spec.explain()
     _check(c, o, lse)
 
 
@@ -151,3 +186,32 @@ def test_emulated_device_values_out_of_range_are_clamped(lib):
         ro, rl = reference.attention(ref.q[b], kb, vb, return_lse=True)
         prob = _problem.make_problem(ref.q[b], kb, vb, scale=None, causal=False)
         assert_attention_close(prob, o[b], lse[b], ro, rl)
+
+
+def test_emulated_tensor_core_decode_on_a_sequence_major_cache(lib):
+    """A cache stored (B, L, Hkv, d) and passed as its (B, Hkv, 1, L, d) view: key rows Hkv * d
+    elements apart (the usual serving layout), K and V of different strides."""
+    rng = numpy.random.default_rng(11)
+    B, Hkv, G, L, d = 2, 3, 4, 120, 64
+    q = rng.standard_normal((B, Hkv, G, 1, d)).astype(BF16)
+    kb = rng.standard_normal((B, L, Hkv, 1, d)).astype(BF16)
+    vb = rng.standard_normal((B, L, Hkv + 1, 1, d)).astype(BF16)[:, :, 1:]  # V: other strides
+    kc, vc = kb.transpose(0, 2, 3, 1, 4), vb.transpose(0, 2, 3, 1, 4)
+    s = numpy.array([77, 119], numpy.int32)
+    c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 2, None, False, True)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode_mma.cu"
+    assert spec.params["k_row"] == Hkv * d and spec.params["v_row"] == (Hkv + 1) * d
+    _check(c, o, lse)
+
+
+def test_emulated_tensor_core_decode_with_dv_other_than_d(lib):
+    """d = 32, dv = 112 (the 128 bucket): K columns past 32 and V columns past 112 copy
+    nothing; o has 112 columns."""
+    rng = numpy.random.default_rng(12)
+    q, kc, vc, s, bt, kn, vn = make_cache(rng, F16, B=2, Hkv=2, G=4, Lq=1, d=32, dv=112, L=90,
+                                          Lnew=1, paged=True, page_size=16, seqlens=[40, 88])
+    c = _inference.check_kvcache(q, kc, vc, s, bt, kn, vn, 2, None, False, True)
+    spec, (o, lse) = _run(lib, c)
+    assert spec.split[0] == "decode_mma.cu" and o.shape[-1] == 112
+    _check(c, o, lse)

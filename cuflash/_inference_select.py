@@ -1,0 +1,38 @@
+"""The decode families' ``select`` and ``instances`` (registry records "decode_sm80" and
+"decode" in ``cuflash/_families.py``), kept here so that the registry module stays small.
+Imports nothing from the registry: it only reads the traits tables."""
+
+from __future__ import annotations
+
+from . import _traits
+
+
+# -- decode (helper "inference"): Shape.Lq is the packed query rows of a block's KV head
+#    (G query heads x Lq queries), Shape.Lk the cache capacity
+def decode_select(fam, shape, dev):
+    if shape.d % 8 or shape.dv % 8:
+        return f"reads rows in 8-element chunks: d={shape.d} and dv={shape.dv} must be multiples of 8"
+    bucket = next(b for b in (32, 64, 128, 256) if b >= shape.dmax)
+    rows = next(r for r in (1, 2, 4, 8) if r >= min(shape.Lq, 8))
+    t = _traits.TABLES[fam.name][(bucket, rows)]
+    tiles = -(-shape.Lq // rows)
+    return t, {}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
+                                    if tiles > 1 else "")]
+
+
+def decode_instances(fam, arch):
+    for t in _traits.TABLES[fam.name].values():
+        yield t, {}
+
+
+# -- decode_sm80 (helper "inference"): the tensor-core decode; Shape.Lq = packed rows, any
+#    number (tiles of 16); the caller (cuflash/_inference_gpu.py) keeps paged caches whose page
+#    size is not a multiple of 16 on "decode"
+def decode_sm80_select(fam, shape, dev):
+    if shape.d % 8 or shape.dv % 8:
+        return f"copies rows in 8-element chunks: d={shape.d} and dv={shape.dv} must be multiples of 8"
+    t = _traits.TABLES[fam.name][64 if shape.dmax <= 64 else 128]
+    if t.smem_bytes > dev.smem_optin:
+        return f"needs {t.smem_bytes} B of shared memory a block, the device has {dev.smem_optin}"
+    tiles = -(-shape.Lq // 16)
+    return t, {}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
