@@ -146,8 +146,12 @@ def test_planted_bug_is_found_with_random_seeds(bug):
 
 
 def test_unknown_feature_is_an_error_that_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown features \['window'\]; known: \['causal', 'scale'\]"):
-        attention_cases(features=("causal", "window"))
+    known = sorted(cuflash.testing.FEATURES)
+    assert set(known) == {"scale", "causal", "window", "softcap", "alibi_slopes", "sink", "bias",
+                          "mask", "score_mod", "mask_mod", "block_mask"}
+    with pytest.raises(ValueError) as info:
+        attention_cases(features=("causal", "windows"))
+    assert str(info.value) == f"unknown features ['windows']; known: {known}"
 
 
 def test_case_round_trips_through_npz(tmp_path):
@@ -203,6 +207,10 @@ def test_fuzz_campaign_on_the_cpu_passes_and_reports(tmp_path, capsys):
     assert data["counts"]["grads"].get("True", 0) > 0
     assert data["device"].startswith("cpu") and data["wall_s"] > 0
     assert "30 examples, 0 failures" in capsys.readouterr().out
+    # every feature, modifiers included, was on in some of the 30 cases; none skipped on CPU
+    assert set(data["features_fuzzed"]) == set(cuflash.testing.FEATURES)
+    assert all(n > 0 for n in data["features_fuzzed"].values()), data["features_fuzzed"]
+    assert data["features_skipped"] == {}
 
 
 def test_fuzz_records_failures_with_reproducers(tmp_path, monkeypatch):
@@ -219,7 +227,7 @@ def test_fuzz_records_failures_with_reproducers(tmp_path, monkeypatch):
     monkeypatch.setattr(cuflash, "attention", ignores_causal)
     report = tmp_path / "fuzz.json"
     rc = _fuzz.main(["--examples", "40", "--device", "cpu", "--report", str(report),
-                     "--grads", "0", "--quiet"])
+                     "--grads", "0", "--quiet", "--features", "scale", "causal"])
     assert rc == 1
     data = json.loads(report.read_text())
     assert data["examples"] == 40 and data["n_failures"] >= 1
@@ -256,7 +264,7 @@ def test_fuzz_stop_on_failure_shrinks(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--examples", "0"], "--examples must be at least 1"),
-    (["--features", "window"], "unknown features ['window']; known: ['causal', 'scale']"),
+    (["--features", "windows"], "unknown features ['windows']; known: ['alibi_slopes', "),
     (["--dtypes", "int8"], "dtype 'int8' is not one of"),
     (["--grads", "2"], "--grads must be a share in [0, 1]"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -313,3 +321,286 @@ def test_no_test_file_picks_its_own_number_of_examples():
         if path.name != pathlib.Path(__file__).name:
             text = path.read_text()
             assert not re.search(r"max_examples\s*=|load_profile", text), path.name
+
+
+# -- the modifiers: planted bugs in someone else's attention with modifiers ---------------------
+
+MOD_FEATURES = ("scale", "causal", "window", "softcap", "alibi_slopes", "sink", "bias", "mask",
+                "score_mod", "mask_mod", "block_mask")
+#: forward bugs, each in one modifier
+MOD_BUGS = ("window_off_by_one", "softcap_after_mask", "alibi_sign_flipped", "sink_ignored",
+            "bias_batch_ignored", "mask_mod_top_left", "score_mod_after_mask")
+
+
+def _b_h(batch):
+    """(b, h) of every batch item as DESIGN.md defines them, shaped batch + (1, 1)."""
+    flat = numpy.arange(math.prod(batch)).reshape(batch)
+    heads = max(1, math.prod(batch[1:] if len(batch) >= 2 else batch))
+    b, h = (flat // heads, flat % heads) if len(batch) >= 2 else (flat * 0, flat)
+    return b[..., None, None], h[..., None, None]
+
+
+def _toy_scores(q, k, *, scale, causal, window, softcap, alibi_slopes, bias, mask, score_mod,
+                mask_mod, block_mask, bug):
+    """A hand-written score pipeline (in q's compute dtype): (masked scores, tanh or None)."""
+    batch, (Lq, Lk) = q.shape[:-2], (q.shape[-2], k.shape[-2])
+    compute = q.dtype.type
+    s = (q @ k.swapaxes(-1, -2)) * compute(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    i, j = numpy.arange(Lq)[:, None], numpy.arange(Lk)[None, :]
+    b, h = _b_h(batch)
+    diag = Lk - Lq
+    vis = numpy.ones(batch + (Lq, Lk), bool)
+    if causal:
+        vis &= j <= i + (0 if causal == "top_left" else diag)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis &= (j > i + diag - left) if bug == "window_off_by_one" else (j >= i + diag - left)
+        if right is not None:
+            vis &= j <= i + diag + right
+    if mask is not None:
+        vis &= mask
+    fn = mask_mod if mask_mod is not None else getattr(block_mask, "mask_mod", None)
+    if fn is not None:
+        if bug == "mask_mod_top_left":   # the mask_mod's indices shifted to the other corner
+            vis &= fn(b, h, i + diag, j)
+        else:
+            vis &= fn(b, h, i, j)
+    th = None
+    with numpy.errstate(all="ignore"):
+        early = bug in ("softcap_after_mask", "score_mod_after_mask")
+        if early:   # masks first, and the transforms after them (softcap(-inf) = -c)
+            s = numpy.where(vis, s, -numpy.inf)
+        if softcap is not None:
+            th = numpy.tanh(s / compute(softcap))
+            s = compute(softcap) * th
+        if alibi_slopes is not None:
+            slope = numpy.broadcast_to(alibi_slopes, batch).astype(compute)[..., None, None]
+            dist = numpy.abs(i + diag - j).astype(compute)
+            s = s + slope * dist if bug == "alibi_sign_flipped" else s - slope * dist
+        if bias is not None:
+            bb = bias.astype(compute)
+            if bug == "bias_batch_ignored":   # reads the bias of batch item 0 for every item
+                bb = bb[(0,) * (bb.ndim - 2)]
+            s = s + bb
+        if score_mod is not None:
+            s = numpy.broadcast_to(score_mod(s, b, h, i, j), s.shape).astype(compute)
+        if not early:
+            s = numpy.where(vis, s, -numpy.inf)
+    return s, th
+
+
+def toy_attention_mods(q, k, v, *, scale=None, causal=False, window=None, softcap=None,
+                       alibi_slopes=None, sink=None, bias=None, mask=None, score_mod=None,
+                       mask_mod=None, block_mask=None, bug=None):
+    """Someone else's attention with modifiers, the obvious way in NumPy: (o, lse)."""
+    compute = numpy.float64 if q.dtype == numpy.float64 else numpy.float32
+    batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q, k, v = (numpy.broadcast_to(x, batch + x.shape[-2:]).astype(compute) for x in (q, k, v))
+    s, _ = _toy_scores(q, k, scale=scale, causal=causal, window=window, softcap=softcap,
+                       alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=score_mod,
+                       mask_mod=mask_mod, block_mask=block_mask, bug=bug)
+    with numpy.errstate(all="ignore"):
+        m = s.max(axis=-1, keepdims=True) if s.shape[-1] else numpy.full(s.shape[:-1] + (1,),
+                                                                          -numpy.inf)
+        if sink is not None and bug != "sink_ignored":
+            sk = numpy.broadcast_to(sink, batch).astype(compute)[..., None, None]
+            m = numpy.maximum(m, sk)
+        m = numpy.where(m == -numpy.inf, 0, m)
+        e = numpy.exp(s - m)
+        l = e.sum(axis=-1, keepdims=True)
+        if sink is not None and bug != "sink_ignored":
+            l = l + numpy.exp(sk - m)
+        o = (e / numpy.where(l == 0, 1, l)) @ v
+        lse = (m + numpy.log(l))[..., 0]
+    return o.astype(v.dtype), lse
+
+
+def _sum_to(x, shape, bug=None):
+    """x summed over the dims broadcasting added to shape (bug: take the first item instead)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(shape)
+                                      if n == 1 and x.shape[lead + a] != 1)
+    if bug:
+        x = x[tuple(slice(0, 1) if a in axes else slice(None) for a in range(x.ndim))]
+    elif axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+def toy_attention_mods_backward(do, q, k, v, *, scale=None, causal=False, window=None,
+                                softcap=None, alibi_slopes=None, sink=None, bias=None,
+                                mask=None, bug=None, **unused):
+    """Its backward: dq, dk, dv, then dbias and dsink when given (no score_mod)."""
+    compute = numpy.float64 if q.dtype == numpy.float64 else numpy.float32
+    shapes = (q.shape, k.shape, v.shape)
+    batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q, k, v = (numpy.broadcast_to(x, batch + x.shape[-2:]).astype(compute) for x in (q, k, v))
+    do = numpy.broadcast_to(do, batch + do.shape[-2:]).astype(compute)
+    sc = compute(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s, th = _toy_scores(q, k, scale=scale, causal=causal, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, bias=bias, mask=mask, score_mod=None,
+                        mask_mod=None, block_mask=None, bug=None)
+    with numpy.errstate(all="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        if sink is not None:
+            sk = numpy.broadcast_to(sink, batch).astype(compute)[..., None, None]
+            m = numpy.maximum(m, sk)
+        m = numpy.where(m == -numpy.inf, 0, m)
+        e = numpy.exp(s - m)
+        l = e.sum(axis=-1, keepdims=True) + (numpy.exp(sk - m) if sink is not None else 0)
+        l = numpy.where(l == 0, 1, l)
+        p = e / l
+        dv = p.swapaxes(-1, -2) @ do
+        dp = do @ v.swapaxes(-1, -2)
+        D = (dp * p).sum(axis=-1, keepdims=True)
+        ds = p * (dp - D)
+        dbias = ds
+        if softcap is not None:
+            ds = numpy.where(ds == 0, 0, ds * (1 - th * th))
+    grads = [_sum_to(x, shape).astype(v.dtype) for x, shape in
+             zip(((ds @ k) * sc, (ds.swapaxes(-1, -2) @ q) * sc, dv), shapes)]
+    if bias is not None:
+        grads.append(_sum_to(dbias, bias.shape, bug == "dbias_not_summed").astype(bias.dtype))
+    if sink is not None:
+        dsink = -((numpy.exp(sk - m) / l) * D)[..., 0].sum(axis=-1)
+        grads.append(_sum_to(dsink, sink.shape).astype(sink.dtype))
+    return tuple(grads)
+
+
+def run_mods_until_failure(bug, max_examples, *, features=MOD_FEATURES, grads=False,
+                           shrink=False):
+    """As run_until_failure, for the toy with modifiers."""
+    seen = {"n": 0, "case": None, "error": None}
+
+    @settings(max_examples=max_examples, database=None, derandomize=True, deadline=None,
+              phases=(Phase.generate, Phase.shrink) if shrink else (Phase.generate,),
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(attention_cases(max_seqlen=64, features=features))
+    def check(case):
+        if seen["error"] is None:
+            seen["n"] += 1
+        o, lse = toy_attention_mods(case.q, case.k, case.v, bug=bug, **case.kwargs)
+        g = (toy_attention_mods_backward(case.do, case.q, case.k, case.v, bug=bug,
+                                         **case.kwargs) if grads else None)
+        try:
+            assert_attention_close(o, case, lse=lse, grads=g)
+        except AssertionError as e:
+            seen["case"], seen["error"] = case, e
+            raise
+
+    try:
+        check()
+    except AssertionError:
+        pass
+    return seen["n"], seen["case"], seen["error"]
+
+
+def test_the_correct_toy_with_modifiers_passes():
+    n, case, error = run_mods_until_failure(None, 150)
+    assert error is None, f"{case!r}: {error}"
+    assert n == 150
+
+
+def test_the_correct_toy_backward_with_modifiers_passes():
+    n, case, error = run_mods_until_failure(
+        None, 60, grads=True, features=("scale", "causal", "window", "softcap", "alibi_slopes",
+                                        "sink", "bias", "mask"))
+    assert error is None, f"{case!r}: {error}"
+
+
+@pytest.mark.parametrize("bug", MOD_BUGS)
+def test_planted_modifier_bug_is_found(bug):
+    n, case, error = run_mods_until_failure(bug, BOUND)
+    assert error is not None, f"{bug} not found in {BOUND} examples"
+    assert "rebuild" in str(error)
+
+
+@pytest.mark.parametrize("bug, features", [
+    ("dbias_not_summed", ("bias",)),
+    ("dbias_not_summed", ("causal", "bias", "sink")),
+])
+def test_planted_modifier_gradient_bug_is_found(bug, features):
+    n, case, error = run_mods_until_failure(bug, BOUND, features=features, grads=True)
+    assert error is not None, f"{bug} not found in {BOUND} examples"
+    assert str(error).startswith("dbias: "), str(error)
+
+
+@pytest.mark.parametrize("bug", ["softcap_after_mask", "alibi_sign_flipped", "sink_ignored"])
+def test_planted_modifier_bug_shrinks_to_a_small_case(bug):
+    _, small, error = run_mods_until_failure(bug, BOUND, shrink=True)
+    q, k, v = (small.operands[x].shape for x in "qkv")
+    assert max(q[-2], k[-2]) <= 8 and max(q[-1], v[-1]) <= 8, repr(small)
+    # the one feature the bug needs is on; shrinking turned the others off
+    on = set(small.keywords) - {"scale", "causal"}
+    assert len(on) <= 2, repr(small)
+
+
+def test_fuzz_features_flag_picks_the_modifiers(tmp_path):
+    import json
+    from cuflash import _fuzz
+    report = tmp_path / "fuzz.json"
+    assert _fuzz.main(["--examples", "12", "--device", "cpu", "--report", str(report), "--quiet",
+                       "--features", "window", "sink", "--grads", "0.5"]) == 0
+    data = json.loads(report.read_text())
+    assert data["features"] == ["window", "sink"] and set(data["features_fuzzed"]) == {
+        "window", "sink"}
+    assert set(data["counts"]) - {"dtype", "grads", "lengths", "d", "batch_dims", "special",
+                                  "features_on"} <= {"window", "sink"}
+
+
+def test_gpu_support_is_asked_of_one_place(monkeypatch):
+    """On the GPU the campaign leaves out what _modifiers.GPU_FEATURES does not list, with the
+    reason; as the kernels gain a modifier it is fuzzed there."""
+    from cuflash import _fuzz, _modifiers
+    everything = list(cuflash.testing.FEATURES)
+    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset())
+    skipped = _fuzz.gpu_unsupported(everything)
+    assert set(skipped) == set(cuflash.testing.MODIFIERS)
+    assert "do not implement window yet" in skipped["window"] and "--device cpu" in skipped["window"]
+    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset({"window", "softcap", "block_mask"}))
+    skipped = _fuzz.gpu_unsupported(everything)
+    assert "window" not in skipped and "softcap" not in skipped and "sink" in skipped
+    assert "mask_mod" in skipped["block_mask"]          # a block mask runs its mask_mod
+    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset(_modifiers.KEYWORDS))
+    assert _fuzz.gpu_unsupported(everything) == {}
+
+
+def test_case_with_modifiers_round_trips_through_npz(tmp_path):
+    case = AttentionCase.make(
+        "bfloat16", (2, 3, 5, 4), (2, 1, 7, 4), (3, 7, 6), seed=3, causal="top_left",
+        window=(2, None), softcap=5.0, score_mod="head_temperature",
+        block_mask={"mask_mod": "documents", "block": (2, 3)},
+        sink={"shape": (3,), "scale": 10.0, "dtype": "float32"},
+        alibi_slopes={"shape": (2, 1), "expanded": (), "scale": 0.1, "dtype": "bfloat16"},
+        bias={"shape": (2, 1, 5, 7), "expanded": (0,), "layout": "strided", "scale": 1.0,
+              "hide": 0.2, "dtype": "float32"},
+        mask={"shape": (5, 7), "layout": "transposed", "keep": 0.8})
+    assert case.kwargs["bias"].strides[0] == 0 and case.kwargs["mask"].dtype == bool
+    assert case.kwargs["block_mask"].mask_mod is cuflash.testing.MASK_MODS["documents"]
+    assert case.grad_names == ("dq", "dk", "dv", "dbias", "dsink")
+    path = tmp_path / "case.npz"
+    case.to_npz(path)
+    again = AttentionCase.from_npz(path)
+    assert repr(again) == repr(case)
+    for name in ("bias", "mask", "sink", "alibi_slopes"):
+        a, b = case.kwargs[name], again.kwargs[name]
+        assert a.dtype == b.dtype and a.strides == b.strides and a.tobytes() == b.tobytes()
+    rebuilt = eval("cuflash.testing." + repr(case))
+    assert rebuilt.kwargs["bias"].tobytes() == case.kwargs["bias"].tobytes()
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, **case.kwargs)
+    grads = cuflash.attention_backward(case.do, case.q, case.k, case.v, o, lse, **case.kwargs)
+    assert_attention_close(o, again, lse=lse, grads=grads)
+    assert_attention_close(o, again, grads=grads[:3])   # a kernel without dbias, dsink
+    with pytest.raises(TypeError, match=r"grads must be \(dq, dk, dv, dbias, dsink\) or "
+                                        r"\(dq, dk, dv\) for this case, got 4 arrays"):
+        assert_attention_close(o, again, grads=grads[:4])
+
+
+def test_a_function_outside_the_library_is_named_when_saving(tmp_path):
+    q = numpy.ones((3, 2), numpy.float32)
+    case = AttentionCase.from_arrays(q, q, q, score_mod=lambda s, b, h, i, j: s * 2)
+    with pytest.raises(TypeError, match=r"to_npz cannot save the functions of \['score_mod'\]"):
+        case.to_npz(tmp_path / "x.npz")
+    named = AttentionCase.from_arrays(q, q, q, mask_mod=cuflash.testing.MASK_MODS["dilated"])
+    assert named.keywords["mask_mod"] == "dilated"
