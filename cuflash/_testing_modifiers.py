@@ -232,7 +232,7 @@ def draw_array_shape(draw, st, full: tuple, *, keep_last: bool = False) -> tuple
 
 def make_array(spec: dict, rng: numpy.random.Generator, name: str, dtype: Any) -> numpy.ndarray:
     """The values of an array keyword from its spec (C order, extent 1 on the stride-0 dims)."""
-    from cuflash.testing import _dtype
+    from cuflash._testing_case import _dtype
     shape = tuple(spec["shape"])
     vshape = tuple(1 if i in tuple(spec.get("expanded", ())) else n for i, n in enumerate(shape))
     if name == "mask":
