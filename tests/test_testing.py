@@ -604,3 +604,164 @@ def test_a_function_outside_the_library_is_named_when_saving(tmp_path):
         case.to_npz(tmp_path / "x.npz")
     named = AttentionCase.from_arrays(q, q, q, mask_mod=cuflash.testing.MASK_MODS["dilated"])
     assert named.keywords["mask_mod"] == "dilated"
+
+
+# -- bench/sanitize.sh: the parser of compute-sanitizer's output, on sample outputs ------------
+
+def _sanitize_report():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "bench" / "sanitize_report.py"
+    spec = importlib.util.spec_from_file_location("sanitize_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PYTEST_OK = """\
+tests/test_gpu_forward.py::test_bitwise_deterministic[f32] PASSED                  [ 50%]
+tests/test_gpu_forward.py::test_tensor_core_buckets[sm80-203-113-True-111-111-bf16] SKIPPED [100%]
+
+=================== 1 passed, 1 skipped in 41.27s ===================
+"""
+
+MEMCHECK_CLEAN = """\
+========= COMPUTE-SANITIZER
+========= ERROR SUMMARY: 0 errors
+"""
+
+MEMCHECK_ERRORS = """\
+========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 2 bytes
+=========     at void cuflash::fwd_sm80<__half, 64, 64, 4, 1, 2, cuflash::Variant<true>, false>(cuflash::Params)+0x1a30 in /tmp/cuflash/fwd_sm80.cu:211
+=========     by thread (5,0,0) in block (3,1,0)
+=========     Address 0x7f5e2c001ffe is out of bounds
+=========     and is 2 bytes after the nearest allocation at 0x7f5e2c000000 of size 8190 bytes
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========     Host Frame: [0x2f1e4f] in /usr/lib/x86_64-linux-gnu/libcuda.so.1
+=========
+========= Invalid __shared__ write of size 16 bytes
+=========     at 0x2b80 in void cuflash::decode::decode_split<__nv_bfloat16, 128, 4, cuflash::Variant<false>>(cuflash::decode::Params)
+=========     by thread (31,0,0) in block (0,7,0)
+=========
+========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+=========     Saved host backtrace up to driver entry point at error
+=========
+========= Target application returned an error
+========= ERROR SUMMARY: 3 errors
+"""
+
+RACECHECK_HAZARDS = """\
+========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at void cuflash::sm90::bwd_sm90<__half, 64, 64, 2, 1, cuflash::Variant<false>>(cuflash::Params)+0x4f20 in bwd_sm90.cu:402
+=========     and Read access at void cuflash::sm90::bwd_sm90<__half, 64, 64, 2, 1, cuflash::Variant<false>>(cuflash::Params)+0x5010 in bwd_sm90.cu:417 [2048 hazards]
+=========
+========= Warning: Race reported between Read access at cuflash::fwd_simt<float, 64>+0x300 in fwd_simt.cu:90
+=========     and Write access at cuflash::fwd_simt<float, 64>+0x380 in fwd_simt.cu:95 [32 hazards]
+=========
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+"""
+
+SYNCCHECK_BARRIER = """\
+========= COMPUTE-SANITIZER
+========= Barrier error detected. Divergent thread(s) in warp
+=========     at 0x1d40 in void cuflash::bwd_sm80<__half, 128, 64, 16, 8, 1, cuflash::Variant<true>, true>(cuflash::Params)
+=========     by thread (64,0,0) in block (2,0,0)
+=========
+========= ERROR SUMMARY: 1 error
+"""
+
+REFUSED = """\
+========= COMPUTE-SANITIZER
+========= Error: Device not supported. Please refer to the "Supported Devices" section of the sanitizer documentation
+========= Error: Target application terminated before first instrumented API call
+========= ERROR SUMMARY: 0 errors
+"""
+
+
+def test_sanitize_summary_of_a_clean_run():
+    r = _sanitize_report().summarize("memcheck", MEMCHECK_CLEAN, PYTEST_OK, rc=0, seconds=41.3,
+                                     command="compute-sanitizer ...", budget=130)
+    assert r["status"] == "clean" and r["errors"] == 0 and r["kernel_errors"] == 0
+    assert r["tests"]["passed"] == 1 and r["tests"]["skipped"] == 1 and r["tests"]["ran"] == 2
+    assert r["seconds"] == 41.3 and r["command"] == "compute-sanitizer ..." and not r["timed_out"]
+
+
+def test_sanitize_summary_names_the_kernels_with_errors():
+    r = _sanitize_report().summarize("memcheck", MEMCHECK_ERRORS, PYTEST_OK, rc=9, seconds=5,
+                                     command="c")
+    assert r["status"] == "errors" and r["errors"] == 3
+    assert r["kernel_errors"] == 2 and r["api_errors"] == 1
+    assert r["kernels"] == ["cuflash::decode::decode_split", "cuflash::fwd_sm80"]
+    assert r["samples"][0] == ("Invalid __global__ read of size 2 bytes [in cuflash::fwd_sm80]")
+    assert "cudaErrorLaunchFailure from cudaStreamSynchronize" in r["samples"][2]
+
+
+def test_sanitize_summary_of_racecheck_counts_errors_and_warnings():
+    r = _sanitize_report().summarize("racecheck", RACECHECK_HAZARDS, PYTEST_OK, rc=9, seconds=5,
+                                     command="c")
+    assert r["status"] == "errors"
+    assert r["racecheck"] == {"hazards": 2, "errors": 1, "warnings": 1}
+    assert r["kernels"] == ["cuflash::fwd_simt", "cuflash::sm90::bwd_sm90"]
+    warnings_only = RACECHECK_HAZARDS.split("=========\n", 1)[1].replace("(1 error", "(0 errors")
+    r = _sanitize_report().summarize("racecheck", warnings_only, PYTEST_OK, rc=0, seconds=5,
+                                     command="c")
+    assert r["status"] == "clean" and r["warnings"] == 1   # a warning is reported, not failed
+
+
+def test_sanitize_summary_of_synccheck_refusal_timeout_and_failures():
+    m = _sanitize_report()
+    r = m.summarize("synccheck", SYNCCHECK_BARRIER, PYTEST_OK, rc=9, seconds=5, command="c")
+    assert r["status"] == "errors" and r["kernels"] == ["cuflash::bwd_sm80"]
+    r = m.summarize("memcheck", "", REFUSED, rc=9, seconds=2, command="c")
+    assert r["status"] == "refused" and "Device not supported" in r["refused"]
+    assert r["tests"]["ran"] == 0
+    cut = PYTEST_OK.splitlines()[0] + "\n!!!! KeyboardInterrupt !!!!\n"
+    r = m.summarize("racecheck", "========= COMPUTE-SANITIZER\n", cut, rc=124, seconds=220,
+                    command="c", budget=220, timed_out=True)
+    assert r["status"] == "timed_out" and r["tests"]["passed"] == 1 and r["errors"] is None
+    failing = PYTEST_OK.replace("[f32] PASSED", "[f32] FAILED").replace("1 passed", "1 failed")
+    r = m.summarize("memcheck", MEMCHECK_CLEAN, failing, rc=1, seconds=5, command="c")
+    assert r["status"] == "tests_failed"
+    assert r["tests"]["failed_tests"] == ["tests/test_gpu_forward.py::test_bitwise_deterministic[f32]"]
+    r = m.summarize("memcheck", "", "", rc=127, seconds=0, command="c", missing=True)
+    assert r["status"] == "missing"
+
+
+def test_sanitize_report_cli_writes_the_json(tmp_path):
+    m = _sanitize_report()
+    (tmp_path / "s.log").write_text(MEMCHECK_CLEAN)
+    (tmp_path / "c.log").write_text(PYTEST_OK)
+    rc = m.main(["--tool", "memcheck", "--sanitizer-log", str(tmp_path / "s.log"),
+                 "--console-log", str(tmp_path / "c.log"), "--rc", "0", "--seconds", "41.27",
+                 "--budget", "130", "--command", "cmd", "--out", str(tmp_path / "m.json")])
+    import json
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert rc == 0 and data["tool"] == "memcheck" and data["status"] == "clean"
+    assert set(data) >= {"tool", "command", "errors", "tests", "seconds", "status"}
+
+
+def test_sanitize_tests_name_existing_gpu_tests_and_cover_every_family():
+    """Every node id bench/sanitize.sh runs exists (a renamed test fails here, not on the
+    GPU), and the list names each kernel family of the registry in a comment."""
+    import pathlib
+    import subprocess
+    import sys
+    from cuflash import _families
+    root = pathlib.Path(__file__).parent.parent
+    text = (root / "bench" / "sanitize_tests.txt").read_text()
+    ids = [line.split()[0] for line in text.splitlines()
+           if line.strip() and not line.startswith(("#", "?"))]
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                          "-p", "no:cacheprovider", *ids], capture_output=True, text=True,
+                         cwd=root, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    collected = {line.strip() for line in run.stdout.splitlines() if "::" in line}
+    assert all(any(c == i or c.startswith(i + "[") for c in collected) for i in ids), ids
+    families = {f.name for f in _families.REGISTRY}
+    comments = " ".join(line for line in text.splitlines() if line.startswith("#"))
+    missing = {f for f in families if f not in comments}
+    assert not missing, f"kernel families the sanitizer list does not cover: {missing}"
+    for tool_list in (line.split()[1:] for line in text.splitlines()
+                      if line.strip() and not line.startswith("#")):
+        assert set(tool_list) <= {"memcheck", "racecheck", "synccheck"}, tool_list
