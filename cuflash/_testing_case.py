@@ -289,8 +289,9 @@ class AttentionCase:
                 keywords[name] = {"shape": tuple(x.shape), "given": True}
         for name, table in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
             named = [n for n, fn in table.items() if fn is keywords.get(name)]
-            keywords[name] = named[0] if named else keywords.get(name)
-        return cls(operands, {n: v for n, v in keywords.items() if v is not None}, xp, {})
+            if named:   # a library function is saved by name
+                keywords[name] = named[0]
+        return cls(operands, keywords, xp, {})
 
     def with_xp(self, xp: Any) -> "AttentionCase":
         """The same case with arrays of module ``xp`` (e.g. a drawn NumPy case on the GPU,
@@ -303,10 +304,17 @@ class AttentionCase:
         for name, op in self.operands.items():
             bits = op.values.view(numpy.uint16) if op.values.itemsize == 2 else op.values
             arrays[name] = bits
-        fns = [n for n, v in self.keywords.items() if callable(v)]
+        def saveable(v):
+            try:
+                json.dumps(v)
+                return not callable(v)
+            except TypeError:
+                return False
+        fns = [n for n, v in self.keywords.items() if not saveable(v)]
         if fns:
             raise TypeError(f"to_npz cannot save the functions of {fns}: only the library's "
-                            f"(cuflash.testing.SCORE_MODS, MASK_MODS) are saved, by name")
+                            f"(cuflash.testing.SCORE_MODS, MASK_MODS) are saved, by name, and "
+                            f"a block mask as dict(mask_mod=name, block=(bm, bn))")
         meta = dict(meta=self.meta, kwargs=self.keywords, dtype=self.dtype.name,
                     operands={n: dict(layout=op.layout, shape=list(op.shape),
                                       dtype=op.values.dtype.name)

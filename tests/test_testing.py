@@ -765,3 +765,33 @@ def test_sanitize_tests_name_existing_gpu_tests_and_cover_every_family():
     for tool_list in (line.split()[1:] for line in text.splitlines()
                       if line.strip() and not line.startswith("#")):
         assert set(tool_list) <= {"memcheck", "racecheck", "synccheck"}, tool_list
+
+
+@pytest.mark.gpu
+def test_the_rule_with_modifiers_runs_on_cupy():
+    """The kit's naive pipeline (softcap, ALiBi, bias, score_mod, masks, sink) on CuPy: it runs,
+    agrees with the NumPy one, and passes the CPU path's results; where the GPU kernels have
+    the case's modifiers, cuflash on the GPU passes too."""
+    import cupy
+    from cuflash import _fuzz, _tolerance
+    case = AttentionCase.make(
+        "float16", (2, 3, 37, 40), (2, 1, 53, 40), (2, 1, 53, 24), seed=4, causal=True,
+        window=(9, 2), softcap=5.0, score_mod="head_temperature", mask_mod="prefix_lm",
+        sink={"shape": (3,), "scale": 3.0, "dtype": "float32"},
+        alibi_slopes={"shape": (2, 3), "scale": 0.1, "dtype": "float16"},
+        bias={"shape": (37, 53), "scale": 1.0, "hide": 0.1, "dtype": "float32"},
+        mask={"shape": (2, 1, 37, 53), "keep": 0.9})
+    gpu = case.with_xp(cupy)
+    assert isinstance(gpu.kwargs["bias"], cupy.ndarray) and gpu.kwargs["mask"].dtype == bool
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, **case.kwargs)
+    grads = cuflash.attention_backward(case.do, case.q, case.k, case.v, o, lse, **case.kwargs)
+    assert_attention_close(cupy.asarray(o), gpu, lse=cupy.asarray(lse),
+                           grads=[cupy.asarray(x) for x in grads])
+    for ours, theirs in zip(_tolerance.naive_attention(gpu.geometry()),
+                            _tolerance.naive_attention(case.geometry())):
+        a, b = cupy.asnumpy(ours).astype(numpy.float64), theirs.astype(numpy.float64)
+        assert (numpy.isfinite(a) == numpy.isfinite(b)).all()
+        ok = numpy.isfinite(b)
+        assert numpy.abs(a[ok] - b[ok]).max() <= 1e-2 * max(1.0, numpy.abs(b[ok]).max())
+    if not _fuzz.gpu_unsupported(list(case.keywords)):
+        _fuzz.check_case(gpu, cupy, grads=True)
