@@ -47,8 +47,9 @@ largest root-sum-square, ``C`` the largest ``D`` term.
 as a user would, in its own code (``cuflash._testing_modifiers``): softcap, ALiBi, bias and
 score_mod on the scaled scores, each result stored in T for half types; then the masks (causal,
 window, mask, mask_mod, -inf bias entries); a sink is one more key of score ``sink`` and value
-0 in the max-subtracted softmax. ``L`` also bounds the modified scores. The naive backward goes
-through the chain (``1 - tanh^2`` of the softcap, the derivative of the score_mod) and gives
+0 in the max-subtracted softmax. ``L`` also bounds the modified scores and the sink (a large
+sink is subtracted from every score: its rounding moves every exponent). The naive backward
+goes through the chain (``1 - tanh^2`` of the softcap, the derivative of the score_mod) and gives
 ``dbias`` (ds summed over bias's broadcast dims) and ``dsink = -sum_i p_sink_i D_i``; their
 floors have the form above with the chain in the terms. ``D`` also carries the underflow of
 ``O`` stored in T (up to a subnormal spacing per element, times ``sum |dO|``: it matters for
@@ -307,6 +308,9 @@ def _compute_reference_p(g: Geometry) -> dict:
     s = g.scale * (q @ k.swapaxes(-1, -2))
     s, saved = _modified_scores(g, s, numpy, numpy.float64, lambda x: x)
     finite = numpy.abs(s[numpy.isfinite(s)])
+    if g.mods is not None and g.mods.sink is not None:   # the sink is a score too
+        sink = numpy.asarray(g.mods.sink, numpy.float64)
+        finite = numpy.concatenate([finite.ravel(), numpy.abs(sink[numpy.isfinite(sink)])])
     out = dict(max_score=float(finite.max(initial=0.0)), d_total=1.0, d_bias=1.0)
     if g.mods is not None:
         out["d_total"], out["d_bias"] = (numpy.abs(x) for x in g.mods.chain(

@@ -795,3 +795,18 @@ def test_the_rule_with_modifiers_runs_on_cupy():
         assert numpy.abs(a[ok] - b[ok]).max() <= 1e-2 * max(1.0, numpy.abs(b[ok]).max())
     if not _fuzz.gpu_unsupported(list(case.keywords)):
         _fuzz.check_case(gpu, cupy, grads=True)
+
+
+def test_pinned_a_large_sink_is_a_logit_of_the_rule():
+    """Found by `python -m cuflash fuzz --seed 4` (3000 examples): with a sink near 90 every
+    exponent is ``s - 90``, rounded at that magnitude (~1e-14 relative in float64); the rule's
+    logit bound L missed the sink and failed cuflash's correct CPU path by 10%."""
+    case = AttentionCase.make(
+        'float64', (3, 8, 8), (3, 7, 8), (3, 7, 5), seed=2125,
+        layouts=('c', 'strided', 'transposed', 'c'), expanded=((), (0,), (0,)), logit_scale=1.0,
+        value_scale=1.0, scale=0.05, causal=False, window=(0, 17),
+        sink={'shape': (3,), 'expanded': (0,), 'scale': 100.0, 'dtype': 'float64'},
+        bias={'shape': (3, 8, 7), 'expanded': (0,), 'layout': 'f', 'scale': 1.0, 'hide': 0.0,
+              'dtype': 'float64'})
+    from cuflash import _fuzz
+    assert _fuzz.check_case(case, numpy, grads=True) < 1
