@@ -327,9 +327,14 @@ def test_no_test_file_picks_its_own_number_of_examples():
 
 MOD_FEATURES = ("scale", "causal", "window", "softcap", "alibi_slopes", "sink", "bias", "mask",
                 "score_mod", "mask_mod", "block_mask")
-#: forward bugs, each in one modifier
-MOD_BUGS = ("window_off_by_one", "softcap_after_mask", "alibi_sign_flipped", "sink_ignored",
-            "bias_batch_ignored", "mask_mod_top_left", "score_mod_after_mask")
+#: forward bugs, each in one modifier, and the features of a kernel that has that modifier
+MOD_BUGS = {"window_off_by_one": ("scale", "causal", "window"),
+            "softcap_after_mask": ("scale", "causal", "softcap"),
+            "alibi_sign_flipped": ("scale", "causal", "alibi_slopes"),
+            "sink_ignored": ("scale", "causal", "sink"),
+            "bias_batch_ignored": ("scale", "causal", "bias"),
+            "mask_mod_top_left": ("scale", "mask_mod"),
+            "score_mod_after_mask": ("scale", "causal", "score_mod")}
 
 
 def _b_h(batch):
@@ -511,9 +516,54 @@ def test_the_correct_toy_backward_with_modifiers_passes():
 
 @pytest.mark.parametrize("bug", MOD_BUGS)
 def test_planted_modifier_bug_is_found(bug):
-    n, case, error = run_mods_until_failure(bug, BOUND)
+    """A kernel with the modifier, fuzzed with the features it has."""
+    n, case, error = run_mods_until_failure(bug, BOUND, features=MOD_BUGS[bug])
     assert error is not None, f"{bug} not found in {BOUND} examples"
     assert "rebuild" in str(error)
+
+
+#: Examples allowed with every modifier on at once (3 in 4 cases each: the other modifiers
+#: hide the bug's pairs or dilute its effect, so it takes longer)
+ALL_FEATURES_BOUND = 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", list(MOD_BUGS) + ["dbias_not_summed"])
+def test_planted_modifier_bug_is_found_with_every_feature_on(bug):
+    grads = bug == "dbias_not_summed"
+    features = ("scale", "causal", "window", "softcap", "alibi_slopes", "sink", "bias",
+                "mask") if grads else MOD_FEATURES
+    n, case, error = run_mods_until_failure(bug, ALL_FEATURES_BOUND, features=features,
+                                            grads=grads)
+    assert error is not None, f"{bug} not found in {ALL_FEATURES_BOUND} examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", list(MOD_BUGS) + ["dbias_not_summed"])
+def test_planted_modifier_bug_is_found_with_random_seeds(bug):
+    """As test_planted_bug_is_found_with_random_seeds, for the modifier bugs."""
+    from hypothesis import seed as hseed
+    grads = bug == "dbias_not_summed"
+    features = ("scale", "bias") if grads else MOD_BUGS[bug]
+    for seed in range(20):
+        seen = {"found": False}
+
+        @settings(max_examples=BOUND, database=None, deadline=None, phases=(Phase.generate,),
+                  suppress_health_check=list(HealthCheck))
+        @given(attention_cases(max_seqlen=64, features=features))
+        def check(case):
+            if seen["found"]:
+                return
+            o, lse = toy_attention_mods(case.q, case.k, case.v, bug=bug, **case.kwargs)
+            g = (toy_attention_mods_backward(case.do, case.q, case.k, case.v, bug=bug,
+                                             **case.kwargs) if grads else None)
+            try:
+                assert_attention_close(o, case, lse=lse, grads=g)
+            except AssertionError:
+                seen["found"] = True
+
+        hseed(seed)(check)()
+        assert seen["found"], f"{bug}: not found in {BOUND} examples with seed {seed}"
 
 
 @pytest.mark.parametrize("bug, features", [
@@ -528,6 +578,7 @@ def test_planted_modifier_gradient_bug_is_found(bug, features):
 
 @pytest.mark.parametrize("bug", ["softcap_after_mask", "alibi_sign_flipped", "sink_ignored"])
 def test_planted_modifier_bug_shrinks_to_a_small_case(bug):
+    """Even from every feature on: shrinking turns the others off."""
     _, small, error = run_mods_until_failure(bug, BOUND, shrink=True)
     q, k, v = (small.operands[x].shape for x in "qkv")
     assert max(q[-2], k[-2]) <= 8 and max(q[-1], v[-1]) <= 8, repr(small)
@@ -810,3 +861,20 @@ def test_pinned_a_large_sink_is_a_logit_of_the_rule():
               'dtype': 'float64'})
     from cuflash import _fuzz
     assert _fuzz.check_case(case, numpy, grads=True) < 1
+
+
+def test_the_function_library_traces_for_the_gpu_and_its_derivatives_agree():
+    """Every score_mod / mask_mod cases draw is one cuflash can compile (it traces), and the
+    derivative the rule's naive backward uses is the trace's."""
+    from cuflash import _testing_modifiers as tm
+    from cuflash import _trace
+    rng = numpy.random.default_rng(0)
+    s = rng.standard_normal((2, 3, 5, 7)) * 30
+    b, h = tm.batch_indices((2, 3))
+    i, j = numpy.arange(5)[:, None], numpy.arange(7)[None, :]
+    for name, (fn, dfn) in tm.SCORE_MODS.items():
+        trace = _trace.trace_score_mod(fn)
+        assert numpy.allclose(numpy.broadcast_to(trace.evaluate_derivative(s, b, h, i, j), s.shape),
+                              dfn(s, b, h, i, j), rtol=1e-6, atol=1e-9), name
+    for name, fn in tm.MASK_MODS.items():
+        _trace.cached_trace(fn, "mask_mod")
