@@ -39,7 +39,8 @@ added; for half types every intermediate (s, p, dp, ds) and result is stored in 
 (``max(Lq, Lk, d, dv)`` times the batch items summed into it) every term carries
 ``r = eps_acc * (L + sqrt(N))``; independent errors of the terms add in quadrature (root-sum-
 square of the terms, float64); ``D = rowsum(dO * O)`` carries the rounding of ``O`` into a whole
-row of ``ds``; the result is rounded once. ``floor = eps_out * G + r * (G + RSS) +
+row of ``ds`` (at the scale of ``dO * (p @ |v|)``: O's rounding follows the size of its terms,
+not of O, which may cancel); the result is rounded once. ``floor = eps_out * G + r * (G + RSS) +
 (eps_out + r) * C + smallest_subnormal`` with ``G`` the largest reference gradient, ``RSS`` the
 largest root-sum-square, ``C`` the largest ``D`` term.
 
@@ -343,7 +344,8 @@ def gradient_floors(g: Geometry, do: Any, ref_grads) -> tuple[float, ...]:
     q, k, v, dout = (to_host64(x) for x in (g.q, g.k, g.v, do))
     o = p @ v
     ds = p * (dout @ v.swapaxes(-1, -2) - (dout * o).sum(axis=-1, keepdims=True))
-    d_rss = numpy.sqrt(((dout * o) ** 2).sum(axis=-1, keepdims=True))   # noise scale of D
+    # noise scale of D: O's rounding error scales with p @ |v| (not |O|, which cancels)
+    d_rss = numpy.sqrt(((dout * (p @ numpy.abs(v))) ** 2).sum(axis=-1, keepdims=True))
     # O stored in T is off by up to a subnormal spacing where it underflows: D moves by that
     # times sum |dO| (matters for half types, where O can be below 6e-8)
     tiny = float(ml_dtypes.finfo(g.dtype).smallest_subnormal)

@@ -878,3 +878,19 @@ def test_the_function_library_traces_for_the_gpu_and_its_derivatives_agree():
                               dfn(s, b, h, i, j), rtol=1e-6, atol=1e-9), name
     for name, fn in tm.MASK_MODS.items():
         _trace.cached_trace(fn, "mask_mod")
+
+
+def test_pinned_dsink_of_cancelling_rows():
+    """Found by `python -m cuflash fuzz --seed 5` (3000 examples): dsink = -sum p_sink D sums
+    rows of opposite sign, and D = dO . O carries O's rounding, which scales with p @ |v|,
+    not with |O| (it cancels too): the floor used |O| and failed a correct float64 result."""
+    case = AttentionCase.make(
+        'float64', (2, 1), (4, 1), (4, 1), seed=1, layouts=('reversed', 'c', 'strided',
+                                                            'transposed'),
+        expanded=((), (), ()), logit_scale=0.01, value_scale=0.01, scale=3.9030492035178854,
+        causal='top_left', softcap=1.0,
+        alibi_slopes={'shape': (), 'expanded': (), 'scale': 0.01, 'dtype': 'float64'},
+        sink={'shape': (), 'expanded': (), 'scale': 0.1, 'dtype': 'float64'},
+        score_mod='head_temperature')
+    from cuflash import _fuzz
+    assert _fuzz.check_case(case, numpy, grads=True) < 1
