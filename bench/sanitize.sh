@@ -18,7 +18,9 @@
 # and prints one line per tool. Exit status 0 when every tool is `clean`.
 #
 # Budgets (seconds; SANITIZE_BUDGET_<TOOL> overrides), sized for an H200 in one 10-minute call:
-#   warmup 100, memcheck 130, racecheck 220, synccheck 100  (+ ~30 s of start-up)
+#   warmup 90, memcheck 120, racecheck 230, synccheck 90  (530 s, + ~25 s of start-up and
+#   reports: under the device tool's 600 s). More racecheck time in a call of its own:
+#   SANITIZE_BUDGET_RACECHECK=480 bash bench/sanitize.sh racecheck
 # A tool that runs out of budget is stopped with SIGINT (pytest then reports the tests run so
 # far) and its summary says `timed_out`. The budgets end the run, never a test's verdict.
 # SANITIZE_TESTS=file replaces bench/sanitize_tests.txt; PYTHON the interpreter (python3).
@@ -36,8 +38,8 @@ export HYPOTHESIS_PROFILE=sanitize
 
 budget() {
   local var="SANITIZE_BUDGET_${1^^}"
-  case $1 in warmup) echo "${!var:-100}" ;; memcheck) echo "${!var:-130}" ;;
-    racecheck) echo "${!var:-220}" ;; synccheck) echo "${!var:-100}" ;; *) echo "${!var:-120}" ;;
+  case $1 in warmup) echo "${!var:-90}" ;; memcheck) echo "${!var:-120}" ;;
+    racecheck) echo "${!var:-230}" ;; synccheck) echo "${!var:-90}" ;; *) echo "${!var:-120}" ;;
   esac
 }
 
@@ -71,7 +73,7 @@ run() {
   local name=$1 limit=$2; shift 2
   local start end rc timed=()
   start=$(date +%s%N)
-  timeout -s INT -k 30 "$limit" "$@" > "$DIR/$name.console.log" 2>&1
+  timeout -s INT -k 10 "$limit" "$@" > "$DIR/$name.console.log" 2>&1
   rc=$?
   end=$(date +%s%N)
   { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && timed=(--timed-out)
