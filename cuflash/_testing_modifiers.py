@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy
+from hypothesis import strategies as st   # (cuflash.testing checked that it is there)
 
 #: Keywords whose value is an array (drawn by ``AttentionCase.make`` from a spec)
 ARRAY_KEYWORDS = ("alibi_slopes", "sink", "bias", "mask")
@@ -138,8 +139,6 @@ def score_mod_derivative(fn: Callable) -> Callable | None:
 # -- drawing -------------------------------------------------------------------------------------
 # Each draw returns {} (the keyword off: what shrinking goes to) or {keyword: plain value}.
 
-from hypothesis import strategies as st  # noqa: E402  (cuflash.testing checked it is there)
-
 #: A requested modifier is on in about 3 cases of 4 (it shrinks to off: 0)
 _ON = st.integers(0, 3).map(bool)
 _BOUNDS = st.sampled_from((15, 16, 17, 31, 32, 33, 63, 64, 65, 127))
@@ -180,7 +179,7 @@ def draw_softcap(draw, info) -> dict:
 
 
 def _per_batch(draw, info, scales) -> dict:
-    shape, expanded = draw_array_shape(draw, st, tuple(info["batch_shape"]) + (1, 1))
+    shape, expanded = draw_array_shape(draw, tuple(info["batch_shape"]) + (1, 1))
     return dict(shape=shape[:-2], expanded=expanded, scale=draw(scales),
                 dtype=_param_dtype(draw, info))
 
@@ -195,7 +194,7 @@ def draw_sink(draw, info) -> dict:
 
 def _pairwise(draw, info, layouts) -> dict:
     full = tuple(info["batch_shape"]) + (info["Lq"], info["Lk"])
-    shape, expanded = draw_array_shape(draw, st, full, keep_last=True)
+    shape, expanded = draw_array_shape(draw, full, keep_last=True)
     return dict(shape=shape, expanded=expanded, layout=draw(st.sampled_from(layouts)))
 
 
@@ -236,7 +235,7 @@ DRAWS = {"window": draw_window, "softcap": draw_softcap, "alibi_slopes": draw_al
          "sink": draw_sink, "bias": draw_bias, "mask": draw_mask, "score_mod": draw_score_mod,
          "mask_mod": draw_mask_mod, "block_mask": draw_block_mask}
 
-def draw_array_shape(draw, st, full: tuple, *, keep_last: bool = False) -> tuple[tuple, tuple]:
+def draw_array_shape(draw, full: tuple, *, keep_last: bool = False) -> tuple[tuple, tuple]:
     """A shape that broadcasts to ``full`` and its stride-0 dims: leading dims dropped, each
     dim of extent > 1 kept, made 1 or given as a stride-0 view (``keep_last``: the last dim is
     always kept)."""
