@@ -894,3 +894,17 @@ def test_pinned_dsink_of_cancelling_rows():
         score_mod='head_temperature')
     from cuflash import _fuzz
     assert _fuzz.check_case(case, numpy, grads=True) < 1
+
+
+@pytest.mark.gpu
+def test_fuzz_on_the_gpu_skips_what_the_kernels_lack_and_passes(tmp_path):
+    import json
+    from cuflash import _fuzz
+    report = tmp_path / "fuzz.json"
+    rc = _fuzz.main(["--examples", "40", "--device", "gpu", "--report", str(report), "--quiet",
+                     "--grads", "0.5", "--seed", "1"])
+    data = json.loads(report.read_text())
+    assert rc == 0, data["failures"][:2]
+    everything = list(cuflash.testing.FEATURES)
+    assert data["features_skipped"] == _fuzz.gpu_unsupported(everything)
+    assert set(data["features_fuzzed"]) == set(everything) - set(data["features_skipped"])
