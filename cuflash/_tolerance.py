@@ -52,7 +52,8 @@ window, mask, mask_mod, -inf bias entries); a sink is one more key of score ``si
 sink is subtracted from every score: its rounding moves every exponent). The naive backward
 goes through the chain (``1 - tanh^2`` of the softcap, the derivative of the score_mod) and gives
 ``dbias`` (ds summed over bias's broadcast dims) and ``dsink = -sum_i p_sink_i D_i``; their
-floors have the form above with the chain in the terms. ``D`` also carries the underflow of
+floors have the form above with the chain in the terms, plus the chain factor's own absolute
+noise (``2 eps_acc``: ``1 - tanh^2`` of a saturated tanh is 0 in float64, an ulp in float32). ``D`` also carries the underflow of
 ``O`` stored in T (up to a subnormal spacing per element, times ``sum |dO|``: it matters for
 half types, whose O may be below 6e-8 when a large sink takes the probability).
 
@@ -74,6 +75,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy
+
+from cuflash._testing_arrays import (all_to_shape, broadcast_axes,  # noqa: F401  (here too)
+                                     sum_to_shape, to_host64)
 
 HALF_DTYPES = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
 #: The multiple of the naive error allowed, forward and backward (FlashAttention's tests).
@@ -110,39 +114,6 @@ def lse_tolerance(naive_err: float, dtype: Any, *, max_abs_lse: float, logit_bou
     """Allowed max abs error of the log-sum-exp for inputs of ``dtype``."""
     r = relative_noise(dtype, logit_bound=logit_bound, Lk=Lk)
     return FORWARD_FACTOR * naive_err + eps(accumulation_dtype(dtype)) * max_abs_lse + r
-
-
-def to_host64(x: Any) -> numpy.ndarray:
-    """A float64 NumPy copy of a NumPy or CuPy array (or of anything ``numpy.asarray`` takes:
-    a JAX array, a PyTorch CPU tensor)."""
-    if not isinstance(x, numpy.ndarray):
-        x = x.get() if hasattr(x, "get") and hasattr(x, "device") else numpy.asarray(x)
-    return x.astype(numpy.float64)
-
-
-def broadcast_axes(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes of ``full`` that broadcasting added to ``shape`` (leading ones and 1 -> n)."""
-    lead = len(full) - len(shape)
-    return tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
-                                      if n == 1 and full[lead + i] != 1)
-
-
-def all_to_shape(x: numpy.ndarray, shape: tuple[int, ...]) -> numpy.ndarray:
-    """``x`` (bool) reduced with ``all`` over the axes broadcasting added to ``shape``: true
-    where every batch item an element of the un-broadcast shape stands for is true."""
-    axes = broadcast_axes(tuple(shape), tuple(x.shape))
-    if axes:
-        x = x.all(axis=axes, keepdims=True)
-    return x.reshape(shape)
-
-
-def sum_to_shape(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """``x`` summed (in its own dtype) over the axes broadcasting added to ``shape``, as
-    ``dtype``: the gradient of a broadcast input."""
-    axes = broadcast_axes(tuple(shape), tuple(x.shape))
-    if axes:
-        x = x.sum(axis=axes, keepdims=True)
-    return x.reshape(shape).astype(dtype)
 
 
 @dataclass
@@ -354,11 +325,21 @@ def gradient_floors(g: Geometry, do: Any, ref_grads) -> tuple[float, ...]:
     dp_rss = numpy.sqrt(dout**2 @ v.swapaxes(-1, -2) ** 2)              # noise scale of dP
     a0 = numpy.abs(ds) + p * dp_rss  # the size of each term of ds, and of its rounding noise
     a, pd = a0 * d_total, p * d_rss * d_total   # through softcap and score_mod
+    e_acc = eps(accumulation_dtype(g.dtype))
 
     def total(x, shape):  # summed over the broadcast dimensions, like the gradient
         return sum_to_shape(x, shape, numpy.float64)
 
     qs, ks, vs = g.shapes[:3]
+    # a chain factor (1 - tanh^2, a score_mod's derivative) computed from rounded values is off
+    # by a few eps_acc in absolute terms: near saturation (a factor ~0) that is all there is
+    mods = g.mods
+    cn = 2 * e_acc if mods is not None and (mods.softcap or mods.score_mod) else 0.0
+    chain = [cn * g.scale * total(a0 @ k, qs), cn * g.scale * total(a0.swapaxes(-1, -2) @ q, ks),
+             0.0]
+    if mods is not None and mods.bias is not None:   # dbias goes through the score_mod only
+        chain.append((2 * e_acc if mods.score_mod else 0.0) * total(a0, mods.bias_shape))
+    chain.append(0.0)                                 # dsink: no chain
     rss = [g.scale * numpy.sqrt(total(a**2 @ k**2, qs)),
            g.scale * numpy.sqrt(total(a.swapaxes(-1, -2) ** 2 @ q**2, ks)),
            numpy.sqrt(total(p.swapaxes(-1, -2) ** 2 @ dout**2, vs))]
@@ -378,14 +359,15 @@ def gradient_floors(g: Geometry, do: Any, ref_grads) -> tuple[float, ...]:
                       g.cache["max_score"])
     nbatch = math.prod(g.batch_shape)
     longest = max(g.Lq, g.Lk, g.d, g.dv)
-    e_acc = eps(accumulation_dtype(g.dtype))
     floors = []
-    for ref, rs, co, shape, e_out in zip(ref_grads, rss, coherent, g.grad_shapes, out_eps):
+    for ref, rs, co, ch, shape, e_out in zip(ref_grads, rss, coherent, chain, g.grad_shapes,
+                                             out_eps):
         groups = max(1, nbatch // max(1, math.prod(shape[:-2])))   # items summed into one
         r = e_acc * (logit_bound + math.sqrt(longest * groups))
         size = float(numpy.abs(ref).max(initial=0.0))
         floors.append(e_out * size + r * (size + float(numpy.max(rs, initial=0.0)))
                       + (e_out + r) * float(numpy.max(co, initial=0.0))
+                      + float(numpy.max(ch, initial=0.0))
                       + float(ml_dtypes.finfo(g.dtype).smallest_subnormal))
     return tuple(floors)
 

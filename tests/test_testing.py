@@ -908,3 +908,20 @@ def test_fuzz_on_the_gpu_skips_what_the_kernels_lack_and_passes(tmp_path):
     everything = list(cuflash.testing.FEATURES)
     assert data["features_skipped"] == _fuzz.gpu_unsupported(everything)
     assert set(data["features_fuzzed"]) == set(everything) - set(data["features_skipped"])
+
+
+def test_pinned_softcap_saturated_gradient():
+    """Found by `python -m cuflash fuzz --seed 7` (3000 examples): logits ~1000 under softcap 2
+    saturate tanh, so the chain factor 1 - tanh^2 is ~0 in float64 but a float32 ulp (1e-7) in
+    any float32 computation; the floor now carries that absolute noise of the chain."""
+    case = AttentionCase.make(
+        'bfloat16', (2, 1, 3, 8, 7), (2, 1, 1, 8, 7), (2, 1, 1, 8, 5), seed=0,
+        layouts=('c', 'reversed', 'reversed', 'strided'), expanded=((), (), ()),
+        logit_scale=1000.0, value_scale=1.0, scale=None, causal='bottom_right', window=(32, 1),
+        softcap=2.0, alibi_slopes={'shape': (1, 3), 'expanded': (1,), 'scale': 0.1,
+                                   'dtype': 'bfloat16'},
+        sink={'shape': (), 'expanded': (), 'scale': 0.1, 'dtype': 'bfloat16'},
+        mask={'shape': (1, 1, 3, 1, 8), 'expanded': (2,), 'layout': 'reversed', 'keep': 0.5},
+        mask_mod='documents')
+    from cuflash import _fuzz
+    assert _fuzz.check_case(case, numpy, grads=True) < 1
