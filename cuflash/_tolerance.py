@@ -58,8 +58,8 @@ noise (``2 eps_acc``: ``1 - tanh^2`` of a saturated tanh is 0 in float64, an ulp
 half types, whose O may be below 6e-8 when a large sink takes the probability).
 
 On cuflash's CPU path over thousands of examples the forward error stays below half of its
-bound and the backward below 0.6 (with every modifier on, 4,500 examples: below 0.75); errors
-of a few dozen ulps fail them.
+bound and the backward below 0.6 (with every modifier on, 3,000-example campaigns: below
+0.75); errors of a few dozen ulps fail them.
 
 **Exact structure.** Non-finite values are compared in kind: where the reference is -inf (a
 row with no visible key) the result must be -inf and the output row exactly 0; where it is NaN
