@@ -925,3 +925,60 @@ def test_pinned_softcap_saturated_gradient():
         mask_mod='documents')
     from cuflash import _fuzz
     assert _fuzz.check_case(case, numpy, grads=True) < 1
+
+
+FAKE_SANITIZER = """#!/usr/bin/env bash
+# a stand-in for compute-sanitizer: runs the program, writes a log with one planted record
+if [ "${1:-}" = "--version" ]; then echo "Compute Sanitizer Version 0.0 (fake)"; exit 0; fi
+log=/dev/stdout; tool=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --log-file) log=$2; shift 2 ;;
+    --tool) tool=$2; shift 2 ;;
+    --error-exitcode|--print-limit) shift 2 ;;
+    *) break ;;
+  esac
+done
+echo "========= COMPUTE-SANITIZER" > "$log"
+"$@"
+rc=$?
+if [ "$tool" = synccheck ]; then
+  printf '%s\\n' "========= Barrier error detected. Divergent thread(s) in warp" \\
+    "=========     at 0x10 in void cuflash::bwd_sm80<__half>(cuflash::Params)" \\
+    "========= ERROR SUMMARY: 1 error" >> "$log"; exit 9
+fi
+echo "========= ERROR SUMMARY: 0 errors" >> "$log"
+exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_sanitize_script_end_to_end_with_a_stand_in_sanitizer(tmp_path):
+    """bench/sanitize.sh with a fake compute-sanitizer on PATH (no GPU here: the tests skip):
+    a JSON per tool and the warm-up, the planted synccheck record found, exit status 1."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    root = pathlib.Path(__file__).parent.parent
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", PYTHON=sys.executable,
+               OUT=str(tmp_path / "out"))
+    run = subprocess.run(["bash", "bench/sanitize.sh"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = tmp_path / "out" / "sanitize"
+    reports = {t: json.loads((out / f"{t}.json").read_text())
+               for t in ("warmup", "memcheck", "racecheck", "synccheck")}
+    assert reports["warmup"]["tool"] == "none"
+    assert reports["memcheck"]["status"] == "no_tests"          # every gpu test skipped here
+    assert reports["racecheck"]["tests"]["ran"] < reports["memcheck"]["tests"]["ran"]
+    assert "test_ragged_many_blocks" not in reports["racecheck"]["command"]
+    assert reports["synccheck"]["status"] == "errors"
+    assert reports["synccheck"]["kernels"] == ["cuflash::bwd_sm80"]
+    assert "Compute Sanitizer Version 0.0" in (out / "environment.txt").read_text()
+    assert "synccheck: errors" in run.stdout
