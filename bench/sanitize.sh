@@ -12,9 +12,12 @@
 # budget. Writes under $OUT/sanitize/ (OUT defaults to ./out):
 #   <tool>.json            the summary: tool, command, status, errors, tests run, seconds
 #                          (bench/sanitize_report.py says what each field means)
-#   <tool>.sanitizer.log   compute-sanitizer's records (--log-file)
-#   <tool>.console.log     pytest's output (and the sanitizer's, if it could not start)
-#   warmup.json, warmup.console.log   the run without the sanitizer
+#   warmup.json            the run without the sanitizer
+#   environment.txt        GPU, driver, commit, sanitizer version
+#   logs.tar.gz            <tool>.sanitizer.log (compute-sanitizer's records, --log-file) and
+#                          <tool>.console.log (pytest's output, and the sanitizer's if it could
+#                          not start), warmup.console.log; SANITIZE_KEEP_LOGS=1 leaves them
+#                          as files (6 files in all otherwise: the device tool returns few)
 # and prints one line per tool. Exit status 0 when every tool is `clean`.
 #
 # Budgets (seconds; SANITIZE_BUDGET_<TOOL> overrides), sized for an H200 in one 10-minute call:
@@ -101,4 +104,8 @@ for TOOL in "${TOOLS[@]}"; do
   run "$TOOL" "$(budget "$TOOL")" "$SANITIZER" --tool "$TOOL" --error-exitcode 9 \
     --print-limit 200 --log-file "$DIR/$TOOL.sanitizer.log" "${PYTEST[@]}" "${IDS[@]}" || verdict=1
 done
+# the device tool brings back few files: the logs travel as one archive
+if [ -z "${SANITIZE_KEEP_LOGS:-}" ]; then
+  (cd "$DIR" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+fi
 exit $verdict

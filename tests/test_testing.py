@@ -982,3 +982,9 @@ def test_sanitize_script_end_to_end_with_a_stand_in_sanitizer(tmp_path):
     assert reports["synccheck"]["kernels"] == ["cuflash::bwd_sm80"]
     assert "Compute Sanitizer Version 0.0" in (out / "environment.txt").read_text()
     assert "synccheck: errors" in run.stdout
+    import tarfile
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "./synccheck.sanitizer.log" in tar.getnames()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "environment.txt", "logs.tar.gz", "memcheck.json", "racecheck.json", "synccheck.json",
+        "warmup.json"]
