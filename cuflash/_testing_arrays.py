@@ -57,3 +57,38 @@ class _Operand:
         if xp is not numpy:
             x = to_device(x, xp)
         return x if x.shape == self.shape else xp.broadcast_to(x, self.shape)
+
+
+# -- shapes of gradients (the rule sums and checks them as the gradients are summed) ---------
+
+def to_host64(x: Any) -> numpy.ndarray:
+    """A float64 NumPy copy of a NumPy or CuPy array (or of anything ``numpy.asarray`` takes:
+    a JAX array, a PyTorch CPU tensor)."""
+    if not isinstance(x, numpy.ndarray):
+        x = x.get() if hasattr(x, "get") and hasattr(x, "device") else numpy.asarray(x)
+    return x.astype(numpy.float64)
+
+
+def broadcast_axes(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of ``full`` that broadcasting added to ``shape`` (leading ones and 1 -> n)."""
+    lead = len(full) - len(shape)
+    return tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and full[lead + i] != 1)
+
+
+def all_to_shape(x: numpy.ndarray, shape: tuple[int, ...]) -> numpy.ndarray:
+    """``x`` (bool) reduced with ``all`` over the axes broadcasting added to ``shape``: true
+    where every batch item an element of the un-broadcast shape stands for is true."""
+    axes = broadcast_axes(tuple(shape), tuple(x.shape))
+    if axes:
+        x = x.all(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+def sum_to_shape(x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``x`` summed (in its own dtype) over the axes broadcasting added to ``shape``, as
+    ``dtype``: the gradient of a broadcast input."""
+    axes = broadcast_axes(tuple(shape), tuple(x.shape))
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape).astype(dtype)
