@@ -5,9 +5,10 @@
     python bench/bench_attention.py --list                 # the suites
     python bench/bench_attention.py --load bench/results/h200/fwd.json   # no GPU needed
 
-Suites (``SUITES``; ``--list``): ``fwd``, ``fwd_bwd``, ``fwd_fp32``, ``memory`` run today;
-``decode``, ``varlen`` (issue 11), ``mods`` (issue 10) and ``scaling`` (multi-GPU) are
-registered as planned and say so. A suite is a ``Suite`` record: its default shapes, its
+Suites (``SUITES``; ``--list``): ``fwd``, ``fwd_bwd``, ``fwd_fp32``, ``memory`` run here;
+``decode``, ``varlen`` (issue 11) and ``mods`` (issue 10) are scripts of their own beside this
+one (bench/suite_<name>.py: their peers and shapes do not fit this harness's grid), and
+asking for them here says so; ``scaling`` (multi-GPU) is registered as planned and says so. A suite is a ``Suite`` record: its default shapes, its
 peers and the function that runs it; adding one is adding a record.
 
 What is measured (the method; bench/README.md says how to read the results):
@@ -132,7 +133,9 @@ class Suite:
     """A benchmark suite: its default points, its peers, and the function that runs it.
 
     ``run(suite, cases, impls, opts) -> rows``; ``planned`` (instead of ``run``) names the
-    issue that will bring the suite, so asking for it says so instead of failing obscurely.
+    issue that will bring the suite, so asking for it says so instead of failing obscurely;
+    ``script`` (instead of ``run``) names the script in bench/ that runs the suite with options
+    of its own (its peers and shapes do not fit this harness's d x L x causal grid).
     """
     name: str
     description: str
@@ -145,6 +148,7 @@ class Suite:
     isolated_ok: bool = False
     run: Callable[..., list[dict]] | None = None
     planned: str | None = None
+    script: str | None = None
 
     def cases(self, dtypes=None, ds=None, Ls=None, causals=None,
               isolated: bool = False) -> list[Case]:
@@ -185,11 +189,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
                                                 "sdpa_cudnn", "sdpa_efficient"),
           run=_runner("run_memory")),
     Suite("decode", "split-KV decode against SDPA flash/cuDNN, K/V TB/s", mode="decode",
-          planned="issue 11 (inference: varlen, KV cache, split-KV decode)"),
+          script="bench/suite_decode.py"),
     Suite("varlen", "packed variable-length prefill", mode="varlen",
-          planned="issue 11 (inference: varlen, KV cache, split-KV decode)"),
+          script="bench/suite_varlen.py"),
     Suite("mods", "modifiers against FlexAttention and SDPA with a dense bias", mode="mods",
-          planned="issue 10 (modifiers)"),
+          script="bench/suite_mods.py"),
     Suite("scaling", "ring attention across GPUs", mode="scaling",
           planned="the Distributed section of the design (ring attention)"),
 )}
@@ -203,6 +207,9 @@ def get_suite(name: str) -> Suite:
     if suite is None:
         raise ValueError(f"unknown suite {name!r}; suites: {', '.join(ready)} "
                          f"(planned: {', '.join(s for s in SUITES if s not in ready)})")
+    if suite.script is not None:
+        raise ValueError(f"suite {name!r} runs as a script of its own, with its own options: "
+                         f"python {suite.script} --help")
     if suite.run is None:
         raise ValueError(f"suite {name!r} is not implemented yet: it comes with {suite.planned}")
     return suite
@@ -999,7 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_suites() -> str:
-    return "\n".join(f"{s.name:9s} {s.description}" + ("" if s.run else f" [planned: {s.planned}]")
+    return "\n".join(f"{s.name:9s} {s.description}"
+                     + ("" if s.run else f" [script: {s.script}]" if s.script else f" [planned: {s.planned}]")
                      + (" [--isolated]" if s.isolated_ok else "") for s in SUITES.values())
 
 

@@ -39,10 +39,14 @@ def test_suite_registry_runs_todays_suites_and_names_the_planned_ones():
     assert ba.get_suite("fwd").name == "fwd"
     with pytest.raises(ValueError, match=r"unknown suite 'nope'; suites: fwd, fwd_bwd"):
         ba.get_suite("nope")
-    with pytest.raises(ValueError, match="not implemented yet.*issue 11"):
-        ba.get_suite("decode")
-    with pytest.raises(ValueError, match="issue 10"):
-        ba.get_suite("mods")
+    for name in ("decode", "varlen", "mods"):
+        script = f"bench/suite_{name}.py"
+        assert ba.SUITES[name].script == script
+        with pytest.raises(ValueError, match=f"suite '{name}' runs as a script of its own, "
+                                             f"with its own options: python {script} --help"):
+            ba.get_suite(name)
+    with pytest.raises(ValueError, match="not implemented yet.*ring attention"):
+        ba.get_suite("scaling")
 
 
 def test_suite_peers():
@@ -278,7 +282,7 @@ def test_report_has_memory_and_skips():
 
 
 def test_main_errors_are_one_line(capsys):
-    for argv, why in ((["--suite", "decode"], "issue 11"), (["--suite", "x"], "unknown suite"),
+    for argv, why in ((["--suite", "decode"], "bench/suite_decode.py"), (["--suite", "x"], "unknown suite"),
                       (["--suite", "memory", "--isolated"], "no isolated mode"),
                       (["--load", "/nonexistent/r.json"], "No such file")):
         assert ba.main(argv) == 2
@@ -290,6 +294,7 @@ def test_list(capsys):
     assert ba.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("fwd ") and "planned" in out
+    assert "[script: bench/suite_decode.py]" in out
 
 
 @pytest.mark.parametrize("name, isolated, converted", [
@@ -471,9 +476,10 @@ def test_gpu_run_script_parts(tmp_path):
     script = ROOT / "bench" / "gpu_run.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    for part in ("tests", "bench", "isolated", "overhead", "sanitize"):
+    for part in ("tests", "gate", "bench", "isolated", "overhead", "sanitize"):
         assert f"part_{part}()" in text
-    assert "HYPOTHESIS_PROFILE=gpu" in text and "bench/probes/sanitize_smoke.py" in text
+    assert "HYPOTHESIS_PROFILE=gpu" in text and "bench/sanitize.sh" in text
+    assert "-m cuflash check" in text
     env = dict(os.environ, OUT=str(tmp_path))
     r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "unknown part 'nope'" in r.stderr
