@@ -8,6 +8,11 @@
 #include <cuda_bf16.h>
 #include "variant.cuh"
 
+// A half / bfloat16 bias element as float (modifiers.cuh's load_as finds these by argument-
+// dependent lookup).
+__device__ __forceinline__ float cuflash_bias_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float cuflash_bias_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 namespace cuflash {
 
 // Leading (batch) dimensions after the launcher has merged every pair it can; dimension
@@ -43,6 +48,9 @@ struct Params {
   //    itself, in the input dtype T (no broadcast dimension to sum over), written directly
   //    instead of through a float32 buffer
   int out_flags;
+  // -- the modifiers' run-time values (modifiers.cuh; all 0 for plain attention, whose kernels
+  //    never read them). Last, so that the fields above keep their offsets.
+  ModifierParams mod;
 };
 constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
 

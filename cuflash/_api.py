@@ -234,19 +234,30 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         elif xp is numpy:
             _numpy.forward(prob, o, lse, mods=mods)
         else:
-            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
+            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None, mods)
     return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
-def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
+def _mods_key(mods) -> tuple:
+    """What a plan depends on in the modifiers: their values and their arrays' layouts."""
+    if not mods.features:
+        return ()
+    return ("mods", mods.window, mods.softcap) + tuple(
+        None if x is None else _layout(x)
+        for x in (mods.bias, mods.mask, mods.alibi_slopes, mods.sink))
+
+
+def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None) -> None:
     """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays."""
     fwd, _ = _caches()
     from cuflash._plan import ForwardPlan
+    mkey = _mods_key(mods) if mods is not None else ()
     layout_key = (_layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o), prob.scale,
-                  prob.causal_offset if prob.causal else None)
-    plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse))
-    plan(prob.q, prob.k, prob.v, o, lse)
-    if cacheable and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
+                  prob.causal_offset if prob.causal else None) + mkey
+    plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse, mods))
+    plan(prob.q, prob.k, prob.v, o, lse, mods)
+    # (the fast path's key holds no modifier: only plain calls are cached there)
+    if cacheable and not mkey and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
         fwd.put((_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                  causal.__class__), _FastForward(plan, o, lse))
 

@@ -105,10 +105,10 @@ class Shape:
     deterministic: bool = False   # backward only
 
     @classmethod
-    def of(cls, prob, deterministic: bool = False) -> "Shape":
+    def of(cls, prob, deterministic: bool = False, mods=None) -> "Shape":
         from ._variant import variant_of
         return cls(prob.dtype.name, math.prod(prob.batch_shape), prob.Lq, prob.Lk, prob.d,
-                   prob.dv, variant_of(prob), bool(deterministic))
+                   prob.dv, variant_of(prob, mods), bool(deterministic))
 
     @property
     def dmax(self) -> int:
@@ -349,12 +349,17 @@ def _decode_instances(fam, arch):
         yield t, {}
 
 
+#: what the forward families implement: causal and the built-in modifiers (issue 10; the
+#: Variant of cuda_src/variant.cuh, one piece every family shares)
+FWD_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask", "sink"})
+
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
            "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
            "{variant}, {even}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 256), tensor_core_rows=True,
+           features=FWD_FEATURES,
            smem_expr="cuflash::sm90::Sm90Traits<{T}, {head_dim}, {block_n}, {warpgroups}, "
                      "{min_blocks}>::kSmemBytes",
            select=_fwd_sm90_select, instances=_fwd_sm90_instances,
@@ -362,7 +367,7 @@ REGISTRY: tuple[Family, ...] = (
     Family("fwd_sm80", "fwd", "fwd_sm80.cu",
            "cuflash::fwd_sm80<{T}, {head_dim}, {block_n}, {warps}, {slices}, {min_blocks}, "
            "{variant}, {even}>",
-           min_cc=80, dtypes=HALF, tensor_core_rows=True,
+           min_cc=80, dtypes=HALF, tensor_core_rows=True, features=FWD_FEATURES,
            smem_expr="cuflash::Sm80Traits<{T}, {head_dim}, {block_n}, {warps}, {slices}, "
                      "{min_blocks}>::kSmemBytes",
            select=_fwd_sm80_select, instances=_fwd_sm80_instances,
@@ -370,6 +375,7 @@ REGISTRY: tuple[Family, ...] = (
     Family("fwd_simt", "fwd", "fwd_simt.cu",
            "cuflash::fwd_simt<{T}, {head_dim}, {variant}, {block_m}, {block_n}, {threads}, "
            "{kc}, {vc}>",
+           features=FWD_FEATURES,
            smem_expr="cuflash::SimtTraits<{T}, {head_dim}, {block_m}, {block_n}, {threads}, "
                      "{kc}, {vc}>::SMEM_BYTES",
            select=_simt_select, instances=_simt_instances,

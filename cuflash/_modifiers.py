@@ -321,14 +321,23 @@ def heads_of(batch_shape: tuple[int, ...]) -> int:
     return max(1, int(numpy.prod(dims, dtype=numpy.int64)))
 
 
-#: Modifiers the GPU kernel families implement today (issue 10 adds them family by family)
-GPU_FEATURES: frozenset[str] = frozenset()
+#: Modifiers the GPU kernel families implement today, per public function (issue 10 adds
+#: them direction by direction): the forward families run the built-ins through the Variant
+GPU_FEATURES: dict[str, frozenset[str]] = {
+    "attention": frozenset({"window", "softcap", "alibi_slopes", "bias", "mask", "sink"}),
+    "attention_backward": frozenset(),
+}
+
+
+def gpu_missing(mods: Modifiers, what: str) -> list[str]:
+    """The modifiers of ``mods`` that ``what``'s GPU path does not implement yet."""
+    return sorted(mods.features - GPU_FEATURES.get(what, frozenset()))
 
 
 def check_gpu_support(mods: Modifiers, what: str) -> None:
     """NotImplementedError, before any GPU work, for a CuPy call with a modifier no kernel
     family implements yet: never a result computed without it."""
-    missing = sorted(mods.features - GPU_FEATURES)
+    missing = gpu_missing(mods, what)
     if missing:
         raise NotImplementedError(
             f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "
@@ -341,7 +350,7 @@ def explain(mods: Modifiers, what: str) -> str:
     and the CUDA source traced from the user functions (what the GPU Variant will compile)."""
     from cuflash import _trace
     lines = [f"{what} with modifiers: {', '.join(sorted(mods.features))}"]
-    missing = sorted(mods.features - GPU_FEATURES)
+    missing = gpu_missing(mods, what)
     if missing:
         lines.append(f"GPU: not implemented yet for {', '.join(missing)} (NotImplementedError); "
                      f"NumPy inputs run them on the CPU path")

@@ -76,12 +76,18 @@ def _run(launch: Launch, offsets, stream: int, bases: list[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class ForwardPlan:
-    """The forward of one (shapes, strides, dtype, keywords, device)."""
+    """The forward of one (shapes, strides, dtype, keywords, device).
 
-    def __init__(self, prob, o, lse):
+    ``mods`` (a ``Modifiers`` record, or None) are the call's modifiers: the Variant is
+    compiled for those that are on, their values are packed into ``Params.mod``, and their
+    arrays' pointers are patched in on every call (``__call__``'s ``mods``, of the same
+    layouts)."""
+
+    def __init__(self, prob, o, lse, mods=None):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
-        self.choice = _families.choose("fwd", Shape.of(prob), dev)
+        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        self.choice = _families.choose("fwd", Shape.of(prob, mods=mods), dev)
         fam, t = self.choice.family, self.choice.traits
         self.copies = fam.tensor_core_rows and not all(
             _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v))
@@ -91,14 +97,17 @@ class ForwardPlan:
         self._order = grid_order(self.choice, prob.causal)
         self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
         self.dims = Dims.of(prob)
-        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, mods)
 
-    def _build(self, q, k, v, o):
+    def _build(self, q, k, v, o, mods=None):
         """The launch for inputs laid out as q, k, v, o: (Launch, per-launch pointer offsets)."""
         tensors = {"q": q, "k": k, "v": v, "o": o}
-        layout = batch_layout(self.dims.batch_shape, list(tensors.values()))
+        extra = self.mods.arrays(mods) if self.mods is not None else []
+        layout = batch_layout(self.dims.batch_shape, list(tensors.values()) + extra)
         p = pack(self.dims, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  grid_order=self._order)
+        if self.mods is not None:
+            self.mods.pack_into(p, layout, len(tensors), mods)
         t = self.choice.traits
         launch = Launch(self._kernel, layout.inner_n * self.num_m_blocks, t.threads,
                         t.smem_bytes, p, name=self.choice.expr)
@@ -108,16 +117,21 @@ class ForwardPlan:
                    for first, offs in layout.outer]
         return launch, offsets
 
-    def __call__(self, q, k, v, o, lse) -> None:
+    def __call__(self, q, k, v, o, lse, mods=None) -> None:
         """Compute into ``o`` and ``lse`` (arrays laid out as at planning) on the current
-        stream; q, k, v as given to ``attention`` or broadcast views of them."""
+        stream; q, k, v as given to ``attention`` or broadcast views of them; ``mods`` the
+        call's modifiers (laid out as at planning)."""
         if self.copies:   # a layout the cp.async loads cannot read: copy, and pack for it
             q, k, v = (_launch.tensor_core_input(x) for x in (q, k, v))
-            launch, offsets = self._build(q, k, v, o)
+            launch, offsets = self._build(q, k, v, o, mods)
         else:
             launch, offsets = self.launch, self.offsets
-        _run(launch, offsets, _stream(),
-             [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr])
+        bases = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr]
+        if self.mods is None:
+            _run(launch, offsets, _stream(), bases)
+            return
+        keep = self.mods.pointer_arrays(mods)   # converted slopes / sinks live until launched
+        launch(_stream(), bases, extra=self.mods.words(keep))
 
     def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
         """Launch with raw device pointers (the fast path of ``_api``; not for copies plans)."""
@@ -125,6 +139,50 @@ class ForwardPlan:
 
     def explain(self) -> str:
         return explain_choice(self.choice, self.launch.grid)
+
+
+class _ModifierPatch:
+    """The modifiers of a plan (none of their arrays: a cached plan must not keep them alive):
+    which arrays there are, ``Params.mod`` packing, and the pointer words patched on every
+    call (bias, mask, slopes, sink)."""
+
+    def __init__(self, prob, mods):
+        from . import _modifier_params as mp
+        mp.check_gpu_layout(mods)
+        self.acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+        self.names = [n for n in mp.POINTER_FIELDS if getattr(mods, n) is not None]
+        base = _launch.PARAMS.fields["mod"][1]
+        self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
+
+    def arrays(self, mods) -> list:
+        """The call's modifier arrays (broadcast views), in ``names`` order: their batch
+        strides join the batch layout's."""
+        return [getattr(mods, n) for n in self.names]
+
+    def pack_into(self, p, layout, first: int, mods) -> None:
+        """Fill ``p["mod"]`` for ``layout`` (whose strides after the ``first`` tensors' are
+        this plan's arrays', in ``names`` order); pointers stay 0 until a call."""
+        from . import _modifier_params as mp
+        if len(layout.outer) > 1:
+            raise NotImplementedError(
+                "modifiers on the GPU with more than 4 batch dimensions that cannot be merged "
+                "(an outer loop of launches) are not implemented; reshape the batch dims")
+        strides = {id(getattr(mods, n)): st for n, st in zip(self.names, layout.strides[first:])}
+        p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)])
+
+    def pointer_arrays(self, mods) -> list:
+        """The arrays whose pointers a call patches, slopes and sinks in the accumulation
+        type (converted when needed: one value per un-broadcast item)."""
+        from ._modifier_params import per_item_acc
+        import cupy
+        out = []
+        for n in self.names:
+            x = getattr(mods, n)
+            out.append(per_item_acc(x, self.acc, cupy) if n in ("alibi_slopes", "sink") else x)
+        return out
+
+    def words(self, arrays) -> list[tuple[int, int]]:
+        return [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ known when the kernel is compiled (which modifiers are on) is the template argum
 known only per call (the causal offset, the scale) travels in ``Params.var``
 (``VariantParams``).
 
-Today the Variant carries the causal mask (both alignments: the alignment is the run-time
-``causal_offset``) and the scale. A modifier that is off is absent from the template argument,
-so it costs nothing in the compiled kernel.
+The Variant carries the causal mask (both alignments: the alignment is the run-time
+``causal_offset``), the scale and the built-in modifiers (window, softcap, ALiBi, bias, mask,
+sink; their values are ``Params.mod``). A modifier that is off is absent from the template
+argument, so it costs nothing in the compiled kernel.
 """
 
 from __future__ import annotations
@@ -37,19 +38,48 @@ class Variant:
     """The compile-time part of the score pipeline: which modifiers are on.
 
     Hashable and small: it is part of every plan's key and of every kernel's name expression.
+    ``bias`` is the bias's C++ element type (``"__half"``, ``"__nv_bfloat16"``, ``"float"``,
+    ``"double"``) or None; the other modifier fields are flags (their values are run-time:
+    ``Params.mod``, packed by ``_modifier_params.pack``). Plain attention keeps the short
+    spelling ``cuflash::Variant<true|false>``, the same C++ type as the long one with every
+    modifier off.
     """
 
     causal: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi_slopes: bool = False
+    bias: str | None = None
+    mask: bool = False
+    sink: bool = False
+
+    @property
+    def modified(self) -> bool:
+        """Whether a modifier other than causal is on."""
+        return bool(self.window or self.softcap or self.alibi_slopes or self.bias or self.mask
+                    or self.sink)
 
     @property
     def cpp(self) -> str:
-        """The C++ template argument, e.g. ``cuflash::Variant<true>``."""
-        return f"cuflash::Variant<{'true' if self.causal else 'false'}>"
+        """The C++ template argument, e.g. ``cuflash::Variant<true>`` or, with modifiers,
+        ``cuflash::Variant<causal, window, softcap, alibi, BiasT, mask, ScoreMod, MaskMod,
+        block_mask, sink>`` (cuda_src/variant.cuh)."""
+        def b(x) -> str:
+            return "true" if x else "false"
+        if not self.modified:
+            return f"cuflash::Variant<{b(self.causal)}>"
+        args = [b(self.causal), b(self.window), b(self.softcap), b(self.alibi_slopes),
+                self.bias or "void", b(self.mask), "cuflash::NoScoreMod", "cuflash::NoMaskMod",
+                "false", b(self.sink)]
+        return f"cuflash::Variant<{', '.join(args)}>"
 
     @property
     def features(self) -> frozenset[str]:
         """The modifiers that are on, by keyword name (a family must support all of them)."""
-        return frozenset(name for name, on in (("causal", self.causal),) if on)
+        return frozenset(name for name, on in (
+            ("causal", self.causal), ("window", self.window), ("softcap", self.softcap),
+            ("alibi_slopes", self.alibi_slopes), ("bias", self.bias), ("mask", self.mask),
+            ("sink", self.sink)) if on)
 
     def describe(self) -> str:
         return ", ".join(sorted(self.features)) or "plain softmax"
@@ -59,9 +89,16 @@ class Variant:
 ALL_VARIANTS = (Variant(causal=False), Variant(causal=True))
 
 
-def variant_of(prob) -> Variant:
-    """The Variant of a validated AttentionProblem."""
-    return Variant(causal=bool(prob.causal))
+def variant_of(prob, mods=None) -> Variant:
+    """The Variant of a validated AttentionProblem and its ``Modifiers`` record (None: none)."""
+    if mods is None:
+        return Variant(causal=bool(prob.causal))
+    from ._modifier_params import BIAS_CTYPE
+    return Variant(causal=bool(prob.causal), window=mods.window is not None,
+                   softcap=mods.softcap is not None,
+                   alibi_slopes=mods.alibi_slopes is not None,
+                   bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
+                   mask=mods.mask is not None, sink=mods.sink is not None)
 
 
 def variant_params(prob) -> numpy.void:

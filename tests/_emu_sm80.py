@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy
 
-from cuflash import _launch, _problem, _traits
+from cuflash import _launch, _modifier_params, _modifiers, _problem, _traits
 from cuflash._families import FAMILIES
 from cuflash._paths import cuda_src_dir
 from cuflash._traits import Traits
@@ -240,16 +240,26 @@ def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | N
 # The parameter block: cuflash's own packer (_launch.pack), pointers set to the host arrays
 # ---------------------------------------------------------------------------------------------
 
-def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, **buffers):
+def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=None,
+                **buffers):
     """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
     tensors ``strided`` (names q, k, v, o, dout), packed by ``cuflash._launch.pack`` as the GPU
     launcher packs them, and the pointers of the host arrays (the contiguous ``buffers``: lse,
-    dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0)."""
-    layout = _launch.batch_layout(prob.batch_shape, list(strided.values()))
+    dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0). ``mods`` (a ``Modifiers`` record over
+    NumPy arrays, slopes and sinks in float32) fills ``Params.mod`` as ``_plan`` does, with
+    their arrays' batch strides from the same merged layout."""
+    names = [n for n in _modifier_params.POINTER_FIELDS
+             if mods is not None and getattr(mods, n) is not None]
+    extra = [getattr(mods, n) for n in names]
+    layout = _launch.batch_layout(prob.batch_shape, list(strided.values()) + extra)
     if len(layout.outer) > 1:
         raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
     p = _launch.pack(prob, strided, layout, variant_params(prob), num_m_blocks=num_m_blocks,
                      num_n_blocks=num_n_blocks)
+    if mods is not None:
+        strides = {id(x): st for x, st in zip(extra, layout.strides[len(strided):])}
+        p["mod"] = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data,
+                                         batch_strides=lambda x: strides[id(x)])
     for name, t in strided.items():
         p[name] = t.ctypes.data
     for name, buf in buffers.items():
@@ -332,15 +342,28 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
 # The forward (the emulation's own check: fwd_sm80 is measured correct on the GPU)
 # ---------------------------------------------------------------------------------------------
 
+def modifiers_of(prob, **modifiers):
+    """The validated ``Modifiers`` record of NumPy modifier keywords, with alibi_slopes and sink
+    in float32 as the GPU plan hands them to the kernels (None when there are none)."""
+    if not modifiers:
+        return None
+    mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=prob.batch_shape,
+                                      Lq=prob.Lq, Lk=prob.Lk, **modifiers)
+    import dataclasses
+    return dataclasses.replace(mods, **{n: _modifier_params.per_item_acc(getattr(mods, n))
+                                        for n in ("alibi_slopes", "sink")})
+
+
 def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
-             causal=False):
-    """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0)."""
+             causal=False, **modifiers):
+    """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0), with
+    any built-in modifier keywords (``expr`` must be compiled for them)."""
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
     num_m_blocks = -(-prob.Lq // block_m)
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
-                            num_m_blocks=num_m_blocks, lse=lse)
+                            num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers))
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v))
     return o, lse

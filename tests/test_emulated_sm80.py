@@ -151,3 +151,81 @@ def test_emulation_catches_a_wrong_fragment_layout():
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     with pytest.raises(AssertionError, match="dq: max abs error"):
         assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
+
+
+# -- the forward with the built-in modifiers (issue 10): fwd_sm80's Variant code in the emulation
+
+def _modifier_case(name, dtype):
+    """(q, k, v, causal, modifier keywords) of one small case; each masking modifier leaves
+    some rows with no visible key."""
+    rng = numpy.random.default_rng(len(name))
+    B, H, d = 2, 2, 64
+    # Lq > Lk: the window's diagonal i + Lk - Lq starts below key 0 (rows with no key)
+    Lq, Lk = (150, 100) if name in ("window", "sink") else (100, 150)
+    q, k, v = (make_array(rng, (B, H, L, d), dtype) for L in (Lq, Lk, Lk))
+    bias = rng.standard_normal((H, Lq, Lk)).astype(numpy.float32)   # broadcast over B
+    bias[:, 7, :] = -numpy.inf                                      # row 7: no visible key
+    bias[:, :, 3] = -numpy.inf
+    mask = rng.random((B, 1, Lq, Lk)) < 0.6                          # broadcast over H
+    mask[:, :, 11, :] = False
+    slopes = rng.uniform(0.0, 0.1, (H,)).astype(numpy.float32)
+    sink = rng.standard_normal((H,)).astype(numpy.float16)           # converted per item
+    cases = {
+        "window": (False, dict(window=(20, 5))),                     # rows < 45 see nothing
+        "window-causal-top-left": ("top_left", dict(window=(33, None))),
+        "softcap": (True, dict(softcap=2.0)),
+        "alibi": (True, dict(alibi_slopes=slopes)),
+        "bias": (False, dict(bias=bias.astype(dtype))),
+        "mask": (True, dict(mask=mask)),
+        "sink": (False, dict(sink=sink, window=(10, 0))),            # rows < 50: lse = sink
+        "all": (True, dict(window=(40, 3), softcap=5.0, alibi_slopes=slopes, bias=bias,
+                           mask=mask, sink=sink)),
+    }
+    causal, kw = cases[name]
+    return q, k, v, causal, kw
+
+
+MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "alibi", "bias", "mask", "sink",
+                  "all"]
+
+
+@pytest.fixture(scope="module")
+def fwd_mods_lib():
+    """One g++ library with every specialisation the modifier cases select on an A100."""
+    kernels = {}
+    for name in MODIFIER_CASES:
+        for dtype in DTYPES:
+            choice, _ = _modifier_choice(name, dtype)
+            kernels[("fwd", choice.expr)] = None
+    return emu.build("fwd_sm80.cu", sorted(kernels))
+
+
+def _modifier_choice(name, dtype):
+    q, k, v, causal, kw = _modifier_case(name, dtype)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    choice = _families.choose("fwd", _families.Shape.of(prob, mods=mods),
+                              _families.PROFILES["a100"])
+    return choice, (q, k, v, causal, kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", MODIFIER_CASES)
+def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
+    import _naive_modifiers as naive
+    choice, (q, k, v, causal, kw) = _modifier_choice(name, dtype)
+    assert choice.family.name == "fwd_sm80" and "cuflash::Variant<" in choice.expr
+    t = choice.traits
+    o, lse = emu.fwd_sm80(fwd_mods_lib, choice.expr, q, k, v, block_m=t.block_m,
+                          threads=t.threads, smem_bytes=t.smem_bytes, causal=causal, **kw)
+    assert not numpy.isnan(o.astype(numpy.float32)).any() and not numpy.isnan(lse).any()
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    dead = lse_ref == -numpy.inf
+    if name in ("window", "bias", "mask"):
+        assert dead.any()            # the case has rows with no visible key ...
+    assert (lse[dead] == -numpy.inf).all() and (o[dead] == 0).all()   # ... o = 0, lse = -inf
+    if name == "sink":               # rows with no visible key but a sink: o = 0, lse = sink
+        empty = numpy.isclose(lse_ref, numpy.broadcast_to(kw["sink"].astype(float)[:, None],
+                                                           lse_ref.shape))
+        assert empty.any() and (o[empty] == 0).all()

@@ -76,7 +76,9 @@ def _source(host: bool) -> str:
     if host:
         parts.append("#include <math.h>\n#include <string.h>\n#define __device__\n"
                      "#define __forceinline__ inline\nstatic inline float __int_as_float(int x)"
-                     " { float f; memcpy(&f, &x, 4); return f; }\n")
+                     " { float f; memcpy(&f, &x, 4); return f; }\n"
+                     "static inline double __longlong_as_double(long long x)"
+                     " { double f; memcpy(&f, &x, 8); return f; }\n")
     parts += [t.source for t in traces.values()]
     parts.append(_jit.load_source("modifiers.cuh") if not host else
                  (Path(__file__).parent.parent / "cuda_src" / "modifiers.cuh").read_text())
@@ -346,3 +348,12 @@ __global__ void probe_{n}(const cuflash::ModifierParams m, const int* bs, float*
                                     _jit._options("sm_80"))
     assert lowered is not None, log[:4000]
 
+
+
+def test_params_ends_with_the_modifier_params():
+    """_launch.PARAMS carries ModifierParams as its last field ``mod``, both mirrored."""
+    from cuflash import _launch
+    from _layout import assert_struct_matches
+    assert _launch.PARAMS.names[-1] == "mod"
+    assert_struct_matches("common.cuh", "cuflash", "Params", _launch.PARAMS,
+                          nested={"var": "VariantParams", "mod": "ModifierParams"})
