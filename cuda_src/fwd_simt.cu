@@ -235,9 +235,9 @@ struct SimtTraits {
 
 // grid.x = nbatch * num_m_blocks; one block = BLOCK_M query rows of one batch item.
 template <typename T, int HEAD_DIM, typename Var, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
-// 2 = min_blocks of fwd_simt in cuflash/_traits.py; 1 for a Variant with both a score transform
-// and an element mask array / mask_mod (their loads and math need more than 128 registers)
-__global__ void __launch_bounds__(NTHREADS, (Var::kNatural && Var::kPairMask) ? 1 : 2)
+// 2 = min_blocks of fwd_simt in cuflash/_traits.py; 1 for a Variant with an element mask array
+// (their loads, with a score transform's math, need more than 128 registers)
+__global__ void __launch_bounds__(NTHREADS, Var::kPairMask ? 1 : 2)
 fwd_simt(const Params p) {
   using Tr = SimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>;
   using Acc = typename Tr::Acc;

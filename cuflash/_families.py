@@ -252,6 +252,14 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(warpgroups=t["warpgroups"] - 1)
         why.append(f"{blocks(t)} blocks would leave SMs idle with more warpgroups: "
                    f"{t['warpgroups']} a block")
+    if shape.variant.score_path and (t["warpgroups"] > 2 or t.min_blocks > 1):
+        # (modifiers) the per-element score code needs registers: one block of at most 2
+        # warpgroups an SM, 255 registers a thread (the table's choice spills with them)
+        t = t.replace(warpgroups=min(2, t["warpgroups"]), min_blocks=1,
+                      block_n=32 if shape.variant.heavy else t.block_n)
+        why.append(f"modifiers ({shape.variant.describe()}): {t['warpgroups']} warpgroups, one "
+                   f"block an SM{', 32-key tiles' if shape.variant.heavy else ''}, for the "
+                   f"registers of the per-element score code")
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
@@ -275,8 +283,17 @@ def _fwd_sm80_select(fam, shape, dev):
         t = _traits.small_grid(t)
         why.append(f"few (batch, Q-tile) blocks: {t['warps']} warps of one slice (BLOCK_M = "
                    f"{t.block_m}) for twice the blocks")
-    even = (t.allow_even and shape.Lq % t.block_m == 0 and shape.Lk % t.block_n == 0
-            and shape.d == bucket and shape.dv == bucket)
+    if shape.variant.score_path and (t.min_blocks > 1 or shape.variant.heavy):
+        # (modifiers) the per-element score code needs registers: one block an SM, 255 a
+        # thread; a transform and a mask array together also take 32-key tiles
+        t = dataclasses.replace(
+            t.replace(min_blocks=1, block_n=32 if shape.variant.heavy else t.block_n),
+            allow_even=t.allow_even)
+        why.append(f"modifiers ({shape.variant.describe()}): one block an SM"
+                   f"{', 32-key tiles' if shape.variant.heavy else ''}, for the registers of "
+                   f"the per-element score code")
+    even = (t.allow_even and not shape.variant.heavy and shape.Lq % t.block_m == 0
+            and shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket)
     why.append(f"EVEN={_bool(even)}")
     return t, {"even": even}, why
 

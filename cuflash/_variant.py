@@ -60,6 +60,19 @@ class Variant:
                     or self.sink)
 
     @property
+    def score_path(self) -> bool:
+        """Whether scores go through the modifiers' per-element code (everything but causal and
+        the window, which only move the mask's bounds): those kernels need more registers, and
+        the dispatcher gives them the tile choice with the most (``_families``)."""
+        return bool(self.softcap or self.alibi_slopes or self.bias or self.mask or self.sink)
+
+    @property
+    def heavy(self) -> bool:
+        """A score transform and an element-mask array together (their loads and math side by
+        side): fwd_sm80's EVEN build of these spills, so they take the predicated one."""
+        return bool((self.softcap or self.alibi_slopes or self.bias) and self.mask)
+
+    @property
     def cpp(self) -> str:
         """The C++ template argument, e.g. ``cuflash::Variant<true>`` or, with modifiers,
         ``cuflash::Variant<causal, window, softcap, alibi, BiasT, mask, ScoreMod, MaskMod,

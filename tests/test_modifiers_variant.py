@@ -357,3 +357,32 @@ def test_params_ends_with_the_modifier_params():
     assert _launch.PARAMS.names[-1] == "mod"
     assert_struct_matches("common.cuh", "cuflash", "Params", _launch.PARAMS,
                           nested={"var": "VariantParams", "mod": "ModifierParams"})
+
+
+#: every built-in modifier on (a bf16 bias for the half kernels, float for fwd_simt's float32)
+def _all_builtins(bias: str):
+    from cuflash._variant import Variant
+    return Variant(causal=True, window=True, softcap=True, alibi_slopes=True, bias=bias,
+                   mask=True, sink=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, arch, dtype, bias", [
+    ("fwd_sm80", "sm_80", "bfloat16", "__nv_bfloat16"),
+    ("fwd_sm90", "sm_90a", "bfloat16", "__nv_bfloat16"),
+    ("fwd_simt", "sm_80", "float32", "float"),
+])
+def test_every_builtin_modifier_at_once_compiles_without_spills(family, arch, dtype, bias):
+    """One specialisation per forward family with all built-in modifiers on (the compile gate
+    keeps its default set, without modifier variants): NVRTC compiles it with 0 spills and no
+    stack, for the tile choice the dispatcher makes at d = 128 (64 for fwd_simt)."""
+    from cuflash import _families
+    fam = _families.FAMILIES[family]
+    dev = _families.PROFILES["h200" if arch == "sm_90a" else "a100"]
+    d = 64 if family == "fwd_simt" else 128
+    shape = _families.Shape(dtype, 16, 4096, 4096, d, d, _all_builtins(bias))
+    traits, flags, _ = fam.select(fam, shape, dev)
+    expr = fam.expr(dtype, traits, shape.variant, **flags)
+    (report,) = _jit.compile_offline(fam.source, [expr], arch)
+    assert report.error is None, report.error[:3000]
+    assert report.ok, report
