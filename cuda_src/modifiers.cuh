@@ -37,6 +37,9 @@ struct ModifierParams {
   const void* alibi_slopes;         // the kernel's accumulation type (float, or double for
   const void* sink;                 // float64 inputs), one per batch item (broadcast by strides)
   const signed char* block_kind;    // block mask kinds (TileKind), item x Tq x block_tk, or null
+  float* dbias;                     // backward with a bias: dL/dbias of every (item, i, j),
+                                    // item x Lq x Lk float32, C order (the host sums it over the
+                                    // bias's broadcast dims); null otherwise
   long long bias_batch_stride[4];
   long long mask_batch_stride[4];
   long long slope_batch_stride[4];

@@ -77,6 +77,9 @@ struct Variant {
   static constexpr bool kPairMask = MASK || Mod::kHasMaskMod;
   // The per-block item state (slopes, sinks, bias/mask pointers, user b and h) is needed.
   static constexpr bool kItem = kNatural || kPairMask;
+  static constexpr bool kHasBias = Mod::kHasBias;
+  // The backward's dS needs the modifiers' chain rule (softcap, score_mod) or writes dbias.
+  static constexpr bool kGrad = SOFTCAP || Mod::kHasBias || Mod::kHasScoreMod;
   template <class Acc> using Item = typename Mod::template ItemOf<Acc>;
   // Which ends of a query row's visible key interval are real bounds: kKeyHi, the row sees keys
   // only up to key_last(i) < Lk - 1 for some rows (causal); kKeyLo, it sees them only from

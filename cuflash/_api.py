@@ -358,7 +358,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
     if prob.xp is not numpy:
-        _modifiers.check_gpu_support(mods, "attention_backward")
+        _modifiers.check_gpu_support(mods, "attention_backward", prob.dtype,
+                                     max(prob.d, prob.dv))
 
     xp = prob.xp
     with _problem.device_scope(prob):
@@ -379,20 +380,25 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             return call.gradients(dq, dk, dv) + extra
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
-                          (do, q, k, v, o, lse, scale, causal, deterministic))
-    return call.gradients(dq, dk, dv)
+                          (do, q, k, v, o, lse, scale, causal, deterministic), mods,
+                          {"dbias": extra[0] if mods.bias is not None else None,
+                           "dsink": extra[-1] if mods.sink is not None else None})
+    return call.gradients(dq, dk, dv) + extra
 
 
-def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> None:
+def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=None,
+                  extra_grads=None) -> None:
     _, bwd = _caches()
     from cuflash._plan import BackwardPlan
+    mkey = _mods_key(mods) if mods is not None else ()
     key = ("plan", _layout(do), _layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o),
-           _layout(lse), prob.scale, prob.causal_offset if prob.causal else None, deterministic)
+           _layout(lse), prob.scale, prob.causal_offset if prob.causal else None,
+           deterministic) + mkey
     plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, lse, dq, dk, dv,
-                                                      deterministic))
-    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
+                                                      deterministic, mods))
+    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv, mods, extra_grads)
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
-    if not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
+    if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
         bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
                  _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),

@@ -334,7 +334,13 @@ def _bwd_tc_select(fam, shape, dev):
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
-    return t, flags, [f"head-dim bucket {bucket}: {t.reason}"]
+    why = [f"head-dim bucket {bucket}: {t.reason}"]
+    if fam.name == "bwd_sm80" and shape.variant.score_path and t.min_blocks > 1:
+        # (modifiers) the per-element score code needs registers: one block an SM
+        t = t.replace(min_blocks=1)
+        why.append(f"modifiers ({shape.variant.describe()}): one block an SM, for the "
+                   f"registers of the per-element score code")
+    return t, flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
@@ -410,7 +416,7 @@ REGISTRY: tuple[Family, ...] = (
            "cuflash::bwd_sm80<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, {min_blocks}, "
            "{variant}, {deterministic}>",
            min_cc=80, dtypes=HALF, head_dims=(1, 128), tensor_core_rows=True,
-           features=frozenset({"causal", "deterministic"}),
+           features=FWD_FEATURES | {"deterministic"},
            smem_expr="cuflash::BwdSm80Traits<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, "
                      "{min_blocks}>::kSmemBytes",
            select=_bwd_tc_select, instances=_bwd_sm80_instances,

@@ -24,7 +24,7 @@ _CAPTURED = numpy.dtype([("ptr", "<u8"), ("shape", "<i8", (4,)), ("stride", "<i8
                         align=True)
 
 MODIFIER_PARAMS = numpy.dtype(
-    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind")]
+    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind", "dbias")]
     + [(f"{n}_batch_stride", "<i8", (4,)) for n in ("bias", "mask", "slope", "sink", "block")]
     + [(n, "<i8") for n in ("bias_row", "bias_col", "mask_row", "mask_col")]
     + [("captured", _CAPTURED, (4,))]

@@ -323,21 +323,31 @@ def heads_of(batch_shape: tuple[int, ...]) -> int:
 
 #: Modifiers the GPU kernel families implement today, per public function (issue 10 adds
 #: them direction by direction): the forward families run the built-ins through the Variant
+_BUILT_INS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask", "sink"})
 GPU_FEATURES: dict[str, frozenset[str]] = {
-    "attention": frozenset({"window", "softcap", "alibi_slopes", "bias", "mask", "sink"}),
-    "attention_backward": frozenset(),
+    "attention": _BUILT_INS,
+    # bwd_sm80 only (float16 / bfloat16, head dims <= 128): see BACKWARD_DTYPES
+    "attention_backward": _BUILT_INS,
 }
+#: dtypes whose GPU backward runs the modifiers (bwd_sm80; bwd_simt and bwd_sm90 not yet)
+BACKWARD_DTYPES = frozenset({"float16", "bfloat16"})
 
 
-def gpu_missing(mods: Modifiers, what: str) -> list[str]:
-    """The modifiers of ``mods`` that ``what``'s GPU path does not implement yet."""
-    return sorted(mods.features - GPU_FEATURES.get(what, frozenset()))
+def gpu_missing(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> list[str]:
+    """The modifiers of ``mods`` that ``what``'s GPU path does not implement yet (for
+    inputs of ``dtype`` and head dim ``dmax``, where the families differ by them)."""
+    supported = GPU_FEATURES.get(what, frozenset())
+    if what == "attention_backward" and dtype is not None and (
+            numpy.dtype(dtype).name not in BACKWARD_DTYPES or dmax > 128):
+        supported = frozenset()
+    return sorted(mods.features - supported)
 
 
-def check_gpu_support(mods: Modifiers, what: str) -> None:
+def check_gpu_support(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> None:
     """NotImplementedError, before any GPU work, for a CuPy call with a modifier no kernel
-    family implements yet: never a result computed without it."""
-    missing = gpu_missing(mods, what)
+    family implements yet: never a result computed without it. The backward runs them for
+    float16 / bfloat16 with head dims up to 128 (bwd_sm80)."""
+    missing = gpu_missing(mods, what, dtype, dmax)
     if missing:
         raise NotImplementedError(
             f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "

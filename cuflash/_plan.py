@@ -153,6 +153,8 @@ class _ModifierPatch:
         self.names = [n for n in mp.POINTER_FIELDS if getattr(mods, n) is not None]
         base = _launch.PARAMS.fields["mod"][1]
         self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
+        self.has_bias = mods.bias is not None
+        self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
 
     def arrays(self, mods) -> list:
         """The call's modifier arrays (broadcast views), in ``names`` order: their batch
@@ -204,11 +206,12 @@ class BackwardPlan:
     the main kernel (FA-2 Algorithm 2), and the finishing of dQ (and of dK, dV where they
     must be summed over broadcast dimensions)."""
 
-    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool):
+    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool, mods=None):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
-        self.choice = _families.choose("bwd", Shape.of(prob, deterministic), dev)
+        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        self.choice = _families.choose("bwd", Shape.of(prob, deterministic, mods), dev)
         lse_contiguous = lse.flags.c_contiguous
         fam, t = self.choice.family, self.choice.traits
         self.tc = fam.tensor_core_rows
@@ -229,6 +232,9 @@ class BackwardPlan:
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  "dq_sem": 4 * nbatch * self.num_m_blocks if (deterministic and
                                                               fam.name == "bwd_sm80") else 0,
+                 # dL/dbias of every (item, i, j), float32, zeroed (pairs no tile visits)
+                 "dbias": 4 * nbatch * Lq * Lk if (mods is not None and mods.bias is not None)
+                 else 0,
                  "dpsum": nbatch * Lq * a,
                  "dk_acc": 0 if self.dk_direct else nbatch * Lk * d * a,
                  "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a,
@@ -257,14 +263,15 @@ class BackwardPlan:
                              grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS,
                              name="bwd_finish_dq")
         self.num_sms = dev.num_sms
-        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do, mods)
 
-    def _build(self, q, k, v, o, do):
+    def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
         main kernel, per-launch byte offsets of the 11 pointers of Params)."""
         prob, t = self.prob, self.choice.traits
         tensors = {"q": q, "k": k, "v": v, "o": o, "dout": do}
-        layout = batch_layout(prob.batch_shape, list(tensors.values()))
+        extra = self.mods.arrays(mods) if self.mods is not None else []
+        layout = batch_layout(prob.batch_shape, list(tensors.values()) + extra)
         flags = (DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
         n = layout.inner_n
         p = pack(prob, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
@@ -288,20 +295,25 @@ class BackwardPlan:
                             first * 4 * self.num_m_blocks])
         return launch, offsets
 
-    def __call__(self, do, q, k, v, o, lse, dq, dk, dv) -> None:
+    def __call__(self, do, q, k, v, o, lse, dq, dk, dv, mods=None, extra_grads=None) -> None:
         """Write the gradients into ``dq``, ``dk``, ``dv`` (arrays of q's, k's, v's shapes, as
-        at planning) on the current stream."""
+        at planning) on the current stream; with modifiers (``mods``, laid out as at planning)
+        also ``extra_grads``' ``dbias`` and ``dsink`` (arrays of the bias's and the sink's
+        shapes and dtypes), summed over their broadcast dimensions."""
         import cupy
         if self.copies:
             q, k, v, do = (_launch.tensor_core_input(x) for x in (q, k, v, do))
-            launches = self._build(q, k, v, o, do)
+            launches = self._build(q, k, v, o, do, mods)
         else:
             launches = (self.launch, self.offsets)
         if not self.lse_contiguous:
             lse = cupy.ascontiguousarray(lse)
+        keep = self.mods.pointer_arrays(mods) if self.mods is not None else None
         ws = self._run(launches, _stream(), do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr)
+                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, keep)
         self._sum_broadcast(ws, dq, dk, dv)
+        if self.mods is not None:
+            self._modifier_grads(ws, lse, keep, extra_grads or {})
 
     def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dq: int,
             dk: int, dv: int) -> None:
@@ -309,17 +321,24 @@ class BackwardPlan:
         need no broadcast sum and whose inputs need no copy)."""
         self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
 
-    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv):
+    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None):
         import cupy
         ws = cupy.cuda.alloc(self.workspace)
         base = ws.ptr
         if self.zeroed:   # dq_acc and the semaphores start at 0
             cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
         off = self.ws_offsets
-        _run(*launches, stream, [
+        words = [
             q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],
             dk if self.dk_direct else base + off["dk_acc"],
-            dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]])
+            dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]]
+        if keep is None:
+            _run(*launches, stream, words)
+        else:
+            extra = self.mods.words(keep)
+            if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
+                extra.append((self.mods.dbias_word, base + off["dbias"]))
+            launches[0](stream, words, extra=extra)
         # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
         # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
         self.finish(stream, [base + off["dq_acc"], dq if self.dq_direct else base + off["dq_sum"]])
@@ -341,6 +360,26 @@ class BackwardPlan:
             _sum_into(dk, view("dk_acc", bs + (prob.Lk, prob.d)))
         if not self.dv_direct:
             _sum_into(dv, view("dv_acc", bs + (prob.Lk, prob.dv)))
+
+    def _modifier_grads(self, ws, lse, keep, grads: dict) -> None:
+        """dbias (the kernel's per-item float32 values summed over the bias's broadcast dims,
+        in a fixed order: bitwise reproducible) and dsink = -sum_i exp(sink - lse_i) D_i (D from
+        the workspace), summed likewise; into ``grads["dbias"]``, ``grads["dsink"]``."""
+        import cupy
+        prob, off = self.prob, self.ws_offsets
+        bs = prob.batch_shape
+        if grads.get("dbias") is not None:
+            acc = cupy.ndarray(bs + (prob.Lq, prob.Lk), numpy.float32, memptr=ws + off["dbias"])
+            _sum_into(grads["dbias"], acc)
+        if grads.get("dsink") is not None:
+            sink = keep[self.mods.names.index("sink")]
+            D = cupy.ndarray(bs + (prob.Lq,), self.acc, memptr=ws + off["dpsum"])
+            lse = lse.astype(self.acc, copy=False)
+            # lse >= sink, so exp(sink - lse) <= 1; a sink of -inf with a row with no key has
+            # lse = -inf and exp(-inf - -inf) = NaN there, where D = 0: selected to 0
+            w = cupy.exp(sink[..., None].astype(self.acc) - lse)
+            w = cupy.where(D == 0, 0, w)
+            _sum_into(grads["dsink"], -(w * D).sum(axis=-1))
 
     def explain(self) -> str:
         return explain_choice(self.choice, self.launch.grid)

@@ -298,14 +298,21 @@ def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
 
 
 def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
-             deterministic=False, tiles: Traits | None = None):
+             deterministic=False, tiles: Traits | None = None, expr: str | None = None,
+             **modifiers):
     """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
     dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
-    them. ``o`` and ``lse`` are the forward's (any source)."""
+    them (then dbias, dsink with those modifiers, as the GPU plan finishes them). ``o`` and
+    ``lse`` are the forward's (any source); ``expr`` / ``tiles`` the specialisation (the
+    registry's choice on an A100 by default)."""
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = modifiers_of(prob, **modifiers)
     shapes = (q.shape, k.shape, v.shape)
+    if expr is None:
+        from cuflash._families import PROFILES, Shape, choose
+        choice = choose("bwd", Shape.of(prob, deterministic, mods), PROFILES["a100"])
+        tiles, expr = choice.traits, choice.expr
     tiles = tiles or sm80_tiles(prob.d, prob.dv)
-    expr = sm80_expr(prob.dtype, tiles, prob.causal, deterministic)
     Lq, Lk, d, dv = prob.Lq, prob.Lk, prob.d, prob.dv
     nbatch = math.prod(prob.batch_shape)
     num_n_blocks = -(-Lk // tiles.block_n)
@@ -320,22 +327,44 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     dk_acc = numpy.full(prob.batch_shape + (Lk, d), numpy.nan, numpy.float32)   # poisoned:
     dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
     semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
+    dbias_acc = numpy.zeros(prob.batch_shape + (Lq, Lk), numpy.float32) \
+        if mods is not None and mods.bias is not None else None
 
     p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
                        num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
                        lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
-                       dq_sem=semaphore if deterministic else None)
+                       dq_sem=semaphore if deterministic else None, mods=mods)
+    if dbias_acc is not None:
+        p["mod"]["dbias"] = dbias_acc.ctypes.data
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
                readable=(q, k, v, do))
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
         visits = numpy.zeros(num_m_blocks, numpy.int32)
+        window = mods.window if mods is not None else None
+        diag = Lk - Lq
         for n in range(num_n_blocks):
-            first = max(0, n * tiles.block_n - prob.causal_offset) // tiles.block_m if prob.causal else 0
-            visits[first:] += 1
+            n0, n1 = n * tiles.block_n, (n + 1) * tiles.block_n
+            lo = max(0, n0 - prob.causal_offset) if prob.causal else 0
+            hi = Lq
+            if window is not None and window[1] is not None:
+                lo = max(lo, n0 - diag - window[1])
+            if window is not None and window[0] is not None:
+                hi = min(hi, max(0, n1 - diag + window[0]))
+            first = lo // tiles.block_m
+            last = -(-hi // tiles.block_m)
+            visits[first:last] += 1
         counts = semaphore.reshape(nbatch, num_m_blocks)
         assert (counts == visits).all(), (counts, visits)
-    return tuple(_problem.sum_to_shape(x, shape, prob.dtype)
-                 for x, shape in zip((dq_acc, dk_acc, dv_acc), shapes))
+    grads = tuple(_problem.sum_to_shape(x, shape, prob.dtype)
+                  for x, shape in zip((dq_acc, dk_acc, dv_acc), shapes))
+    if mods is not None and mods.bias is not None:
+        grads += (_problem.sum_to_shape(dbias_acc, mods.bias_shape, mods.bias_dtype),)
+    if mods is not None and mods.sink is not None:
+        with numpy.errstate(all="ignore"):
+            w = numpy.exp(mods.sink[..., None].astype(numpy.float32) - lse)
+        w = numpy.where(D == 0, 0, w)
+        grads += (_problem.sum_to_shape(-(w * D).sum(-1), mods.sink_shape, mods.sink_dtype),)
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------

@@ -229,3 +229,62 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
         empty = numpy.isclose(lse_ref, numpy.broadcast_to(kw["sink"].astype(float)[:, None],
                                                            lse_ref.shape))
         assert empty.any() and (o[empty] == 0).all()
+
+
+# -- the backward with the built-in modifiers: dq, dk, dv, dbias, dsink of bwd_sm80's Variant code
+
+BWD_MODIFIER_CASES = ["window", "softcap", "alibi", "bias", "mask", "sink", "all"]
+
+
+def _bwd_modifier_case(name, dtype):
+    q, k, v, causal, kw = _modifier_case(name, dtype)
+    return q[..., :70, :], k[..., :90, :], v[..., :90, :], causal, \
+        _shrink(kw, 70, 90, q.shape[-2], k.shape[-2])
+
+
+def _shrink(kw, Lq, Lk, Lq0, Lk0):
+    """The case's modifier arrays cut to Lq x Lk (bias and mask), the rest as they are."""
+    out = dict(kw)
+    for n in ("bias", "mask"):
+        if n in out:
+            out[n] = numpy.ascontiguousarray(out[n][..., :Lq, :Lk])
+    return out
+
+
+def _bwd_modifier_choice(name, dtype, det):
+    q, k, v, causal, kw = _bwd_modifier_case(name, dtype)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    choice = _families.choose("bwd", _families.Shape.of(prob, det, mods),
+                              _families.PROFILES["a100"])
+    return choice, (q, k, v, causal, kw)
+
+
+@pytest.fixture(scope="module")
+def bwd_mods_lib():
+    kernels = {}
+    for name in BWD_MODIFIER_CASES:
+        for det in (False, True):
+            choice, _ = _bwd_modifier_choice(name, BF16, det)
+            kernels[("bwd", choice.expr)] = None
+    return emu.build("bwd_sm80.cu", sorted(kernels))
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("name", BWD_MODIFIER_CASES)
+def test_backward_with_modifiers_matches_the_reference(bwd_mods_lib, name, det):
+    dtype = BF16
+    choice, (q, k, v, causal, kw) = _bwd_modifier_choice(name, dtype, det)
+    assert choice.family.name == "bwd_sm80"
+    o, lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    o, lse = o.astype(dtype), lse.astype(numpy.float32)
+    do = make_array(numpy.random.default_rng(1), o.shape, dtype)
+    grads = emu.bwd_sm80(bwd_mods_lib, do, q, k, v, o, lse, causal=causal, deterministic=det,
+                         tiles=choice.traits, expr=choice.expr, **kw)
+    import _naive_modifiers as naive
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    if det:   # bitwise reproducible, dbias and dsink included
+        again = emu.bwd_sm80(bwd_mods_lib, do, q, k, v, o, lse, causal=causal,
+                             deterministic=True, tiles=choice.traits, expr=choice.expr, **kw)
+        for a, b in zip(grads, again):
+            assert a.tobytes() == b.tobytes()

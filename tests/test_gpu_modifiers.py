@@ -197,11 +197,74 @@ def test_sliding_window_skips_tiles_and_stays_exact_at_length(family, dtype):
         naive.check_result(oq, ok_, ov, True, kw, o[..., sl, :], lse[..., sl])
 
 
-def test_backward_with_modifiers_is_refused_before_gpu_work():
-    """The backward kernels do not implement the modifiers yet: NotImplementedError naming
-    them, never gradients computed without them."""
+def run_gpu_backward(q, k, v, causal, kw, deterministic=False, seed=1):
+    """cuflash's forward and backward on the device; NumPy (o, lse, do, grads) back."""
     import cupy
-    q = cupy.ones((2, 4, 8), cupy.float16)
+    dev = {n: to_device(x) for n, x in kw.items()}
+    qd, kd, vd = (to_device(x) for x in (q, k, v))
+    o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True, **dev)
+    do = numpy.random.default_rng(seed).standard_normal(o.shape).astype(q.dtype)
+    grads = cuflash.attention_backward(cupy.asarray(do), qd, kd, vd, o, lse, causal=causal,
+                                       deterministic=deterministic, **dev)
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(o), cupy.asnumpy(lse), do, tuple(cupy.asnumpy(g) for g in grads)
+
+
+@settings(deadline=None, max_examples=60)
+@given(builtin_case(dtypes=(F16, BF16)), st.booleans())
+def test_builtin_modifier_gradients_match_the_reference(case, deterministic):
+    """dq, dk, dv, then dbias and dsink (DESIGN.md's order, the shapes and dtypes of bias and
+    sink, summed over their broadcast dims) of bwd_sm80's Variant code (the backward family
+    that runs the modifiers; on Hopper too)."""
+    q, k, v, causal, kw = case
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw, deterministic)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+
+
+@pytest.mark.parametrize("how", ["window", "bias", "mask", "window+sink"])
+def test_gradients_of_rows_with_no_visible_key_are_zero(how):
+    """A row that a masking modifier empties contributes nothing: its dq is exactly 0 (and
+    with a sink, dsink gets exp(sink - lse) D = 0 from it: D = dO . O = 0)."""
+    q, k, v = _case(BF16)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    kw, empty = {}, numpy.zeros((2, 3, Lq), bool)
+    if "window" in how:
+        kw["window"] = (4, 2)
+        empty[..., :48] = True
+    if how == "bias":
+        bias = numpy.zeros((3, Lq, Lk), numpy.float32)
+        bias[:, 17] = -numpy.inf
+        kw["bias"], empty[:, :, 17] = bias, True
+    if how == "mask":
+        mask = numpy.ones((2, 1, Lq, Lk), bool)
+        mask[1, :, 99] = False
+        kw["mask"], empty[1, :, 99] = mask, True
+    if "sink" in how:
+        kw["sink"] = numpy.array([0.5, -1.0, 2.0], numpy.float32)
+    o, lse, do, grads = run_gpu_backward(q, k, v, False, kw)
+    assert (grads[0][empty] == 0).all()
+    naive.check_gradients(grads, q, k, v, o, lse, do, False, kw)
+
+
+def test_deterministic_gradients_are_bitwise_reproducible():
+    """deterministic=True: dq, dk, dv, dbias (a broadcast bias: summed over B) and dsink are
+    the same bits run after run."""
+    q, k, v = _case(BF16, 200, 200, 64)
+    rng = numpy.random.default_rng(9)
+    kw = dict(bias=rng.standard_normal((3, 200, 200)).astype(BF16), window=(64, 16),
+              softcap=20.0, sink=rng.standard_normal((3,)).astype(numpy.float32))
+    first = run_gpu_backward(q, k, v, True, kw, deterministic=True)[3]
+    for _ in range(3):
+        again = run_gpu_backward(q, k, v, True, kw, deterministic=True)[3]
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_float32_backward_with_modifiers_is_refused_before_gpu_work():
+    """The generic backward (bwd_simt) does not implement the modifiers yet: NotImplementedError
+    naming them, never gradients computed without them."""
+    import cupy
+    q = cupy.ones((2, 4, 8), cupy.float32)
     lse = cupy.zeros((2, 4), cupy.float32)
     with pytest.raises(NotImplementedError, match="softcap"):
         cuflash.attention_backward(q, q, q, q, q, lse, softcap=30.0)

@@ -101,12 +101,14 @@ def test_public_names_and_errors_through_the_api():
 def test_gpu_calls_with_modifiers_are_refused_with_the_names():
     mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2,), Lq=3, Lk=3,
                                       softcap=2.0, window=(1, 1))
-    # the forward kernels run the built-ins; the backward kernels do not yet
+    # the forward kernels run the built-ins; the backward only bwd_sm80 (half types, d <= 128)
     _modifiers.check_gpu_support(mods, "attention")
-    with pytest.raises(NotImplementedError,
-                       match=r"cuflash.attention_backward on CuPy arrays does not implement "
-                             r"softcap, window yet"):
-        _modifiers.check_gpu_support(mods, "attention_backward")
+    _modifiers.check_gpu_support(mods, "attention_backward", numpy.float16, 128)
+    for dtype, dmax in ((numpy.float32, 64), (numpy.float16, 256)):
+        with pytest.raises(NotImplementedError,
+                           match=r"cuflash.attention_backward on CuPy arrays does not implement "
+                                 r"softcap, window yet"):
+            _modifiers.check_gpu_support(mods, "attention_backward", dtype, dmax)
     user = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2,), Lq=3, Lk=3,
                                       softcap=2.0, score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(NotImplementedError,
@@ -123,7 +125,8 @@ def test_cupy_calls_with_modifiers_raise_not_implemented_before_gpu_work():
     with pytest.raises(NotImplementedError, match="score_mod"):
         cuflash.attention(q, q, q, softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0)
     with pytest.raises(NotImplementedError, match="bias"):
-        cuflash.attention_backward(q, q, q, q, q, cupy.zeros((2, 4), cupy.float32),
+        q32 = q.astype(cupy.float32)
+        cuflash.attention_backward(q32, q32, q32, q32, q32, cupy.zeros((2, 4), cupy.float32),
                                    bias=cupy.zeros((4, 4), cupy.float16))
 
 
