@@ -172,6 +172,8 @@ bwd_sm80(const Params p) {
   // K_j (causal: row n0 - causal_offset; its earlier rows get P = 0 from the mask), up to the
   // last query that sees one (a window's left bound; Lq otherwise).
   const int m_first = Var::query_begin(p.var, p.mod, n0) / BLOCK_M * BLOCK_M;
+  // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
+  // parameter itself, and the machine code of plain attention is unchanged)
   const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
@@ -191,7 +193,7 @@ bwd_sm80(const Params p) {
       d_next = __ldg(gD + m0 + tid);
     }
   };
-  if (m_first < m_end) load_q_tile(m_first, 0);
+  if (m_first < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_first, 0);
   cp_async_commit();
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (registers, mma C layout: rows = this warp's
@@ -227,7 +229,7 @@ bwd_sm80(const Params p) {
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   int stage = 0;
-  for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M, stage ^= 1) {
+  for (int m0 = m_first; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 += BLOCK_M, stage ^= 1) {
     const unsigned stage_off = stage * Tr::kStageBytes;
     float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
     float* const sDi = sL2 + BLOCK_M;                    // D_i
@@ -244,7 +246,7 @@ bwd_sm80(const Params p) {
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
-    if (m0 + BLOCK_M < m_end) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    if (m0 + BLOCK_M < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m0 + BLOCK_M, stage ^ 1);
     cp_async_commit();
 
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
