@@ -335,11 +335,13 @@ def _bwd_tc_select(fam, shape, dev):
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
-    if fam.name == "bwd_sm80" and shape.variant.score_path and t.min_blocks > 1:
-        # (modifiers) the per-element score code needs registers: one block an SM
-        t = t.replace(min_blocks=1)
-        why.append(f"modifiers ({shape.variant.describe()}): one block an SM, for the "
-                   f"registers of the per-element score code")
+    if fam.name == "bwd_sm80" and shape.variant.score_path and (t.min_blocks > 1
+                                                                 or t["sub_m"] > 32):
+        # (modifiers) the per-element score code needs registers: one block an SM, query
+        # chunks of at most 32 rows
+        t = t.replace(min_blocks=1, sub_m=min(32, t["sub_m"]))
+        why.append(f"modifiers ({shape.variant.describe()}): one block an SM, {t['sub_m']}-row "
+                   f"query chunks, for the registers of the per-element score code")
     return t, flags, why
 
 
