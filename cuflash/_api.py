@@ -242,9 +242,18 @@ def _mods_key(mods) -> tuple:
     """What a plan depends on in the modifiers: their values and their arrays' layouts."""
     if not mods.features:
         return ()
-    return ("mods", mods.window, mods.softcap) + tuple(
+    key = ("mods", mods.window, mods.softcap) + tuple(
         None if x is None else _layout(x)
         for x in (mods.bias, mods.mask, mods.alibi_slopes, mods.sink))
+    if mods.score_mod is not None or mods.mask_mod is not None:
+        # the traced functions (their struct names hash the traces) and the layouts of the
+        # arrays they read (packed into the plan; their pointers are patched per call)
+        from cuflash._variant import traces_of
+        for t in traces_of(mods):
+            if t is not None:
+                key += (t.struct_name,) + tuple(
+                    (c.array.shape, c.array.strides, c.array.dtype) for c in t.captures)
+    return key
 
 
 def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None) -> None:

@@ -376,7 +376,8 @@ def _decode_instances(fam, arch):
 
 #: what the forward families implement: causal and the built-in modifiers (issue 10; the
 #: Variant of cuda_src/variant.cuh, one piece every family shares)
-FWD_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask", "sink"})
+FWD_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask", "sink",
+                          "score_mod", "mask_mod"})
 
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first

@@ -170,9 +170,10 @@ def tensor_core_input(x):
 # The launch
 # ---------------------------------------------------------------------------------------------
 
-def kernel(source: str, expr: str, device_id: int, smem_bytes: int):
-    """The compiled kernel, with its dynamic shared-memory limit raised where it needs it."""
-    k = _jit.get_kernel(source, expr, device_id)
+def kernel(source: str, expr: str, device_id: int, smem_bytes: int, prelude: str = ""):
+    """The compiled kernel, with its dynamic shared-memory limit raised where it needs it
+    (``prelude``: source compiled before the family's, the Variant's traced functions)."""
+    k = _jit.get_kernel(source, expr, device_id, prelude)
     if smem_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem_bytes:
         k.max_dynamic_shared_size_bytes = smem_bytes
     return k

@@ -325,9 +325,11 @@ def heads_of(batch_shape: tuple[int, ...]) -> int:
 #: them direction by direction): the forward families run the built-ins through the Variant
 _BUILT_INS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask", "sink"})
 GPU_FEATURES: dict[str, frozenset[str]] = {
-    "attention": _BUILT_INS,
+    # user functions traced into the Variant; a block_mask runs its mask_mod (its tiles are
+    # not skipped on the GPU yet)
+    "attention": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
     # bwd_sm80 only (float16 / bfloat16, head dims <= 128): see BACKWARD_DTYPES
-    "attention_backward": _BUILT_INS,
+    "attention_backward": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
 }
 #: dtypes whose GPU backward runs the modifiers (bwd_sm80; bwd_simt and bwd_sm90 not yet)
 BACKWARD_DTYPES = frozenset({"float16", "bfloat16"})

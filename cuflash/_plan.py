@@ -87,7 +87,8 @@ class ForwardPlan:
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
-        self.choice = _families.choose("fwd", Shape.of(prob, mods=mods), dev)
+        shape = Shape.of(prob, mods=mods)
+        self.choice = _families.choose("fwd", shape, dev)
         fam, t = self.choice.family, self.choice.traits
         self.copies = fam.tensor_core_rows and not all(
             _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v))
@@ -95,7 +96,8 @@ class ForwardPlan:
         self.lse_row = prob.Lq * lse.itemsize
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
-        self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
+                                      shape.variant.prelude)
         self.dims = Dims.of(prob)
         self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, mods)
 
@@ -131,7 +133,7 @@ class ForwardPlan:
             _run(launch, offsets, _stream(), bases)
             return
         keep = self.mods.pointer_arrays(mods)   # converted slopes / sinks live until launched
-        launch(_stream(), bases, extra=self.mods.words(keep))
+        launch(_stream(), bases, extra=self.mods.words(keep, mods))
 
     def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
         """Launch with raw device pointers (the fast path of ``_api``; not for copies plans)."""
@@ -155,6 +157,10 @@ class _ModifierPatch:
         self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
         self.has_bias = mods.bias is not None
         self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
+        # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
+        cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
+        self.captured_words = [(cap + k * mp.MODIFIER_PARAMS["captured"].base.itemsize) // 8
+                               for k in range(4)]
 
     def arrays(self, mods) -> list:
         """The call's modifier arrays (broadcast views), in ``names`` order: their batch
@@ -170,7 +176,10 @@ class _ModifierPatch:
                 "modifiers on the GPU with more than 4 batch dimensions that cannot be merged "
                 "(an outer loop of launches) are not implemented; reshape the batch dims")
         strides = {id(getattr(mods, n)): st for n, st in zip(self.names, layout.strides[first:])}
-        p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)])
+        from ._variant import traces_of
+        score, mask = traces_of(mods)
+        p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)],
+                           score_trace=score, mask_trace=mask)
 
     def pointer_arrays(self, mods) -> list:
         """The arrays whose pointers a call patches, slopes and sinks in the accumulation
@@ -183,8 +192,19 @@ class _ModifierPatch:
             out.append(per_item_acc(x, self.acc, cupy) if n in ("alibi_slopes", "sink") else x)
         return out
 
-    def words(self, arrays) -> list[tuple[int, int]]:
-        return [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
+    def words(self, arrays, mods=None) -> list[tuple[int, int]]:
+        """(word, pointer) of the arrays, then of the captured arrays the user functions of
+        ``mods`` read."""
+        out = [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
+        if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
+            from ._variant import traces_of
+            caps = [c for t in traces_of(mods) if t is not None for c in t.captures]
+            for w, c in zip(self.captured_words, caps):
+                if not hasattr(c.array, "data") or not hasattr(c.array.data, "ptr"):
+                    raise TypeError(f"{c!r} is read by a function on the GPU: capture a "
+                                    f"cupy.ndarray on the inputs' device")
+                out.append((w, c.array.data.ptr))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +231,8 @@ class BackwardPlan:
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
         self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
-        self.choice = _families.choose("bwd", Shape.of(prob, deterministic, mods), dev)
+        shape = Shape.of(prob, deterministic, mods)
+        self.choice = _families.choose("bwd", shape, dev)
         lse_contiguous = lse.flags.c_contiguous
         fam, t = self.choice.family, self.choice.traits
         self.tc = fam.tensor_core_rows
@@ -250,7 +271,8 @@ class BackwardPlan:
         self.lse_contiguous = lse_contiguous
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
-        self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
+                                    shape.variant.prelude)
         dot, fin = FAMILIES["bwd_dot"], FAMILIES["bwd_finish_dq"]
         self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
         n = nbatch * Lq * d
@@ -310,7 +332,7 @@ class BackwardPlan:
             lse = cupy.ascontiguousarray(lse)
         keep = self.mods.pointer_arrays(mods) if self.mods is not None else None
         ws = self._run(launches, _stream(), do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, keep)
+                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, keep, mods)
         self._sum_broadcast(ws, dq, dk, dv)
         if self.mods is not None:
             self._modifier_grads(ws, lse, keep, extra_grads or {})
@@ -321,7 +343,7 @@ class BackwardPlan:
         need no broadcast sum and whose inputs need no copy)."""
         self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
 
-    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None):
+    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
         import cupy
         ws = cupy.cuda.alloc(self.workspace)
         base = ws.ptr
@@ -335,7 +357,7 @@ class BackwardPlan:
         if keep is None:
             _run(*launches, stream, words)
         else:
-            extra = self.mods.words(keep)
+            extra = self.mods.words(keep, mods)
             if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
                 extra.append((self.mods.dbias_word, base + off["dbias"]))
             launches[0](stream, words, extra=extra)

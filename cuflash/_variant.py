@@ -52,25 +52,33 @@ class Variant:
     bias: str | None = None
     mask: bool = False
     sink: bool = False
+    #: the traced user functions' structs (``cuflash::user::...``), or None
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    #: their C++ source, compiled before the family's (the struct names hash the traces, so
+    #: equal names mean equal source: not compared)
+    prelude: str = dataclasses.field(default="", compare=False, repr=False)
 
     @property
     def modified(self) -> bool:
         """Whether a modifier other than causal is on."""
         return bool(self.window or self.softcap or self.alibi_slopes or self.bias or self.mask
-                    or self.sink)
+                    or self.sink or self.score_mod or self.mask_mod)
 
     @property
     def score_path(self) -> bool:
         """Whether scores go through the modifiers' per-element code (everything but causal and
         the window, which only move the mask's bounds): those kernels need more registers, and
         the dispatcher gives them the tile choice with the most (``_families``)."""
-        return bool(self.softcap or self.alibi_slopes or self.bias or self.mask or self.sink)
+        return bool(self.softcap or self.alibi_slopes or self.bias or self.mask or self.sink
+                    or self.score_mod or self.mask_mod)
 
     @property
     def heavy(self) -> bool:
         """A score transform and an element-mask array together (their loads and math side by
         side): fwd_sm80's EVEN build of these spills, so they take the predicated one."""
-        return bool((self.softcap or self.alibi_slopes or self.bias) and self.mask)
+        return bool((self.softcap or self.alibi_slopes or self.bias or self.score_mod)
+                    and (self.mask or self.mask_mod))
 
     @property
     def cpp(self) -> str:
@@ -82,8 +90,8 @@ class Variant:
         if not self.modified:
             return f"cuflash::Variant<{b(self.causal)}>"
         args = [b(self.causal), b(self.window), b(self.softcap), b(self.alibi_slopes),
-                self.bias or "void", b(self.mask), "cuflash::NoScoreMod", "cuflash::NoMaskMod",
-                "false", b(self.sink)]
+                self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
+                self.mask_mod or "cuflash::NoMaskMod", "false", b(self.sink)]
         return f"cuflash::Variant<{', '.join(args)}>"
 
     @property
@@ -92,7 +100,8 @@ class Variant:
         return frozenset(name for name, on in (
             ("causal", self.causal), ("window", self.window), ("softcap", self.softcap),
             ("alibi_slopes", self.alibi_slopes), ("bias", self.bias), ("mask", self.mask),
-            ("sink", self.sink)) if on)
+            ("sink", self.sink), ("score_mod", self.score_mod), ("mask_mod", self.mask_mod))
+            if on)
 
     def describe(self) -> str:
         return ", ".join(sorted(self.features)) or "plain softmax"
@@ -107,11 +116,25 @@ def variant_of(prob, mods=None) -> Variant:
     if mods is None:
         return Variant(causal=bool(prob.causal))
     from ._modifier_params import BIAS_CTYPE
+    from . import _trace_cuda
+    score, mask = traces_of(mods)
     return Variant(causal=bool(prob.causal), window=mods.window is not None,
                    softcap=mods.softcap is not None,
                    alibi_slopes=mods.alibi_slopes is not None,
                    bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
-                   mask=mods.mask is not None, sink=mods.sink is not None)
+                   mask=mods.mask is not None, sink=mods.sink is not None,
+                   score_mod=None if score is None else _trace_cuda.qualified_name(score),
+                   mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
+                   prelude="".join(t.source for t in (score, mask) if t is not None))
+
+
+def traces_of(mods) -> tuple:
+    """The traces of ``mods.score_mod`` and ``mods.mask_mod`` (None where absent), reused
+    while nothing the functions read changes (``_trace.cached_trace``). A ``block_mask``
+    contributes its mask_mod (its tiles are not skipped on the GPU yet)."""
+    from . import _trace
+    return tuple(None if fn is None else _trace.cached_trace(fn, role)
+                 for fn, role in ((mods.score_mod, "score_mod"), (mods.mask_mod, "mask_mod")))
 
 
 def variant_params(prob) -> numpy.void:

@@ -258,8 +258,11 @@ def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=Non
                      num_n_blocks=num_n_blocks)
     if mods is not None:
         strides = {id(x): st for x, st in zip(extra, layout.strides[len(strided):])}
+        from cuflash._variant import traces_of
+        score, mask = traces_of(mods)
         p["mod"] = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data,
-                                         batch_strides=lambda x: strides[id(x)])
+                                         batch_strides=lambda x: strides[id(x)],
+                                         score_trace=score, mask_trace=mask)
     for name, t in strided.items():
         p[name] = t.ctypes.data
     for name, buf in buffers.items():

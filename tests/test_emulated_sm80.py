@@ -288,3 +288,48 @@ def test_backward_with_modifiers_matches_the_reference(bwd_mods_lib, name, det):
                              deterministic=True, tiles=choice.traits, expr=choice.expr, **kw)
         for a, b in zip(grads, again):
             assert a.tobytes() == b.tobytes()
+
+
+# -- user functions (score_mod, mask_mod, a captured array) traced into the Variant ------------
+
+def _user_case(name):
+    from test_modifiers import DOC, MASK_MODS, SCORE_MODS
+    rng = numpy.random.default_rng(11)
+    q, k, v = (make_array(rng, (2, 3, L, 64), BF16) for L in (64, 64, 64))
+    kw = {"score": dict(score_mod=SCORE_MODS["relpos"]),
+          "table": dict(score_mod=SCORE_MODS["table"], softcap=4.0),      # a captured array
+          "document": dict(mask_mod=MASK_MODS["document"]),                 # another, as a mask
+          "both": dict(score_mod=SCORE_MODS["where"], mask_mod=MASK_MODS["mod3"], sink=None)}[name]
+    return q, k, v, True, {n: x for n, x in kw.items() if x is not None}
+
+
+USER_CASES = ["score", "table", "document", "both"]
+
+
+@pytest.mark.parametrize("name", USER_CASES)
+def test_user_functions_in_the_kernels_match_the_oracle(name):
+    """The traced structs compiled into fwd_sm80 and bwd_sm80 (their source before the
+    family's), captured arrays read through their pointers: o, lse against the oracle, the
+    gradients against the reference."""
+    import _naive_modifiers as naive
+    q, k, v, causal, kw = _user_case(name)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    fwd = _families.choose("fwd", _families.Shape.of(prob, mods=mods), _families.PROFILES["a100"])
+    shape = _families.Shape.of(prob, mods=mods)
+    assert "cuflash::user::" in fwd.expr and shape.variant.prelude
+    text = (emu.cuda_src_dir() / "fwd_sm80.cu").read_text()
+    lib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)], kernel_text=shape.variant.prelude + text)
+    t = fwd.traits
+    o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, threads=t.threads,
+                          smem_bytes=t.smem_bytes, causal=causal, **kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    bwd = _families.choose("bwd", _families.Shape.of(prob, False, mods), _families.PROFILES["a100"])
+    btext = (emu.cuda_src_dir() / "bwd_sm80.cu").read_text()
+    blib = emu.build("bwd_sm80.cu", [("bwd", bwd.expr)], kernel_text=shape.variant.prelude + btext)
+    o, lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    o, lse = o.astype(BF16), lse.astype(numpy.float32)
+    do = make_array(numpy.random.default_rng(1), o.shape, BF16)
+    grads = emu.bwd_sm80(blib, do, q, k, v, o, lse, causal=causal, tiles=bwd.traits,
+                         expr=bwd.expr, **kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)

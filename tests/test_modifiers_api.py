@@ -111,10 +111,11 @@ def test_gpu_calls_with_modifiers_are_refused_with_the_names():
             _modifiers.check_gpu_support(mods, "attention_backward", dtype, dmax)
     user = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2,), Lq=3, Lk=3,
                                       softcap=2.0, score_mod=lambda s, b, h, i, j: s)
+    _modifiers.check_gpu_support(user, "attention")          # traced into the Variant
     with pytest.raises(NotImplementedError,
-                       match=r"cuflash.attention on CuPy arrays does not implement score_mod "
-                             r"yet"):
-        _modifiers.check_gpu_support(user, "attention")
+                       match=r"cuflash.attention_backward on CuPy arrays does not implement "
+                             r"score_mod, softcap yet"):
+        _modifiers.check_gpu_support(user, "attention_backward", numpy.float64, 8)
     _modifiers.check_gpu_support(_modifiers.no_modifiers((2,), 3, 3), "attention")   # fine
 
 
@@ -123,7 +124,9 @@ def test_cupy_calls_with_modifiers_raise_not_implemented_before_gpu_work():
     import cupy
     q = cupy.ones((2, 4, 8), cupy.float16)
     with pytest.raises(NotImplementedError, match="score_mod"):
-        cuflash.attention(q, q, q, softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0)
+        q64 = q.astype(cupy.float64)
+        cuflash.attention_backward(q64, q64, q64, q64, q64, cupy.zeros((2, 4), cupy.float64),
+                                   softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0)
     with pytest.raises(NotImplementedError, match="bias"):
         q32 = q.astype(cupy.float32)
         cuflash.attention_backward(q32, q32, q32, q32, q32, cupy.zeros((2, 4), cupy.float32),
@@ -136,7 +139,7 @@ def test_explain_shows_the_traced_source():
     text = _api.explain(q, q, q, softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0,
                         mask_mod=lambda b, h, i, j: i >= j)
     assert "with modifiers: mask_mod, score_mod, softcap" in text
-    assert "not implemented yet" in text
+    assert "not implemented yet" not in text        # the forward kernels run all three
     assert "struct ScoreMod_" in text and "struct MaskMod_" in text and "0x1.0" in text
     bad = _api.explain(q, q, q, score_mod=lambda s, b, h, i, j: np.arctan(s))
     assert "cannot be traced for the GPU" in bad and "numpy.arctan" in bad
