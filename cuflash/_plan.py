@@ -300,6 +300,8 @@ class BackwardPlan:
                  num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
                  dq_block_stride=(math.prod(prob.batch_shape) * prob.Lq * prob.d
                                   if self.parts > 1 else 0))
+        if self.mods is not None:
+            self.mods.pack_into(p, layout, len(tensors), mods)
         dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
                                 DOT_BLOCKS_PER_SM * self.num_sms))
         # -- 4: D = rowsum(dO o O), then 5-19: one block per (batch item, key tile)

@@ -386,3 +386,47 @@ def test_every_builtin_modifier_at_once_compiles_without_spills(family, arch, dt
     (report,) = _jit.compile_offline(fam.source, [expr], arch)
     assert report.error is None, report.error[:3000]
     assert report.ok, report
+
+
+def test_the_plans_pack_and_patch_the_modifiers_as_the_emulation_does():
+    """_plan's modifier packing (the GPU path, which CI cannot launch) gives the Params.mod the
+    emulated kernels were checked with, and its patch words land on the pointer fields."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _emu_sm80 as emu
+    from cuflash import _launch, _plan, _problem
+    rng = numpy.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 40, 16)).astype(numpy.float16)
+    k = rng.standard_normal((1, 3, 50, 16)).astype(numpy.float16)
+    kw = dict(bias=rng.standard_normal((3, 40, 50)).astype(numpy.float32), window=(7, None),
+              mask=rng.random((2, 1, 40, 50)) < 0.5, softcap=3.0,
+              alibi_slopes=numpy.ones(3, numpy.float32), sink=numpy.zeros((2, 3), numpy.float32),
+              score_mod=lambda s, b, h, i, j: s + TAB[h % 3, 1])
+    prob = _problem.make_problem(q, k, k, scale=None, causal=True)
+    mods = emu.modifiers_of(prob, **kw)
+    o = numpy.empty((2, 3, 40, 16), numpy.float16)
+    ours = _plan._ModifierPatch(prob, mods)
+    tensors = {"q": prob.q, "k": prob.k, "v": prob.v, "o": o}
+    layout = _launch.batch_layout(prob.batch_shape, list(tensors.values()) + ours.arrays(mods))
+    p = _launch.pack(prob, tensors, layout, emu.variant_params(prob))
+    ours.pack_into(p, layout, len(tensors), mods)
+    ref, _ = emu.pack_params(prob, dict(tensors), mods=mods)
+    for name in MODIFIER_FIELDS_COMPARED:
+        assert (p["mod"][name] == ref["mod"][name]).all(), name
+    assert (p["mod"]["captured"]["shape"] == ref["mod"]["captured"]["shape"]).all()
+    assert (p["mod"]["captured"]["stride"] == ref["mod"]["captured"]["stride"]).all()
+    # the words a call patches are the pointer fields
+    buf = numpy.zeros(-(-p.nbytes // 8), numpy.uint64)
+    words = [(ours.word[n], 1000 + i) for i, n in enumerate(ours.names)]
+    words += [(ours.dbias_word, 7), (ours.captured_words[0], 9)]
+    for w, val in words:
+        buf[w] = val
+    back = numpy.frombuffer(buf.tobytes()[:p.nbytes], _launch.PARAMS)[0]["mod"]
+    assert [int(back[n]) for n in ours.names] == [1000, 1001, 1002, 1003]
+    assert int(back["dbias"]) == 7 and int(back["captured"][0]["ptr"]) == 9
+
+
+MODIFIER_FIELDS_COMPARED = ("bias_batch_stride", "mask_batch_stride", "slope_batch_stride",
+                            "sink_batch_stride", "bias_row", "bias_col", "mask_row", "mask_col",
+                            "softcap", "inv_softcap", "window_left", "window_right", "diag",
+                            "heads", "batch_base", "mask_mod_captured_base")
