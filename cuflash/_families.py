@@ -25,7 +25,7 @@ import numpy
 
 from . import _traits
 from ._traits import Traits
-from ._variant import ALL_VARIANTS, Variant
+from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -252,14 +252,7 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(warpgroups=t["warpgroups"] - 1)
         why.append(f"{blocks(t)} blocks would leave SMs idle with more warpgroups: "
                    f"{t['warpgroups']} a block")
-    if shape.variant.score_path and (t["warpgroups"] > 2 or t.min_blocks > 1):
-        # (modifiers) the per-element score code needs registers: one block of at most 2
-        # warpgroups an SM, 255 registers a thread (the table's choice spills with them)
-        t = t.replace(warpgroups=min(2, t["warpgroups"]), min_blocks=1,
-                      block_n=32 if shape.variant.heavy else t.block_n)
-        why.append(f"modifiers ({shape.variant.describe()}): {t['warpgroups']} warpgroups, one "
-                   f"block an SM{', 32-key tiles' if shape.variant.heavy else ''}, for the "
-                   f"registers of the per-element score code")
+    t = modifier_tiles(fam.name, t, shape.variant, why)
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
@@ -283,15 +276,7 @@ def _fwd_sm80_select(fam, shape, dev):
         t = _traits.small_grid(t)
         why.append(f"few (batch, Q-tile) blocks: {t['warps']} warps of one slice (BLOCK_M = "
                    f"{t.block_m}) for twice the blocks")
-    if shape.variant.score_path and (t.min_blocks > 1 or shape.variant.heavy):
-        # (modifiers) the per-element score code needs registers: one block an SM, 255 a
-        # thread; a transform and a mask array together also take 32-key tiles
-        t = dataclasses.replace(
-            t.replace(min_blocks=1, block_n=32 if shape.variant.heavy else t.block_n),
-            allow_even=t.allow_even)
-        why.append(f"modifiers ({shape.variant.describe()}): one block an SM"
-                   f"{', 32-key tiles' if shape.variant.heavy else ''}, for the registers of "
-                   f"the per-element score code")
+    t = modifier_tiles(fam.name, t, shape.variant, why)
     even = (t.allow_even and not shape.variant.heavy and shape.Lq % t.block_m == 0
             and shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket)
     why.append(f"EVEN={_bool(even)}")
@@ -335,14 +320,7 @@ def _bwd_tc_select(fam, shape, dev):
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
-    if fam.name == "bwd_sm80" and shape.variant.score_path and (t.min_blocks > 1
-                                                                 or t["sub_m"] > 32):
-        # (modifiers) the per-element score code needs registers: one block an SM, query
-        # chunks of at most 32 rows
-        t = t.replace(min_blocks=1, sub_m=min(32, t["sub_m"]))
-        why.append(f"modifiers ({shape.variant.describe()}): one block an SM, {t['sub_m']}-row "
-                   f"query chunks, for the registers of the per-element score code")
-    return t, flags, why
+    return modifier_tiles(fam.name, t, shape.variant, why), flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
@@ -373,11 +351,6 @@ def _decode_instances(fam, arch):
     for t in _traits.TABLES[fam.name].values():
         yield t, {}
 
-
-#: what the forward families implement: causal and the built-in modifiers (issue 10; the
-#: Variant of cuda_src/variant.cuh, one piece every family shares)
-FWD_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask", "sink",
-                          "score_mod", "mask_mod"})
 
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first

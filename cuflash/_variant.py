@@ -107,6 +107,11 @@ class Variant:
         return ", ".join(sorted(self.features)) or "plain softmax"
 
 
+#: What the families that run the modifiers implement (every forward family, bwd_sm80): causal,
+#: the built-ins and the traced user functions (a block_mask runs as its mask_mod)
+MODIFIER_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask",
+                               "sink", "score_mod", "mask_mod"})
+
 #: Every Variant a family may be compiled for (the compile gate instantiates each).
 ALL_VARIANTS = (Variant(causal=False), Variant(causal=True))
 
@@ -146,3 +151,29 @@ def variant_params(prob) -> numpy.void:
     if not math.isfinite(p["scale_log2"]):   # _problem rejects such scales; keep the kernel safe
         raise ValueError(f"scale={prob.scale} times log2(e) is not finite")
     return p[()]
+
+
+def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
+    """The traits a family's table gives plain attention, adjusted for a Variant whose
+    per-element score code needs registers (``score_path``): one block an SM (255 registers a
+    thread); fwd_sm90 at most 2 warpgroups; a ``heavy`` one 32-key tiles (fwd_sm80, fwd_sm90);
+    bwd_sm80 query chunks of at most 32 rows. The table's choices spill with them (the compile
+    table of docs/modifiers.md). Appends the reason to ``why``."""
+    if not variant.score_path:
+        return t
+    named = {}
+    if t.min_blocks > 1:
+        named["min_blocks"] = 1
+    if family == "fwd_sm90" and t["warpgroups"] > 2:
+        named["warpgroups"] = 2
+    if family in ("fwd_sm80", "fwd_sm90") and variant.heavy and t.block_n > 32:
+        named["block_n"] = 32
+    if family == "bwd_sm80" and t["sub_m"] > 32:
+        named["sub_m"] = 32
+    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80") or not named:
+        return t
+    new = dataclasses.replace(t.replace(**named), allow_even=t.allow_even)
+    why.append(f"modifiers ({variant.describe()}): " + ", ".join(
+        f"{k}={v}" for k, v in named.items()) + " for the registers of the per-element score "
+        "code")
+    return new
