@@ -252,7 +252,15 @@ bwd_sm80(const Params p) {
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
     // for the whole tile and skip lines 10-16; dQ skips their 16-key steps.
     const int key_end = Var::key_end(p.var, p.mod, min(m0 + BLOCK_M, p.Lq), p.Lk);
-    const int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
+    int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
+    // A block mask: a (query tile, key tile) its mask_mod hides entirely is skipped like the
+    // keys past key_end (P = dS = 0); in one it keeps entirely the mask_mod is not evaluated.
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, m0, min(m0 + BLOCK_M, p.Lq), n0, min(n0 + kBlockN, p.Lk));
+      if (kind == kTileEmpty) kv_warps = 0;
+      pair_tile = kind != kTileFull;
+    }
 
     if (warp < kv_warps) {
       // Lines 10-16 in query chunks of SUB_M rows (fewer live accumulators: see the traits).
@@ -325,7 +333,7 @@ bwd_sm80(const Params p) {
             bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
                                           (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
             if constexpr (Var::kPairMask)
-              visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
+              if (pair_tile) visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
             if constexpr (Var::kGrad) {
               // dL/d(tau S) from dL/dS' (0 where dS' is: the chain is never evaluated at a
               // hidden pair); dL/dbias = dL/dS' before softcap's chain, stored per pair

@@ -156,6 +156,16 @@ fwd_sm80(const Params p) {
     // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp
     // skips its math; it still takes part in the loads and the barrier above.
     if (Var::tile_invisible(p.var, p.mod, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
+    // A block mask: a tile its mask_mod hides entirely changes nothing either; in a tile it
+    // keeps entirely the mask_mod is not evaluated (pair_tile false).
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const int r0 = m0 + warp * Tr::kWarpRows, r1 = min(r0 + Tr::kWarpRows, p.Lq);
+      if (r1 <= r0) continue;   // rows past Lq only: never stored
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, r0, r1, n0, min(n0 + BLOCK_N, p.Lk));
+      if (kind == kTileEmpty) continue;
+      pair_tile = kind != kTileFull;
+    }
 
     // -- 8: On chip, compute S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
@@ -197,7 +207,7 @@ fwd_sm80(const Params p) {
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
                              Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
       if constexpr (Var::kNatural || Var::kPairMask)
-        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk, need_mask);
+        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
       if (need_mask) {
         // the first and last visible key of each of this thread's two rows, relative to this
         // thread's first column in the tile

@@ -134,7 +134,7 @@ fwd_sm90(const Params p) {
   //    the Variant masks, causal: keys j > i + causal_offset; only tiles that cross the end of
   //    the keys or this warp's mask boundary pay for it), then the online softmax up to, not
   //    including, the rescale of O
-  auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
+  auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], bool pair_tile) {
     const int n0 = j * BLOCK_N;
     Var::transform_tile(p.var, s);
     const int warp_row_first = wg_row_first + 16 * warp;
@@ -142,7 +142,7 @@ fwd_sm90(const Params p) {
                            Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
     // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
     if constexpr (Var::kNatural || Var::kPairMask)
-      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask);
+      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
     if (need_mask) {
       int first[2], last[2];
 #pragma unroll
@@ -179,13 +179,23 @@ fwd_sm90(const Params p) {
     if (j + 1 < n_blocks) load_kv(j + 1);
     cp_async_commit();
     if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) continue;
+    // A block mask: a tile its mask_mod hides from all of this warpgroup's rows changes
+    // nothing for them; in one it keeps entirely the mask_mod is not evaluated.
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const int r1 = min(wg_row_first + 64, p.Lq);
+      if (r1 <= wg_row_first) continue;   // rows past Lq only: never stored
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, wg_row_first, r1, j * BLOCK_N, min((j + 1) * BLOCK_N, p.Lk));
+      if (kind == kTileEmpty) continue;
+      pair_tile = kind != kTileFull;
+    }
 
     wgmma_fence();
     issue_s(s, j);
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];
-    softmax(s, j, m_i, l_i, alpha);
+    softmax(s, j, m_i, l_i, alpha, pair_tile);
     rescale_rows(o, alpha);
     unsigned pa[Tr::kPVSteps][4];
 #pragma unroll

@@ -78,6 +78,7 @@ struct Variant {
   // The per-block item state (slopes, sinks, bias/mask pointers, user b and h) is needed.
   static constexpr bool kItem = kNatural || kPairMask;
   static constexpr bool kHasBias = Mod::kHasBias;
+  static constexpr bool kBlockMask = BLOCK_MASK;   // a block mask classifies the mask_mod's tiles
   // The backward's dS needs the modifiers' chain rule (softcap, score_mod) or writes dbias.
   static constexpr bool kGrad = SOFTCAP || Mod::kHasBias || Mod::kHasScoreMod;
   template <class Acc> using Item = typename Mod::template ItemOf<Acc>;

@@ -245,6 +245,8 @@ def _mods_key(mods) -> tuple:
     key = ("mods", mods.window, mods.softcap) + tuple(
         None if x is None else _layout(x)
         for x in (mods.bias, mods.mask, mods.alibi_slopes, mods.sink))
+    if mods.block_mask is not None:   # its tile sizes and counts are packed into the plan
+        key += (mods.block_mask.block, mods.block_mask.kind.shape)
     if mods.score_mod is not None or mods.mask_mod is not None:
         # the traced functions (their struct names hash the traces) and the layouts of the
         # arrays they read (packed into the plan; their pointers are patched per call)

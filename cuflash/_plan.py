@@ -156,6 +156,8 @@ class _ModifierPatch:
         base = _launch.PARAMS.fields["mod"][1]
         self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
         self.has_bias = mods.bias is not None
+        self.block_mask = mods.block_mask is not None
+        self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_kind"][1]) // 8
         self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
         # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
         cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
@@ -163,9 +165,13 @@ class _ModifierPatch:
                                for k in range(4)]
 
     def arrays(self, mods) -> list:
-        """The call's modifier arrays (broadcast views), in ``names`` order: their batch
-        strides join the batch layout's."""
-        return [getattr(mods, n) for n in self.names]
+        """The call's modifier arrays (broadcast views), in ``names`` order, then the block
+        mask's kinds on the device: their batch strides join the batch layout's."""
+        out = [getattr(mods, n) for n in self.names]
+        if self.block_mask:
+            from ._block_mask import device_kind
+            out.append(device_kind(mods.block_mask, mods.batch_shape))
+        return out
 
     def pack_into(self, p, layout, first: int, mods) -> None:
         """Fill ``p["mod"]`` for ``layout`` (whose strides after the ``first`` tensors' are
@@ -175,11 +181,13 @@ class _ModifierPatch:
             raise NotImplementedError(
                 "modifiers on the GPU with more than 4 batch dimensions that cannot be merged "
                 "(an outer loop of launches) are not implemented; reshape the batch dims")
-        strides = {id(getattr(mods, n)): st for n, st in zip(self.names, layout.strides[first:])}
+        arrays = self.arrays(mods)
+        strides = {id(x): st for x, st in zip(arrays, layout.strides[first:])}
         from ._variant import traces_of
         score, mask = traces_of(mods)
         p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)],
-                           score_trace=score, mask_trace=mask)
+                           score_trace=score, mask_trace=mask,
+                           block_kinds=arrays[-1] if self.block_mask else None)
 
     def pointer_arrays(self, mods) -> list:
         """The arrays whose pointers a call patches, slopes and sinks in the accumulation
@@ -196,6 +204,9 @@ class _ModifierPatch:
         """(word, pointer) of the arrays, then of the captured arrays the user functions of
         ``mods`` read."""
         out = [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
+        if self.block_mask and mods is not None:
+            from ._block_mask import device_kind
+            out.append((self.block_word, device_kind(mods.block_mask, mods.batch_shape).data.ptr))
         if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
             from ._variant import traces_of
             caps = [c for t in traces_of(mods) if t is not None for c in t.captures]

@@ -52,6 +52,7 @@ class Variant:
     bias: str | None = None
     mask: bool = False
     sink: bool = False
+    block_mask: bool = False          # a block mask classifies the mask_mod's tiles
     #: the traced user functions' structs (``cuflash::user::...``), or None
     score_mod: str | None = None
     mask_mod: str | None = None
@@ -91,7 +92,7 @@ class Variant:
             return f"cuflash::Variant<{b(self.causal)}>"
         args = [b(self.causal), b(self.window), b(self.softcap), b(self.alibi_slopes),
                 self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
-                self.mask_mod or "cuflash::NoMaskMod", "false", b(self.sink)]
+                self.mask_mod or "cuflash::NoMaskMod", b(self.block_mask), b(self.sink)]
         return f"cuflash::Variant<{', '.join(args)}>"
 
     @property
@@ -130,6 +131,7 @@ def variant_of(prob, mods=None) -> Variant:
                    mask=mods.mask is not None, sink=mods.sink is not None,
                    score_mod=None if score is None else _trace_cuda.qualified_name(score),
                    mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
+                   block_mask=mods.block_mask is not None,
                    prelude="".join(t.source for t in (score, mask) if t is not None))
 
 

@@ -251,6 +251,11 @@ def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=Non
     names = [n for n in _modifier_params.POINTER_FIELDS
              if mods is not None and getattr(mods, n) is not None]
     extra = [getattr(mods, n) for n in names]
+    kinds = None
+    if mods is not None and mods.block_mask is not None:   # as _plan does, on the host
+        kinds = numpy.broadcast_to(numpy.ascontiguousarray(mods.block_mask.kind),
+                                   prob.batch_shape + mods.block_mask.kind.shape[-2:])
+        extra.append(kinds)
     layout = _launch.batch_layout(prob.batch_shape, list(strided.values()) + extra)
     if len(layout.outer) > 1:
         raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
@@ -262,7 +267,8 @@ def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=Non
         score, mask = traces_of(mods)
         p["mod"] = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data,
                                          batch_strides=lambda x: strides[id(x)],
-                                         score_trace=score, mask_trace=mask)
+                                         score_trace=score, mask_trace=mask,
+                                         block_kinds=kinds)
     for name, t in strided.items():
         p[name] = t.ctypes.data
     for name, buf in buffers.items():

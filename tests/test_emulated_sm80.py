@@ -290,20 +290,33 @@ def test_backward_with_modifiers_matches_the_reference(bwd_mods_lib, name, det):
             assert a.tobytes() == b.tobytes()
 
 
-# -- user functions (score_mod, mask_mod, a captured array) traced into the Variant ------------
+# -- user functions (score_mod, mask_mod, a captured array, block masks) traced into the Variant
 
 def _user_case(name):
-    from test_modifiers import DOC, MASK_MODS, SCORE_MODS
+    from test_modifiers import MASK_MODS, SCORE_MODS
+    from cuflash._block_mask import block_mask
     rng = numpy.random.default_rng(11)
-    q, k, v = (make_array(rng, (2, 3, L, 64), BF16) for L in (64, 64, 64))
+    L = 256 if name == "block-halves" else 64
+    q, k, v = (make_array(rng, (2, 3, L, 64), BF16) for _ in range(3))
+    halves = lambda b, h, q, kv: ((q // 128) == (kv // 128)) & ((q - kv) % 5 != 3)  # noqa: E731
     kw = {"score": dict(score_mod=SCORE_MODS["relpos"]),
           "table": dict(score_mod=SCORE_MODS["table"], softcap=4.0),      # a captured array
           "document": dict(mask_mod=MASK_MODS["document"]),                 # another, as a mask
-          "both": dict(score_mod=SCORE_MODS["where"], mask_mod=MASK_MODS["mod3"], sink=None)}[name]
+          "both": dict(score_mod=SCORE_MODS["where"], mask_mod=MASK_MODS["mod3"], sink=None),
+          # block masks: tiles the map calls empty are skipped, full ones skip the mask_mod
+          # (blocks of 16 x 16 and 32 x 8: smaller than and across the kernels' tiles)
+          "block-band": dict(block_mask=block_mask(MASK_MODS["band"], (2, 3), 64, 64,
+                                                   block=(16, 16))),
+          "block-document": dict(block_mask=block_mask(MASK_MODS["document"], (2, 1), 64, 64,
+                                                       block=(32, 8)), softcap=3.0),
+          # two documents of 128: whole kernel tiles empty (skipped), partial ones (mod 5)
+          "block-halves": dict(block_mask=block_mask(halves, (1, 1), L, L, block=(64, 64))),
+          }[name]
     return q, k, v, True, {n: x for n, x in kw.items() if x is not None}
 
 
-USER_CASES = ["score", "table", "document", "both"]
+USER_CASES = ["score", "table", "document", "both", "block-band", "block-document",
+              "block-halves"]
 
 
 @pytest.mark.parametrize("name", USER_CASES)
