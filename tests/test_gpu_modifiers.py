@@ -283,11 +283,17 @@ def _user_functions(xp):
         "document": dict(mask_mod=lambda b, h, q, kv: doc[b, q] == doc[b, kv]),
         "both": dict(score_mod=lambda s, b, h, q, kv: numpy.where(kv % 2 == 0, s, s * 0.5),
                      mask_mod=lambda b, h, q, kv: (q - kv) % 3 != 1),
+        # a block mask: two documents of 100 (whole tiles empty: skipped), holes inside
+        "block": dict(block_mask=_HALVES),
     }
 
 
+_HALVES = cuflash.block_mask(lambda b, h, q, kv: ((q // 100) == (kv // 100)) & ((q - kv) % 7 != 3),
+                             (1, 1), 200, 200, block=(32, 64))
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32)], ids=str)
-@pytest.mark.parametrize("name", ["relpos", "table", "document", "both"])
+@pytest.mark.parametrize("name", ["relpos", "table", "document", "both", "block"])
 def test_user_functions_match_the_oracle(family, dtype, name):
     """score_mod / mask_mod traced into the Variant of every forward family, captured arrays
     read on the device through their pointers; the backward (bwd_sm80, half types) too."""
