@@ -12,7 +12,7 @@
 //     key_last / key_first     the visible keys of query row i (clipped to Lk)
 //     query_first / query_last the visible queries of key j
 //     masked / visible         whether the pair (i, j) is masked / visible
-//   transform                  the score modifier (identity today; softcap goes here)
+//   transform                  identity (the modifiers' transforms: Mod::score, kNatural)
 //
 // The run-time part (scale, causal offset) is VariantParams, which travels in the kernel's
 // parameter block; the compile-time part is the template argument. Under Variant<false> and
@@ -20,14 +20,13 @@
 // before (tools/sass_identity.py checks that the machine code did not change), and the
 // compile-time flags kKeyLo / kKeyHi let a kernel drop a bound that does not exist.
 //
-// Adding a sliding window (keys i + off - left .. i + off + right visible to query i) means, for
-// correct results, changing this file only: set kKeyLo, and give key_first, query_last,
-// masked and the tile predicates their lower bounds; the kernels already evaluate both ends of
-// the element mask where the flags say so (the lower ends are not yet exercised by any
-// specialisation). For speed it also means starting the kernels' tile loops at key_begin /
-// ending them at query_end: today they start at key tile 0 and end at Lq, because even a
-// constant-0 start through these functions changed the register allocation of fwd_sm80 and
-// bwd_sm80 (checked with tools/sass_identity.py), which this refactoring was not to do.
+// The sliding window (keys i + diag - left .. i + diag + right visible to query i, bounds in
+// Params::mod) is in the (v, m, ...) overloads below: kKeyLo / kKeyHi are set for it, and the
+// kernels start their key-tile loops at key_begin (forward) and end their query-tile loops at
+// query_end (bwd_sm80) only where kKeyLo holds, so the loops of plain attention keep their
+// constant start and their parameter bound (a constant 0 start through these functions, or a
+// register copy of Lq, changed the register allocation of fwd_sm80 and bwd_sm80: checked with
+// tools/sass_identity.py).
 //
 // The integer arguments are taken by const reference on purpose: the front end simplifies a
 // callee before inlining it, and there a comparison of a by-value argument with an expression
