@@ -163,12 +163,19 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const float* const glse = reinterpret_cast<const float*>(p.lse) + (long long)b * p.Lq;
   const float* const gD = reinterpret_cast<const float*>(p.dpsum) + (long long)b * p.Lq;
   float* const gdq = reinterpret_cast<float*>(p.dq_acc) + (long long)b * p.Lq * p.d;
-  const float sl2 = float(p.var.scale_log2);   // tau * log2(e)
+  // tau * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
+  const float sl2 = Var::kNatural ? 1.4426950408889634f : float(p.var.scale_log2);
   const float scale = float(p.var.scale);      // tau
+  // the modifiers' state of this batch item (slopes, bias / mask rows); empty if unused
+  const auto item = Var::template item<float>(p, b);
 
   // The query tiles that can see K_j: from the one holding the first query that sees a key of
-  // K_j (causal: row n0 - causal_offset; its earlier rows get P = 0 from the mask).
-  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
+  // K_j (causal: row n0 - causal_offset; its earlier rows get P = 0 from the mask), up to the
+  // last query that sees one (a window's left bound; Lq otherwise).
+  const int m_first = Var::query_begin(p.var, p.mod, n0) / BLOCK_M * BLOCK_M;
+  // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
+  // parameter itself, and the machine code of plain attention is unchanged)
+  const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
@@ -187,7 +194,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       d_next = __ldg(gD + m0 + tid);
     }
   };
-  if (m_first < p.Lq) load_q_tile(m_first, 0);
+  if (m_first < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_first, 0);
   cp_async_commit();
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (registers, mma C layout: rows = this warp's
@@ -223,7 +230,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   int stage = 0;
-  for (int m0 = m_first; m0 < p.Lq; m0 += BLOCK_M, stage ^= 1) {
+  for (int m0 = m_first; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 += BLOCK_M, stage ^= 1) {
     const unsigned stage_off = stage * Tr::kStageBytes;
     float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
     float* const sDi = sL2 + BLOCK_M;                    // D_i
@@ -240,13 +247,21 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
-    if (m0 + BLOCK_M < p.Lq) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    if (m0 + BLOCK_M < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m0 + BLOCK_M, stage ^ 1);
     cp_async_commit();
 
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
     // for the whole tile and skip lines 10-16; dQ skips their 16-key steps.
-    const int key_end = Var::key_end(p.var, min(m0 + BLOCK_M, p.Lq), p.Lk);
-    const int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
+    const int key_end = Var::key_end(p.var, p.mod, min(m0 + BLOCK_M, p.Lq), p.Lk);
+    int kv_warps = min(WARPS, max(0, (key_end - n0 + 15) / 16));
+    // A block mask: a (query tile, key tile) its mask_mod hides entirely is skipped like the
+    // keys past key_end (P = dS = 0); in one it keeps entirely the mask_mod is not evaluated.
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, m0, min(m0 + BLOCK_M, p.Lq), n0, min(n0 + kBlockN, p.Lk));
+      if (kind == kTileEmpty) kv_warps = 0;
+      pair_tile = kind != kTileFull;
+    }
 
     if (warp < kv_warps) {
       // Lines 10-16 in query chunks of SUB_M rows (fewer live accumulators: see the traits).
@@ -292,15 +307,15 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
         // keys or this warp's mask boundary evaluate the mask. first[h], last[h]: this thread's
         // first and last visible query column, relative to its column 2 t4 of the chunk, for
         // its key rows g (h = 0), g + 8 (h = 1).
-        const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, m0 + q0, m0 + q0 + SUB_M, kw0, kw0 + 16);
+        const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, p.mod, m0 + q0, m0 + q0 + SUB_M, kw0, kw0 + 16);
         int first[2], last[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int key = kw0 + g + 8 * h;
           first[h] = key >= p.Lk   ? (1 << 30)
-                     : Var::kKeyHi ? Var::query_first(p.var, key) - m0 - q0 - 2 * t4
+                     : Var::kKeyHi ? Var::query_first(p.var, p.mod, key) - m0 - q0 - 2 * t4
                                    : -(1 << 30);
-          last[h] = Var::query_last(p.var, key) - m0 - q0 - 2 * t4;   // used only where kKeyLo
+          last[h] = Var::query_last(p.var, p.mod, key) - m0 - q0 - 2 * t4;   // used only where kKeyLo
         }
         Var::transform_tile(p.var, s);
 #pragma unroll
@@ -309,10 +324,25 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
           const float2 di = *reinterpret_cast<const float2*>(sDi + q0 + 8 * t + 2 * t4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pij = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
-            const float dsij = pij * (dp[t][e] - ((e & 1) ? di.y : di.x));
-            const bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
-                                                (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
+            // (modifiers) query i, key j of this element; the score pipeline's steps 2-5 on
+            // tau S (natural units), the element mask of a bool array
+            const int qi = m0 + q0 + 8 * t + 2 * t4 + (e & 1), kj = kw0 + g + 8 * (e >> 1);
+            float sx = s[t][e];
+            if constexpr (Var::kNatural) sx = Var::Mod::score(p.mod, item, sx * scale, min(qi, p.Lq - 1), min(kj, p.Lk - 1));
+            const float pij = ex2_approx(fmaf(sx, sl2, -((e & 1) ? l2.y : l2.x)));
+            float dsij = pij * (dp[t][e] - ((e & 1) ? di.y : di.x));
+            bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
+                                          (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
+            if constexpr (Var::kPairMask)
+              if (pair_tile) visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
+            if constexpr (Var::kGrad) {
+              // dL/d(tau S) from dL/dS' (0 where dS' is: the chain is never evaluated at a
+              // hidden pair); dL/dbias = dL/dS' before softcap's chain, stored per pair
+              float dbias;
+              dsij = visible ? Var::Mod::grad(p.mod, item, s[t][e] * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
+              if constexpr (Var::kHasBias)
+                if (qi < p.Lq && kj < p.Lk) p.mod.dbias[((long long)b * p.Lq + qi) * p.Lk + kj] = visible ? dbias : 0.f;
+            }
             s[t][e] = visible ? pij : 0.f;
             dp[t][e] = visible ? dsij : 0.f;
           }
@@ -408,7 +438,10 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       // have added theirs to dQ_i ...
       int* const sem = reinterpret_cast<int*>(p.dq_sem) + (long long)b * num_m_blocks + m0 / BLOCK_M;
       if (tid == 0) {
-        while (ld_acquire_gpu(sem) != n_block) {
+        // (the key tiles before K_j that visit Q_i: all of them, or under a window's left
+        // bound those from the one holding Q_i's first visible key on)
+        const int n_lo = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / kBlockN : 0;
+        while (ld_acquire_gpu(sem) != n_block - n_lo) {
         }
       }
       __syncthreads();   // ... (and the staged tile is complete)

@@ -8,6 +8,11 @@
 #include <cuda_bf16.h>
 #include "variant.cuh"
 
+// A half / bfloat16 bias element as float (modifiers.cuh's load_as finds these by argument-
+// dependent lookup).
+__device__ __forceinline__ float cuflash_bias_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float cuflash_bias_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 namespace cuflash {
 
 // Leading (batch) dimensions after the launcher has merged every pair it can; dimension
@@ -44,10 +49,13 @@ struct Params {
   //    instead of through a float32 buffer
   int out_flags;
   // -- varlen (helper "inference"): the number of work items and the device pointer of the
-  //    work list (VarlenItem, below) of a varlen build; 0 in every other launch. Last, so that
-  //    no other field moves.
+  //    work list (VarlenItem, below) of a varlen build; 0 in every other launch.
   int varlen_items;
   unsigned long long varlen;
+  // -- the modifiers' run-time values (modifiers.cuh; all 0 for plain attention, whose kernels
+  //    never read them). The varlen fields and these come last, so that the fields above keep
+  //    their offsets.
+  ModifierParams mod;
 };
 constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
 

@@ -235,7 +235,9 @@ struct SimtTraits {
 
 // grid.x = nbatch * num_m_blocks; one block = BLOCK_M query rows of one batch item.
 template <typename T, int HEAD_DIM, typename Var, int BLOCK_M, int BLOCK_N, int NTHREADS, int KC, int VC>
-__global__ void __launch_bounds__(NTHREADS, 2)   // 2 = min_blocks of fwd_simt in cuflash/_traits.py
+// 2 = min_blocks of fwd_simt in cuflash/_traits.py; 1 for a Variant with an element mask array
+// (their loads, with a score transform's math, need more than 128 registers)
+__global__ void __launch_bounds__(NTHREADS, Var::kPairMask ? 1 : 2)
 fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
   using Tr = SimtTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NTHREADS, KC, VC>;
@@ -270,8 +272,14 @@ fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
   // Keys j >= n_end are invisible to every row of this block: past the end (j >= Lk) or masked
   // by the Variant for the block's last real row (causal: above its diagonal, j > i +
   // causal_offset). Such key tiles are never visited.
-  const int n_end = Var::key_end(p.var, min(m0 + BLOCK_M, p.Lq), p.Lk);
+  const int n_end = Var::key_end(p.var, p.mod, min(m0 + BLOCK_M, p.Lq), p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+  // Under a window, key tiles before the one holding the first row's first visible key are
+  // invisible to every row too (0 without a window).
+  const int n_first = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
+  // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
+  const auto item = Var::template item<Acc>(p, tile.b);
+  constexpr double kLog2e = 1.4426950408889634073599246810018921374266459541529859341354494069;
 
   // -- Load Q_i from HBM to on-chip SRAM (zero outside Lq x d, so padding adds nothing).
   {
@@ -290,6 +298,15 @@ fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
 #pragma unroll
     for (int j = 0; j < DN; ++j) acc_o[i][j] = Acc(0);
   }
+  if constexpr (Var::kSink) {   // a sink: a key of score `sink` and value 0 (row_m in log2 units)
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      Acc mx, l;
+      Var::Mod::row_start(item, mx, l);
+      row_m[i] = mx * Acc(kLog2e);
+      row_l[i] = l;
+    }
+  }
 
   // Staging of K_j and V_j: fetch_* reads one chunk from global memory into registers, stash_*
   // writes it to a staging buffer (see simt::fetch_tile for the zero fill).
@@ -306,10 +323,10 @@ fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
   const Acc scale_log2 = Acc(p.var.scale_log2);
   const int num_k_chunks = (p.d + KC - 1) / KC;   // features past d are zero: skip them
   int buf = 0;                                    // staging buffer the next stash writes
-  if (n_blocks > 0) fetch_k(0, 0);
+  if (n_blocks > n_first) fetch_k(n_first * BLOCK_N, 0);
 
   // -- for 1 <= j <= T_c: (key tiles left of / on the diagonal only)
-  for (int n_block = 0; n_block < n_blocks; ++n_block) {
+  for (int n_block = n_first; n_block < n_blocks; ++n_block) {
     const int n0 = n_block * BLOCK_N;
     const int num_v_chunks = (min(BLOCK_N, n_end - n0) + VC - 1) / VC;
 
@@ -348,15 +365,32 @@ fwd_simt(const Params CUFLASH_VARLEN_PARAM(p)) {
     // for any sign of scale.
     // Masked keys get x = -inf, so they contribute exp2(-inf) = 0 and never win the max;
     // the mask overrides whatever the product was (also NaN from a key's NaN).
-    const bool need_mask = (n0 + BLOCK_N > n_end) || Var::needs_mask(p.var, m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
+    // With modifiers (Var::kNatural): x_ij = score(scale * s_ij) * log2(e), steps 2-5 of the
+    // score pipeline in natural units; a bool mask / mask_mod hides pairs in the tiles that
+    // need a mask.
+    const bool need_mask = (n0 + BLOCK_N > n_end) || Var::needs_mask(p.var, p.mod, m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       const int row = m0 + ty * TM + i;
+      const auto item_row = Var::at_row(p.mod, item, row, p.Lq);
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
         const int col = n0 + tx + j * THREADS_N;
-        Acc x = Var::transform(p.var, acc_s[i][j]) * scale_log2;
-        if (need_mask && (col >= n_end || Var::masked(p.var, row, col))) x = neg_inf<Acc>();
+        Acc x;
+        if constexpr (Var::kNatural)
+          x = Var::score(p.mod, item_row, acc_s[i][j], Acc(p.var.scale), row, col, p.Lq, p.Lk) * Acc(kLog2e);
+        else
+          x = Var::transform(p.var, acc_s[i][j]) * scale_log2;
+        if constexpr (Var::kWindow || Var::kPairMask) {
+          if (need_mask) {
+            bool hidden = col >= n_end || !Var::visible(p.var, p.mod, row, col);
+            if constexpr (Var::kPairMask)
+              hidden = hidden || !Var::pair_visible(p.mod, item_row, p.var.causal_offset, row, col, p.Lq, p.Lk);
+            if (hidden) x = neg_inf<Acc>();
+          }
+        } else {
+          if (need_mask && (col >= n_end || Var::masked(p.var, row, col))) x = neg_inf<Acc>();
+        }
         acc_s[i][j] = x;
       }
     }

@@ -79,13 +79,19 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
-  const float sl2 = static_cast<float>(p.var.scale_log2);  // softmax scale * log2(e)
+  // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
+  const float sl2 = Var::kNatural ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
+  // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
+  const auto item = Var::template item<float>(p, b);
 
-  // Key tiles [0, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
-  // under the causal mask those j <= i + causal_offset of its last row). n_blocks can be 0
-  // (every row fully masked): the loop is skipped and the epilogue writes O = 0, lse = -inf.
-  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
+  // Key tiles [j_first, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
+  // under the causal mask those j <= i + causal_offset of its last row, and under a window
+  // those from its first row's left bound on; j_first is 0 without a window). n_blocks can
+  // be <= j_first (every row fully masked): the loop is skipped and the epilogue writes O = 0,
+  // lse = -inf (or the sink).
+  const int n_end = Var::key_end(p.var, p.mod, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+  const int j_first = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
 
   // K_j and V_j into stage `stage`
   auto load_kv = [&](int n0, int stage) {
@@ -96,7 +102,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > 0) load_kv(0, 0);
+  if (n_blocks > j_first) load_kv(j_first * BLOCK_N, j_first & 1);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -104,8 +110,11 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   // A-fragment addressing (ldmatrix x4): lanes 0-15 give rows 0-15 of a slice at k-chunk
   // 2s, lanes 16-31 the same rows at chunk 2s + 1; slice ms is 16 rows further on.
   const typename QTile::FragAddr q_frag(sQ, warp * Tr::kWarpRows + (lane & 15), lane >> 4);
-  unsigned qf[Tr::kQInRegs ? MS : 1][Tr::kQInRegs ? Tr::kKSteps : 1][4];
-  if constexpr (Tr::kQInRegs) {
+  // A bias or an element mask array costs registers for its loads in every tile: those
+  // variants give Q's registers back and re-read Q from shared memory each k-step.
+  constexpr bool kQInRegs = Tr::kQInRegs && !(Var::Mod::kHasBias || Var::kPairMask);
+  unsigned qf[kQInRegs ? MS : 1][kQInRegs ? Tr::kKSteps : 1][4];
+  if constexpr (kQInRegs) {
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms)
 #pragma unroll
@@ -128,14 +137,16 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   float m_i[MS][2], l_i[MS][2];  // running row max of the raw scores; running row sum of
 #pragma unroll                   // exp2(s*sl2 - m*sl2) over this thread's columns
   for (int ms = 0; ms < MS; ++ms) m_i[ms][0] = m_i[ms][1] = kNegInf, l_i[ms][0] = l_i[ms][1] = 0.f;
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms) sink_row_start<Var>(m_i[ms], l_i[ms], item, lane);  // a sink: m = sink, l = 1
   const int row0 = m0 + warp * Tr::kWarpRows + lane / 4;
   const int col_in_tile = 2 * (lane % 4);
 
   // -- 6: for 1 <= j <= T_c (the key tiles this Q tile can see):
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = j_first; j < n_blocks; ++j) {
     const int n0 = j * BLOCK_N;
     const unsigned stage_off = (j & 1) * kStageBytes;
-    if (j > 0) {
+    if (j > j_first) {
       cp_async_wait<0>();   // K_j and V_j have landed ...
       __syncthreads();      // ... for every thread, and every warp is done with stage (j+1)&1
     }
@@ -145,7 +156,17 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
     // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
     // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp
     // skips its math; it still takes part in the loads and the barrier above.
-    if (Var::tile_invisible(p.var, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
+    if (Var::tile_invisible(p.var, p.mod, m0 + warp * Tr::kWarpRows, m0 + (warp + 1) * Tr::kWarpRows, n0, n0 + BLOCK_N)) continue;
+    // A block mask: a tile its mask_mod hides entirely changes nothing either; in a tile it
+    // keeps entirely the mask_mod is not evaluated (pair_tile false).
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const int r0 = m0 + warp * Tr::kWarpRows, r1 = min(r0 + Tr::kWarpRows, p.Lq);
+      if (r1 <= r0) continue;   // rows past Lq only: never stored
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, r0, r1, n0, min(n0 + BLOCK_N, p.Lk));
+      if (kind == kTileEmpty) continue;
+      pair_tile = kind != kTileFull;
+    }
 
     // -- 8: On chip, compute S_ij = Q_i K_j^T
     float s[MS][Tr::kNTilesS][4];
@@ -158,7 +179,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       unsigned a[MS][4];
 #pragma unroll
       for (int ms = 0; ms < MS; ++ms) {
-        if constexpr (Tr::kQInRegs) {
+        if constexpr (kQInRegs) {
           a[ms][0] = qf[ms][ks][0]; a[ms][1] = qf[ms][ks][1]; a[ms][2] = qf[ms][ks][2]; a[ms][3] = qf[ms][ks][3];
         } else {
           ldmatrix_x4(a[ms], q_frag.at(16 * ms, 2 * ks));
@@ -177,21 +198,25 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
 #pragma unroll
     for (int ms = 0; ms < MS; ++ms) {
-      // -- the Variant's score transform (identity today), then the mask: keys past Lk, and
-      //    the pairs the Variant masks (causal: keys j > i + causal_offset). Only tiles that
-      //    cross the end of the keys or this slice's mask boundary pay for it.
+      // -- the Variant's score transform (identity without modifiers; else steps 2-5 of the
+      //    score pipeline, and a bool mask / mask_mod pair by pair), then the mask: keys past
+      //    Lk, and the pairs the Variant masks (causal: keys j > i + causal_offset; a window:
+      //    keys outside [i + diag - left, i + diag + right]). Only tiles that cross the end of
+      //    the keys or this slice's mask boundary pay for it.
       Var::transform_tile(p.var, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                             Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+      if constexpr (Var::kNatural || Var::kPairMask)
+        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
       if (need_mask) {
         // the first and last visible key of each of this thread's two rows, relative to this
         // thread's first column in the tile
         int first[2], last[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          last[r] = Var::key_last(p.var, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
-          first[r] = Var::key_first(p.var, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
+          last[r] = Var::key_last(p.var, p.mod, row0 + 16 * ms + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p.var, p.mod, row0 + 16 * ms + 8 * r) - (n0 + col_in_tile);
         }
         mask_scores<Var::kKeyLo>(s[ms], first, last);
       }
@@ -229,7 +254,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // Stage O through shared memory (the Q tile's space; this warp's own rows only) so that the
   // global stores are whole 16-byte rows.
-  if constexpr (!Tr::kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
+  if constexpr (!kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
     stage_o_slice<QTile, T>(sQ, warp * Tr::kWarpRows + 16 * ms, o[ms], inv_l[ms]);

@@ -78,7 +78,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
-  const float sl2 = static_cast<float>(p.var.scale_log2);
+  // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
+  const float sl2 = Var::kNatural ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
+  // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
+  const auto item = Var::template item<float>(p, b);
 
   // Key tiles [0, n_blocks) of the block: those holding keys its rows can see (Variant: all,
   // or under the causal mask those up to its last row's diagonal). n_blocks can be 0
@@ -86,8 +89,12 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // computes on tiles before n_wg only (a tile past what its rows can see changes nothing for
   // them), and takes part in the loads and barriers of all the block's tiles.
   const int wg_row_first = m0 + 64 * wg;
-  const int n_end = Var::key_end(p.var, m0 + kBlockM, p.Lk);
-  const int n_end_wg = Var::key_end(p.var, wg_row_first + 64, p.Lk);
+  const int n_end = Var::key_end(p.var, p.mod, m0 + kBlockM, p.Lk);
+  const int n_end_wg = Var::key_end(p.var, p.mod, wg_row_first + 64, p.Lk);
+  // Under a window the block starts at the first key tile its first row sees (0 otherwise),
+  // and a warpgroup computes from its own first row's on.
+  const int j_first = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
+  const int j_first_wg = Var::kKeyLo ? Var::key_begin(p.var, p.mod, wg_row_first) / BLOCK_N : 0;
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
 
@@ -128,18 +135,21 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   //    the Variant masks, causal: keys j > i + causal_offset; only tiles that cross the end of
   //    the keys or this warp's mask boundary pay for it), then the online softmax up to, not
   //    including, the rescale of O
-  auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2]) {
+  auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], bool pair_tile) {
     const int n0 = j * BLOCK_N;
     Var::transform_tile(p.var, s);
     const int warp_row_first = wg_row_first + 16 * warp;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           Var::needs_mask(p.var, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                           Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+    // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
+    if constexpr (Var::kNatural || Var::kPairMask)
+      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
     if (need_mask) {
       int first[2], last[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        last[r] = Var::key_last(p.var, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
-        first[r] = Var::key_first(p.var, row0 + 8 * r) - (n0 + col_in_tile);
+        last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+        first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
       }
       mask_scores<Var::kKeyLo>(s, first, last);
     }
@@ -150,7 +160,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
   load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > 0) load_kv(0);
+  if (n_blocks > j_first) load_kv(j_first);
   cp_async_commit();
 
   // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf
@@ -158,24 +168,35 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 #pragma unroll
   for (int t = 0; t < Tr::kNTilesO; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float m_i[2] = {kNegInf, kNegInf}, l_i[2] = {0.f, 0.f};
+  sink_row_start<Var>(m_i, l_i, item, lane);   // a sink: m = sink, l = 1
   float s[Tr::kNTilesS][4];
 
   // -- 6: for 1 <= j <= T_c: S_ij (8), the softmax (9), P~_ij V_j (10), one after the other;
   //       K_{j+1}, V_{j+1} load meanwhile (7)
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = j_first; j < n_blocks; ++j) {
     cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
     __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)%2
     if (j + 1 < n_blocks) load_kv(j + 1);
     cp_async_commit();
-    if (j >= n_wg) continue;
+    if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) continue;
+    // A block mask: a tile its mask_mod hides from all of this warpgroup's rows changes
+    // nothing for them; in one it keeps entirely the mask_mod is not evaluated.
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const int r1 = min(wg_row_first + 64, p.Lq);
+      if (r1 <= wg_row_first) continue;   // rows past Lq only: never stored
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, wg_row_first, r1, j * BLOCK_N, min((j + 1) * BLOCK_N, p.Lk));
+      if (kind == kTileEmpty) continue;
+      pair_tile = kind != kTileFull;
+    }
 
     wgmma_fence();
     issue_s(s, j);
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];
-    softmax(s, j, m_i, l_i, alpha);
+    softmax(s, j, m_i, l_i, alpha, pair_tile);
     rescale_rows(o, alpha);
     unsigned pa[Tr::kPVSteps][4];
 #pragma unroll

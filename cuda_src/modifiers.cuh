@@ -12,6 +12,9 @@
 // multiplies score()'s result (and row_start's row_max) by log2(e).
 #pragma once
 
+// A bias element as float (the half types add overloads where their headers are included).
+template <class T> __device__ __forceinline__ float cuflash_bias_to_float(T x) { return static_cast<float>(x); }
+
 namespace cuflash {
 
 #ifndef CUFLASH_CAPTURED_ARRAY
@@ -31,9 +34,12 @@ enum TileKind : int { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
 struct ModifierParams {
   const void* bias;                 // element (item, i, j): bias + item offset + i*bias_row + j*bias_col
   const bool* mask;                 // likewise with the mask_* strides
-  const float* alibi_slopes;        // float32, one per batch item (broadcast through strides)
-  const float* sink;                // float32, one per batch item
+  const void* alibi_slopes;         // the kernel's accumulation type (float, or double for
+  const void* sink;                 // float64 inputs), one per batch item (broadcast by strides)
   const signed char* block_kind;    // block mask kinds (TileKind), item x Tq x block_tk, or null
+  float* dbias;                     // backward with a bias: dL/dbias of every (item, i, j),
+                                    // item x Lq x Lk float32, C order (the host sums it over the
+                                    // bias's broadcast dims); null otherwise
   long long bias_batch_stride[4];
   long long mask_batch_stride[4];
   long long slope_batch_stride[4];
@@ -61,13 +67,24 @@ template <bool C, class A, class B> struct pick { using type = A; };
 template <class A, class B> struct pick<false, A, B> { using type = B; };
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 template <class T> __device__ __forceinline__ float to_float(T x) { return static_cast<float>(x); }
+template <class Acc> __device__ __forceinline__ Acc neg_inf_of() { return neg_inf(); }
+template <> __device__ __forceinline__ double neg_inf_of<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ float tanh_of(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_of(double x) { return tanh(x); }
+// softcap's s / c: float multiplies by the reciprocal; double divides (the exact path)
+__device__ __forceinline__ float div_cap(float s, const float cap, const float inv) { return s * inv; }
+__device__ __forceinline__ double div_cap(double s, const float cap, const float) { return s / static_cast<double>(cap); }
+// (a bias of __half / __nv_bfloat16: cuflash_bias_to_float's overloads in common.cuh, found by
+// argument-dependent lookup where the kernel is instantiated)
+template <class Acc, class T> __device__ __forceinline__ Acc load_as(const T* p) { return static_cast<Acc>(cuflash_bias_to_float(*p)); }
+template <> __device__ __forceinline__ double load_as<double, double>(const double* p) { return *p; }
 }  // namespace mod_detail
 
-// Per batch item, computed once per thread block.
-template <typename BiasT>
+// Per batch item, computed once per thread block; Acc is the kernel's accumulation type.
+template <typename BiasT, typename Acc = float>
 struct ItemState {
   int ub, uh;                   // the user functions' b and h
-  float slope, sink;
+  Acc slope, sink;
   const BiasT* bias;            // this item's bias at (0, 0)
   const bool* mask;
   const signed char* kinds;     // this item's block mask kinds
@@ -87,12 +104,14 @@ struct ModVariant {
   // false: every pair of a tile that tile_kind() does not call empty is visible
   static constexpr bool kElementMask = kCausal || kWindow || kMask || kHasMaskMod;
   using Bias = typename mod_detail::pick<kHasBias, BiasT, float>::type;
-  using Item = ItemState<Bias>;
+  template <class Acc> using ItemOf = ItemState<Bias, Acc>;
+  using Item = ItemOf<float>;
 
   // (1) Once per block: batch item `item` (launch-local, C order over batch_shape[4]).
-  __device__ __forceinline__ static Item item(const ModifierParams& m, const int* batch_shape,
-                                              int item) {
-    Item it;
+  template <class Acc = float>
+  __device__ __forceinline__ static ItemOf<Acc> item(const ModifierParams& m,
+                                                     const int* batch_shape, int item) {
+    ItemOf<Acc> it;
     const int g = m.batch_base + item;
     it.ub = g / m.heads;
     it.uh = g % m.heads;
@@ -108,8 +127,8 @@ struct ModVariant {
       osk += idx * m.sink_batch_stride[d];
       obk += idx * m.block_batch_stride[d];
     }
-    it.slope = kAlibi ? m.alibi_slopes[osl] : 0.0f;
-    it.sink = kSink ? m.sink[osk] : mod_detail::neg_inf();
+    it.slope = kAlibi ? static_cast<const Acc*>(m.alibi_slopes)[osl] : Acc(0);
+    it.sink = kSink ? static_cast<const Acc*>(m.sink)[osk] : mod_detail::neg_inf_of<Acc>();
     it.bias = kHasBias ? static_cast<const Bias*>(m.bias) + ob : nullptr;
     it.mask = kMask ? m.mask + om : nullptr;
     it.kinds = kBlockMask ? m.block_kind + obk : nullptr;
@@ -154,7 +173,8 @@ struct ModVariant {
   // (3) The kind of the tile rows [i0, i1) x keys [j0, j1) (ends clipped to Lq, Lk): empty
   //     (never load it), full (skip visible()), else partial. Causal and window analytically;
   //     a mask array is always partial; a mask_mod through the block mask (partial without).
-  __device__ __forceinline__ static TileKind tile_kind(const ModifierParams& m, const Item& it,
+  template <class It>
+  __device__ __forceinline__ static TileKind tile_kind(const ModifierParams& m, const It& it,
                                                        int causal_offset, int i0, int i1,
                                                        int j0, int j1) {
     bool empty = false, full = true;
@@ -190,66 +210,90 @@ struct ModVariant {
     return empty ? kTileEmpty : (full ? kTileFull : kTilePartial);
   }
 
-  // (4) Steps 2-5 on s = scale * q.k (natural-log units).
-  __device__ __forceinline__ static float score(const ModifierParams& m, const Item& it,
-                                                float s, int i, int j) {
-    if (kSoftcap) s = m.softcap * tanhf(s * m.inv_softcap);
+  // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (a
+  //     score_mod computes in float: the traced functions are float32).
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc score(const ModifierParams& m, const It& it, Acc s,
+                                              int i, int j) {
+    return score_row(m, at_row(m, it, i), s, i, j);
+  }
+  // The item state with the bias and mask pointers at row i (what score_row / visible_row
+  // take: a kernel computes it once per row and reuses it along the row).
+  template <class It>
+  __device__ __forceinline__ static It at_row(const ModifierParams& m, const It& it, int i) {
+    It r = it;
+    if (kHasBias) r.bias += (long long)i * m.bias_row;
+    if (kMask) r.mask += (long long)i * m.mask_row;
+    return r;
+  }
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc score_row(const ModifierParams& m, const It& it, Acc s,
+                                                  int i, int j) {
+    if (kSoftcap) s = static_cast<Acc>(m.softcap) * mod_detail::tanh_of(mod_detail::div_cap(s, m.softcap, m.inv_softcap));
     if (kAlibi) {
       const int dist = i + m.diag - j;
-      s -= it.slope * static_cast<float>(dist < 0 ? -dist : dist);
+      s -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
     }
-    if (kHasBias) s += mod_detail::to_float(it.bias[i * m.bias_row + j * m.bias_col]);
-    if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
+    if (kHasBias) s += mod_detail::load_as<Acc>(it.bias + j * static_cast<int>(m.bias_col));
+    if constexpr (kHasScoreMod) s = static_cast<Acc>(ScoreMod::apply(static_cast<float>(s), it.ub, it.uh, i, j, m.captured));
     return s;
   }
 
   // (5) Step 6 for one pair of a partial tile.
-  __device__ __forceinline__ static bool visible(const ModifierParams& m, const Item& it,
+  template <class It>
+  __device__ __forceinline__ static bool visible(const ModifierParams& m, const It& it,
                                                  int causal_offset, int i, int j) {
+    return visible_row(m, at_row(m, it, i), causal_offset, i, j);
+  }
+  template <class It>
+  __device__ __forceinline__ static bool visible_row(const ModifierParams& m, const It& it,
+                                                     int causal_offset, int i, int j) {
     bool v = true;
     if (kCausal) v &= (long long)j <= (long long)i + causal_offset;
     if (kWindow && m.window_left >= 0) v &= (long long)j >= (long long)i + m.diag - m.window_left;
     if (kWindow && m.window_right >= 0) v &= (long long)j <= (long long)i + m.diag + m.window_right;
-    if (kMask) v &= it.mask[i * m.mask_row + j * m.mask_col];
+    // (column offsets in 32 bits: the launcher checks that (Lk - 1) * mask_col fits)
+    if (kMask) v &= it.mask[j * static_cast<int>(m.mask_col)];
     if constexpr (kHasMaskMod)
       v = v && MaskMod::apply(it.ub, it.uh, i, j, m.captured + m.mask_mod_captured_base);
     return v;
   }
 
   // (6) Step 7: the online softmax starts from the sink, a key with score `sink` and value 0.
-  __device__ __forceinline__ static void row_start(const Item& it, float& row_max,
-                                                   float& row_sum) {
-    row_max = kSink ? it.sink : mod_detail::neg_inf();
-    row_sum = (kSink && it.sink != mod_detail::neg_inf()) ? 1.0f : 0.0f;
+  template <class Acc, class It>
+  __device__ __forceinline__ static void row_start(const It& it, Acc& row_max, Acc& row_sum) {
+    row_max = kSink ? it.sink : mod_detail::neg_inf_of<Acc>();
+    row_sum = (kSink && it.sink != mod_detail::neg_inf_of<Acc>()) ? Acc(1) : Acc(0);
   }
 
   // (7) Backward of steps 2-5: s = scale * q.k (recomputed), ds = dL/d score(s). Returns
   //     dL/ds and writes dL/dbias; both 0 where ds == 0 (a hidden pair: the derivatives there
   //     are never evaluated, they may be NaN at a score of -inf).
-  __device__ __forceinline__ static float grad(const ModifierParams& m, const Item& it,
-                                               float s, float ds, int i, int j, float& dbias) {
-    dbias = 0.0f;
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc grad(const ModifierParams& m, const It& it, Acc s,
+                                             Acc ds, int i, int j, Acc& dbias) {
+    dbias = Acc(0);
     if (!kSoftcap && !kHasScoreMod) {
       if (kHasBias) dbias = ds;
       return ds;
     }
-    if (ds == 0.0f) return 0.0f;
-    float th = 0.0f, t = s;
+    if (ds == Acc(0)) return Acc(0);
+    Acc th = Acc(0), t = s;
     if (kSoftcap) {
-      th = tanhf(s * m.inv_softcap);
-      t = m.softcap * th;
+      th = mod_detail::tanh_of(mod_detail::div_cap(s, m.softcap, m.inv_softcap));
+      t = static_cast<Acc>(m.softcap) * th;
     }
-    float g = ds;
+    Acc g = ds;
     if constexpr (kHasScoreMod) {
       if (kAlibi) {
         const int dist = i + m.diag - j;
-        t -= it.slope * static_cast<float>(dist < 0 ? -dist : dist);
+        t -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
       }
-      if (kHasBias) t += mod_detail::to_float(it.bias[i * m.bias_row + j * m.bias_col]);
-      g *= ScoreMod::dscore(t, it.ub, it.uh, i, j, m.captured);
+      if (kHasBias) t += mod_detail::load_as<Acc>(it.bias + ((long long)i * m.bias_row + (long long)j * m.bias_col));
+      g *= static_cast<Acc>(ScoreMod::dscore(static_cast<float>(t), it.ub, it.uh, i, j, m.captured));
     }
     if (kHasBias) dbias = g;
-    if (kSoftcap && g != 0.0f) g *= 1.0f - th * th;
+    if (kSoftcap && g != Acc(0)) g *= Acc(1) - th * th;
     return g;
   }
 };

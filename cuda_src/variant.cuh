@@ -12,7 +12,7 @@
 //     key_last / key_first     the visible keys of query row i (clipped to Lk)
 //     query_first / query_last the visible queries of key j
 //     masked / visible         whether the pair (i, j) is masked / visible
-//   transform                  the score modifier (identity today; softcap goes here)
+//   transform                  identity (the modifiers' transforms: Mod::score, kNatural)
 //
 // The run-time part (scale, causal offset) is VariantParams, which travels in the kernel's
 // parameter block; the compile-time part is the template argument. Under Variant<false> and
@@ -20,20 +20,28 @@
 // before (tools/sass_identity.py checks that the machine code did not change), and the
 // compile-time flags kKeyLo / kKeyHi let a kernel drop a bound that does not exist.
 //
-// Adding a sliding window (keys i + off - left .. i + off + right visible to query i) means, for
-// correct results, changing this file only: set kKeyLo, and give key_first, query_last,
-// masked and the tile predicates their lower bounds; the kernels already evaluate both ends of
-// the element mask where the flags say so (the lower ends are not yet exercised by any
-// specialisation). For speed it also means starting the kernels' tile loops at key_begin /
-// ending them at query_end: today they start at key tile 0 and end at Lq, because even a
-// constant-0 start through these functions changed the register allocation of fwd_sm80 and
-// bwd_sm80 (checked with tools/sass_identity.py), which this refactoring was not to do.
+// The sliding window (keys i + diag - left .. i + diag + right visible to query i, bounds in
+// Params::mod) is in the (v, m, ...) overloads below: kKeyLo / kKeyHi are set for it, and the
+// kernels start their key-tile loops at key_begin (forward) and end their query-tile loops at
+// query_end (bwd_sm80) only where kKeyLo holds, so the loops of plain attention keep their
+// constant start and their parameter bound (a constant 0 start through these functions, or a
+// register copy of Lq, changed the register allocation of fwd_sm80 and bwd_sm80: checked with
+// tools/sass_identity.py).
 //
 // The integer arguments are taken by const reference on purpose: the front end simplifies a
 // callee before inlining it, and there a comparison of a by-value argument with an expression
 // gets its operands commuted (j > i + off becomes i + off < j), which survives inlining and
 // changes the machine code; by reference the operands keep the order they have at the call.
+//
+// The modifiers (DESIGN.md "Modifiers": window, softcap, ALiBi, bias, mask, score_mod, mask_mod,
+// block_mask, sink) are further template parameters WITH DEFAULTS, so Variant<true> and
+// Variant<false> still name plain causal / non-causal attention and compile to the same code as
+// before (every modifier hook below is behind a compile-time flag). Their run-time values are
+// Params::mod (ModifierParams, modifiers.cuh). The overloads that take (v, m, ...) add the
+// window's bounds to the causal ones; the kernels call those, and under a Variant without a
+// window they are exactly the (v, ...) ones.
 #pragma once
+#include "modifiers.cuh"
 
 namespace cuflash {
 
@@ -48,15 +56,37 @@ struct VariantParams {
 
 // The modifiers issue adds further template parameters WITH DEFAULTS, so that the spelling
 // cuflash::Variant<true> / cuflash::Variant<false> (the launcher's name expressions) stays valid.
-template <bool CAUSAL>
+template <bool CAUSAL, bool WINDOW = false, bool SOFTCAP = false, bool ALIBI = false,
+          typename BiasT = void, bool MASK = false, typename ScoreMod = NoScoreMod,
+          typename MaskMod = NoMaskMod, bool BLOCK_MASK = false, bool SINK = false>
 struct Variant {
+  // The modifiers' hooks (modifiers.cuh): item state, score transform and its gradient, the
+  // element masks of arrays and user functions, the sink's start of the online softmax.
+  using Mod = ModVariant<CAUSAL, WINDOW, SOFTCAP, ALIBI, BiasT, MASK, ScoreMod, MaskMod,
+                        BLOCK_MASK, SINK>;
   static constexpr bool kCausal = CAUSAL;
+  static constexpr bool kWindow = WINDOW;
+  static constexpr bool kSink = SINK;
+  // Scores go through Mod::score in natural-log units (s * scale, then steps 2-5) and the
+  // online softmax runs with log2(e) in place of scale * log2(e); the sink's row start is in
+  // those units too. Without it the kernels fold the scale into exp2 as before.
+  static constexpr bool kNatural = Mod::kTransforms || SINK;
+  // An element mask that is not an interval of keys per row (a bool array, a mask_mod): every
+  // tile that is not known full evaluates it pair by pair (pair_visible).
+  static constexpr bool kPairMask = MASK || Mod::kHasMaskMod;
+  // The per-block item state (slopes, sinks, bias/mask pointers, user b and h) is needed.
+  static constexpr bool kItem = kNatural || kPairMask;
+  static constexpr bool kHasBias = Mod::kHasBias;
+  static constexpr bool kBlockMask = BLOCK_MASK;   // a block mask classifies the mask_mod's tiles
+  // The backward's dS needs the modifiers' chain rule (softcap, score_mod) or writes dbias.
+  static constexpr bool kGrad = SOFTCAP || Mod::kHasBias || Mod::kHasScoreMod;
+  template <class Acc> using Item = typename Mod::template ItemOf<Acc>;
   // Which ends of a query row's visible key interval are real bounds: kKeyHi, the row sees keys
   // only up to key_last(i) < Lk - 1 for some rows (causal); kKeyLo, it sees them only from
   // key_first(i) > 0 for some rows (a window; no variant has it yet). Where a flag is false,
   // the matching bound is 0 or Lk - 1 and the kernels skip evaluating it.
-  static constexpr bool kKeyLo = false;
-  static constexpr bool kKeyHi = CAUSAL;
+  static constexpr bool kKeyLo = WINDOW;
+  static constexpr bool kKeyHi = CAUSAL || WINDOW;
 
   // ---- score transform, applied to every raw score S_ij = q_i . k_j before masking and the
   //      softmax. Identity today: the scale tau is folded into exp2 (P = exp2(S tau log2(e) - m)),
@@ -121,6 +151,155 @@ struct Variant {
   static __device__ __forceinline__ bool visible(const VariantParams& v, const int& i, const int& j) {
     return !CAUSAL || j <= i + v.causal_offset;
   }
+  // ---- the same questions with the window's bounds (Params::mod): key j is visible to query i
+  //      when i + diag - left <= j <= i + diag + right, a bound < 0 being unbounded. Without a
+  //      window each is the causal-only function above.
+  static __device__ __forceinline__ int key_end(const VariantParams& v, const ModifierParams& m, const int& m_end, const int& Lk) {
+    int e = key_end(v, m_end, Lk);
+    if (WINDOW && m.window_right >= 0) e = min(e, m_end + m.diag + m.window_right);
+    return e;
+  }
+  static __device__ __forceinline__ int key_begin(const VariantParams& v, const ModifierParams& m, const int& m_begin) {
+    if (WINDOW && m.window_left >= 0) return max(0, m_begin + m.diag - m.window_left);
+    return key_begin(v, m_begin);
+  }
+  static __device__ __forceinline__ int query_begin(const VariantParams& v, const ModifierParams& m, const int& n_begin) {
+    int b = query_begin(v, n_begin);
+    if (WINDOW && m.window_right >= 0) b = max(b, n_begin - m.diag - m.window_right);
+    return b;
+  }
+  static __device__ __forceinline__ int query_end(const VariantParams& v, const ModifierParams& m, const int& n_end, const int& Lq) {
+    int e = query_end(v, n_end, Lq);
+    if (WINDOW && m.window_left >= 0) e = min(e, max(0, n_end - m.diag + m.window_left));
+    return e;
+  }
+  static __device__ __forceinline__ bool tile_invisible(const VariantParams& v, const ModifierParams& m, const int& m_begin,
+                                                        const int& m_end, const int& n_begin, const int& n_end) {
+    bool out = tile_invisible(v, m_begin, m_end, n_begin, n_end);
+    if (WINDOW && m.window_right >= 0) out = out || n_begin > m_end - 1 + m.diag + m.window_right;
+    if (WINDOW && m.window_left >= 0) out = out || n_end - 1 < m_begin + m.diag - m.window_left;
+    return out;
+  }
+  static __device__ __forceinline__ bool needs_mask(const VariantParams& v, const ModifierParams& m, const int& m_begin,
+                                                    const int& m_end, const int& n_begin, const int& n_end) {
+    bool out = needs_mask(v, m_begin, m_end, n_begin, n_end);
+    if (kPairMask) return true;   // a bool mask / mask_mod: every tile evaluates it
+    if (WINDOW && m.window_right >= 0) out = out || n_end - 1 > m_begin + m.diag + m.window_right;
+    if (WINDOW && m.window_left >= 0) out = out || n_begin < m_end - 1 + m.diag - m.window_left;
+    return out;
+  }
+  static __device__ __forceinline__ int key_last(const VariantParams& v, const ModifierParams& m, const int& i, const int& Lk) {
+    int e = key_last(v, i, Lk);
+    if (WINDOW && m.window_right >= 0) e = min(e, i + m.diag + m.window_right);
+    return e;
+  }
+  static __device__ __forceinline__ int key_first(const VariantParams& v, const ModifierParams& m, const int& i) {
+    if (WINDOW && m.window_left >= 0) return i + m.diag - m.window_left;
+    return key_first(v, i);
+  }
+  // (only evaluated where kKeyHi; may be negative)
+  static __device__ __forceinline__ int query_first(const VariantParams& v, const ModifierParams& m, const int& j) {
+    int f = CAUSAL ? query_first(v, j) : -(1 << 30);
+    if (WINDOW && m.window_right >= 0) f = max(f, j - m.diag - m.window_right);
+    return f;
+  }
+  // (only evaluated where kKeyLo)
+  static __device__ __forceinline__ int query_last(const VariantParams& v, const ModifierParams& m, const int& j) {
+    if (WINDOW && m.window_left >= 0) return j - m.diag + m.window_left;
+    return query_last(v, j);
+  }
+  static __device__ __forceinline__ bool visible(const VariantParams& v, const ModifierParams& m, const int& i, const int& j) {
+    bool out = visible(v, i, j);
+    if (WINDOW && m.window_right >= 0) out = out && j <= i + m.diag + m.window_right;
+    if (WINDOW && m.window_left >= 0) out = out && j >= i + m.diag - m.window_left;
+    return out;
+  }
+
+  // ---- the modifiers' per-element hooks (everything below is only called where its flag is on)
+  // The item state of launch-local batch item b, or an empty one where nothing needs it.
+  template <class Acc, class P>
+  static __device__ __forceinline__ Item<Acc> item(const P& p, int b) {
+    if constexpr (kItem) return Mod::template item<Acc>(p.mod, p.batch_shape, b);
+    else return Item<Acc>{};
+  }
+  // Steps 2-5 on the raw dot product x of the pair (i, j) (rows and keys clamped into the
+  // problem so that a padded row or key never reads outside the bias), then, in a tile that
+  // needs it, the element mask of a bool array / mask_mod: the modified score, natural units.
+  // `row` is Mod::at_row(m, item, min(i, Lq - 1)), computed once per row by the caller.
+  template <class Acc, class It>
+  static __device__ __forceinline__ Acc score(const ModifierParams& m, const It& row, Acc x, Acc scale,
+                                              int i, int j, int Lq, int Lk) {
+    return Mod::score_row(m, row, x * scale, min(i, Lq - 1), min(j, Lk - 1));
+  }
+  template <class It>
+  static __device__ __forceinline__ bool pair_visible(const ModifierParams& m, const It& row, int causal_offset,
+                                                      int i, int j, int Lq, int Lk) {
+    return Mod::visible_row(m, row, causal_offset, min(i, Lq - 1), min(j, Lk - 1));
+  }
+  template <class It>
+  static __device__ __forceinline__ It at_row(const ModifierParams& m, const It& it, int i, int Lq) {
+    if constexpr (kItem) return Mod::at_row(m, it, min(i, Lq - 1));
+    else return it;
+  }
 };
+
+// The tensor-core forwards' score tile (mma.sync / wgmma accumulator layout, online_softmax.cuh:
+// s[t][e] is row row0 + 8 (e / 2), key col0 + 8 t + e % 2): raw products -> modified scores in
+// natural units (Var::kNatural), and -inf where the element mask hides a pair (pair_mask: a
+// tile that Var::kPairMask does not know to be full). Plain variants never call it.
+template <class Var, int NT, class It>
+__device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const VariantParams& v, const ModifierParams& m,
+                                                  const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask) {
+  const float scale = static_cast<float>(v.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row0 + 8 * r;
+    const It row = Var::at_row(m, it, i, Lq);
+    if constexpr (Var::kNatural) {
+      // score and element mask pair by pair (the order ptxas allocates best when both are on)
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = col0 + 8 * t + e;
+          float& x = s[t][2 * r + e];
+          x = Var::score(m, row, x, scale, i, j, Lq, Lk);
+          if constexpr (Var::kPairMask)
+            if (pair_mask && !Var::pair_visible(m, row, v.causal_offset, i, j, Lq, Lk)) x = -__int_as_float(0x7f800000);
+        }
+    } else if constexpr (Var::kPairMask) {
+      if (pair_mask) {
+        // the row's element mask as bits first (one register, not one per pending load)
+        static_assert(NT <= 16, "2 NT bits in an unsigned");
+        unsigned keep = 0u;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            keep |= static_cast<unsigned>(Var::pair_visible(m, row, v.causal_offset, i, col0 + 8 * t + e, Lq, Lk)) << (2 * t + e);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (!((keep >> (2 * t + e)) & 1u)) s[t][2 * r + e] = -__int_as_float(0x7f800000);
+      }
+    }
+  }
+}
+
+// The sink's start of the online softmax in that layout: the four threads of a quad share a row
+// and add their row sums at the end, so only the quad's first thread starts at l = 1.
+template <class Var, int NR, class It>
+__device__ __forceinline__ void sink_row_start(float (&m_i)[NR], float (&l_i)[NR], const It& it, int lane) {
+  if constexpr (Var::kSink) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      float mx, l;
+      Var::Mod::row_start(it, mx, l);
+      m_i[r] = mx;
+      l_i[r] = (lane % 4 == 0) ? l : 0.f;
+    }
+  }
+}
 
 }  // namespace cuflash

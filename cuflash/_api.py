@@ -234,19 +234,41 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         elif xp is numpy:
             _numpy.forward(prob, o, lse, mods=mods)
         else:
-            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None)
+            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None, mods)
     return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
-def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool) -> None:
+def _mods_key(mods) -> tuple:
+    """What a plan depends on in the modifiers: their values and their arrays' layouts."""
+    if not mods.features:
+        return ()
+    key = ("mods", mods.window, mods.softcap) + tuple(
+        None if x is None else _layout(x)
+        for x in (mods.bias, mods.mask, mods.alibi_slopes, mods.sink))
+    if mods.block_mask is not None:   # its tile sizes and counts are packed into the plan
+        key += (mods.block_mask.block, mods.block_mask.kind.shape)
+    if mods.score_mod is not None or mods.mask_mod is not None:
+        # the traced functions (their struct names hash the traces) and the layouts of the
+        # arrays they read (packed into the plan; their pointers are patched per call)
+        from cuflash._variant import traces_of
+        for t in traces_of(mods):
+            if t is not None:
+                key += (t.struct_name,) + tuple(
+                    (c.array.shape, c.array.strides, c.array.dtype) for c in t.captures)
+    return key
+
+
+def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None) -> None:
     """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays."""
     fwd, _ = _caches()
     from cuflash._plan import ForwardPlan
+    mkey = _mods_key(mods) if mods is not None else ()
     layout_key = (_layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o), prob.scale,
-                  prob.causal_offset if prob.causal else None)
-    plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse))
-    plan(prob.q, prob.k, prob.v, o, lse)
-    if cacheable and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
+                  prob.causal_offset if prob.causal else None) + mkey
+    plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse, mods))
+    plan(prob.q, prob.k, prob.v, o, lse, mods)
+    # (the fast path's key holds no modifier: only plain calls are cached there)
+    if cacheable and not mkey and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
         fwd.put((_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
                  causal.__class__), _FastForward(plan, o, lse))
 
@@ -347,7 +369,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     _problem.check_backward_inputs(prob, do, o, lse)
     _problem.check_deterministic(deterministic)
     if prob.xp is not numpy:
-        _modifiers.check_gpu_support(mods, "attention_backward")
+        _modifiers.check_gpu_support(mods, "attention_backward", prob.dtype,
+                                     max(prob.d, prob.dv))
 
     xp = prob.xp
     with _problem.device_scope(prob):
@@ -368,20 +391,25 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             return call.gradients(dq, dk, dv) + extra
         else:
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
-                          (do, q, k, v, o, lse, scale, causal, deterministic))
-    return call.gradients(dq, dk, dv)
+                          (do, q, k, v, o, lse, scale, causal, deterministic), mods,
+                          {"dbias": extra[0] if mods.bias is not None else None,
+                           "dsink": extra[-1] if mods.sink is not None else None})
+    return call.gradients(dq, dk, dv) + extra
 
 
-def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw) -> None:
+def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=None,
+                  extra_grads=None) -> None:
     _, bwd = _caches()
     from cuflash._plan import BackwardPlan
+    mkey = _mods_key(mods) if mods is not None else ()
     key = ("plan", _layout(do), _layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o),
-           _layout(lse), prob.scale, prob.causal_offset if prob.causal else None, deterministic)
+           _layout(lse), prob.scale, prob.causal_offset if prob.causal else None,
+           deterministic) + mkey
     plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, lse, dq, dk, dv,
-                                                      deterministic))
-    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
+                                                      deterministic, mods))
+    plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv, mods, extra_grads)
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
-    if not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
+    if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
         bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
                  _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),

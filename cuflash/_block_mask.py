@@ -183,3 +183,15 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
                      full_count=_frozen(fc), full_index=_frozen(fi),
                      q_partial_count=_frozen(qpc), q_partial_index=_frozen(qpi),
                      q_full_count=_frozen(qfc), q_full_index=_frozen(qfi))
+
+
+def device_kind(bm: BlockMask, batch_shape: tuple[int, ...]):
+    """``bm.kind`` on the current CUDA device (copied once per device and kept with the block
+    mask), broadcast to ``batch_shape + (Tq, Tk)``: what the kernels read (int8 TileKind)."""
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    cache = bm.__dict__.setdefault("_device_kind", {})
+    if dev not in cache:
+        cache[dev] = cupy.asarray(numpy.ascontiguousarray(bm.kind))
+    k = cache[dev]
+    return cupy.broadcast_to(k, tuple(batch_shape) + k.shape[-2:])

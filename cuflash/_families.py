@@ -25,7 +25,7 @@ import numpy
 
 from . import _traits
 from ._traits import Traits
-from ._variant import ALL_VARIANTS, Variant
+from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -105,10 +105,10 @@ class Shape:
     deterministic: bool = False   # backward only
 
     @classmethod
-    def of(cls, prob, deterministic: bool = False) -> "Shape":
+    def of(cls, prob, deterministic: bool = False, mods=None) -> "Shape":
         from ._variant import variant_of
         return cls(prob.dtype.name, math.prod(prob.batch_shape), prob.Lq, prob.Lk, prob.d,
-                   prob.dv, variant_of(prob), bool(deterministic))
+                   prob.dv, variant_of(prob, mods), bool(deterministic))
 
     @property
     def dmax(self) -> int:
@@ -252,6 +252,7 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(warpgroups=t["warpgroups"] - 1)
         why.append(f"{blocks(t)} blocks would leave SMs idle with more warpgroups: "
                    f"{t['warpgroups']} a block")
+    t = modifier_tiles(fam.name, t, shape.variant, why)
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
@@ -275,8 +276,9 @@ def _fwd_sm80_select(fam, shape, dev):
         t = _traits.small_grid(t)
         why.append(f"few (batch, Q-tile) blocks: {t['warps']} warps of one slice (BLOCK_M = "
                    f"{t.block_m}) for twice the blocks")
-    even = (t.allow_even and shape.Lq % t.block_m == 0 and shape.Lk % t.block_n == 0
-            and shape.d == bucket and shape.dv == bucket)
+    t = modifier_tiles(fam.name, t, shape.variant, why)
+    even = (t.allow_even and not shape.variant.heavy and shape.Lq % t.block_m == 0
+            and shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket)
     why.append(f"EVEN={_bool(even)}")
     return t, {"even": even}, why
 
@@ -317,7 +319,8 @@ def _bwd_tc_select(fam, shape, dev):
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
-    return t, flags, [f"head-dim bucket {bucket}: {t.reason}"]
+    why = [f"head-dim bucket {bucket}: {t.reason}"]
+    return modifier_tiles(fam.name, t, shape.variant, why), flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
@@ -341,6 +344,7 @@ REGISTRY: tuple[Family, ...] = (
            "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
            "{variant}, {even}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 256), tensor_core_rows=True,
+           features=FWD_FEATURES,
            smem_expr="cuflash::sm90::Sm90Traits<{T}, {head_dim}, {block_n}, {warpgroups}, "
                      "{min_blocks}>::kSmemBytes",
            select=_fwd_sm90_select, instances=_fwd_sm90_instances,
@@ -348,7 +352,7 @@ REGISTRY: tuple[Family, ...] = (
     Family("fwd_sm80", "fwd", "fwd_sm80.cu",
            "cuflash::fwd_sm80<{T}, {head_dim}, {block_n}, {warps}, {slices}, {min_blocks}, "
            "{variant}, {even}>",
-           min_cc=80, dtypes=HALF, tensor_core_rows=True,
+           min_cc=80, dtypes=HALF, tensor_core_rows=True, features=FWD_FEATURES,
            smem_expr="cuflash::Sm80Traits<{T}, {head_dim}, {block_n}, {warps}, {slices}, "
                      "{min_blocks}>::kSmemBytes",
            select=_fwd_sm80_select, instances=_fwd_sm80_instances,
@@ -356,6 +360,7 @@ REGISTRY: tuple[Family, ...] = (
     Family("fwd_simt", "fwd", "fwd_simt.cu",
            "cuflash::fwd_simt<{T}, {head_dim}, {variant}, {block_m}, {block_n}, {threads}, "
            "{kc}, {vc}>",
+           features=FWD_FEATURES,
            smem_expr="cuflash::SimtTraits<{T}, {head_dim}, {block_m}, {block_n}, {threads}, "
                      "{kc}, {vc}>::SMEM_BYTES",
            select=_simt_select, instances=_simt_instances,
@@ -373,7 +378,7 @@ REGISTRY: tuple[Family, ...] = (
            "cuflash::bwd_sm80<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, {min_blocks}, "
            "{variant}, {deterministic}>",
            min_cc=80, dtypes=HALF, head_dims=(1, 128), tensor_core_rows=True,
-           features=frozenset({"causal", "deterministic"}),
+           features=FWD_FEATURES | {"deterministic"},
            smem_expr="cuflash::BwdSm80Traits<{T}, {head_dim}, {block_m}, {sub_m}, {warps}, "
                      "{min_blocks}>::kSmemBytes",
            select=_bwd_tc_select, instances=_bwd_sm80_instances,

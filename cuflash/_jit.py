@@ -97,14 +97,15 @@ def arch_of_device(device_id: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def get_kernel(source: str, expr: str, device_id: int):
+def get_kernel(source: str, expr: str, device_id: int, prelude: str = ""):
     """Compile ``expr`` (a C++ name expression, e.g. ``cuflash::fwd_simt<float, 64, false>``)
-    from ``cuda_src/<source>`` for device ``device_id`` and return its ``cupy.RawKernel``."""
+    from ``cuda_src/<source>`` (after ``prelude``: the structs traced from user functions that
+    a Variant names) for device ``device_id`` and return its ``cupy.RawKernel``."""
     import cupy
     with cupy.cuda.Device(device_id):
         arch = arch_of_device(device_id)
         try:
-            module = cupy.RawModule(code=load_source(source), options=_options(arch),
+            module = cupy.RawModule(code=prelude + load_source(source), options=_options(arch),
                                     name_expressions=(expr,))
             kernel = module.get_function(expr)
             kernel.compile()  # surface errors here rather than at the first launch

@@ -27,6 +27,7 @@ import threading
 import numpy
 
 from . import _jit
+from ._modifier_params import MODIFIER_PARAMS
 from ._variant import VARIANT_PARAMS
 
 #: kMaxBatchDims in cuda_src/common.cuh
@@ -39,7 +40,8 @@ POINTERS = ("q", "k", "v", "o", "lse", "dout", "dpsum", "dq_acc", "dk_acc", "dv_
 DK_OUT, DV_OUT = 1, 2
 
 _B = MAX_BATCH_DIMS
-#: ``cuflash::Params``, field for field (8-byte fields first, then the Variant's, then 4-byte).
+#: ``cuflash::Params``, field for field (8-byte fields first, then the Variant's, then 4-byte,
+#: then the modifiers' ``ModifierParams``).
 PARAMS = numpy.dtype(
     [(name, "<u8") for name in POINTERS]
     + [(f"{t}_batch_stride", "<i8", (_B,)) for t in TENSORS]
@@ -47,8 +49,9 @@ PARAMS = numpy.dtype(
     + [("dq_block_stride", "<i8"), ("var", VARIANT_PARAMS), ("batch_shape", "<i4", (_B,))]
     + [(name, "<i4") for name in ("nbatch", "Lq", "Lk", "d", "dv", "num_m_blocks",
                                   "num_n_blocks", "grid_order", "out_flags")]
-    # helper "inference" (varlen builds, cuflash/_inference_varlen.py): last, nothing moves
-    + [("varlen_items", "<i4"), ("varlen", "<u8")],
+    # varlen builds (cuflash/_inference_varlen.py), then the modifiers' run-time values (0 for
+    # plain attention): last, so that nothing above moves
+    + [("varlen_items", "<i4"), ("varlen", "<u8"), ("mod", MODIFIER_PARAMS)],
     align=True)
 _POINTER_WORD = {name: i for i, name in enumerate(POINTERS)}
 
@@ -169,9 +172,10 @@ def tensor_core_input(x):
 # The launch
 # ---------------------------------------------------------------------------------------------
 
-def kernel(source: str, expr: str, device_id: int, smem_bytes: int):
-    """The compiled kernel, with its dynamic shared-memory limit raised where it needs it."""
-    k = _jit.get_kernel(source, expr, device_id)
+def kernel(source: str, expr: str, device_id: int, smem_bytes: int, prelude: str = ""):
+    """The compiled kernel, with its dynamic shared-memory limit raised where it needs it
+    (``prelude``: source compiled before the family's, the Variant's traced functions)."""
+    k = _jit.get_kernel(source, expr, device_id, prelude)
     if smem_bytes > 48 * 1024 and k.max_dynamic_shared_size_bytes < smem_bytes:
         k.max_dynamic_shared_size_bytes = smem_bytes
     return k
@@ -212,11 +216,15 @@ class Launch:
     def grid(self) -> int:
         return self.kernels[-1][1]
 
-    def __call__(self, stream: int, words: list[int]) -> None:
-        """Write ``words`` over the leading 8-byte words of the block and launch."""
+    def __call__(self, stream: int, words: list[int], extra=()) -> None:
+        """Write ``words`` over the leading 8-byte words of the block (and each ``(index,
+        value)`` of ``extra`` over the 8-byte word ``index``: the modifiers' pointers) and
+        launch."""
         from cupy.cuda import driver
         with self.lock:
             self.buf[:len(words)] = words
+            for i, w in extra:
+                self.buf[i] = w
             for fn, grid, block, smem in self.kernels:
                 driver.launchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
 

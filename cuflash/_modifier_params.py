@@ -7,9 +7,11 @@ element strides of an array broadcast to the batch shape, over the launch's batc
 4, padded with leading zeros), which the launcher computes with the other tensors' (so dims it
 merges are merged for these too).
 
-Copies: ``alibi_slopes`` and ``sink`` are read as float32; one of another dtype is converted
-(a copy of one value per batch item) by the caller before packing (:func:`per_item_float32`).
-``bias`` and ``mask`` are read in place through their strides, whatever they are.
+Copies: ``alibi_slopes`` and ``sink`` are read in the kernel's accumulation type (float32, or
+float64 for float64 inputs); one of another dtype is converted (a copy of one value per batch
+item) by the caller before packing (:func:`per_item_acc`). ``bias`` and ``mask`` are read in
+place through their strides, whatever they are (the column stride times ``Lk - 1`` must fit in
+32 bits: :func:`check_gpu_layout`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _CAPTURED = numpy.dtype([("ptr", "<u8"), ("shape", "<i8", (4,)), ("stride", "<i8
                         align=True)
 
 MODIFIER_PARAMS = numpy.dtype(
-    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind")]
+    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind", "dbias")]
     + [(f"{n}_batch_stride", "<i8", (4,)) for n in ("bias", "mask", "slope", "sink", "block")]
     + [(n, "<i8") for n in ("bias_row", "bias_col", "mask_row", "mask_col")]
     + [("captured", _CAPTURED, (4,))]
@@ -32,16 +34,37 @@ MODIFIER_PARAMS = numpy.dtype(
     align=True)
 
 
-def per_item_float32(x, xp=numpy):
-    """``x`` (broadcast to the batch shape) as something the kernel reads as float32: ``x``
-    itself when it already is float32, else a float32 copy of its un-broadcast values kept
-    broadcast (so a ``(H,)`` slope array costs H floats, not B*H)."""
-    if x is None or x.dtype == numpy.float32:
+def per_item_acc(x, acc=numpy.float32, xp=numpy):
+    """``x`` (broadcast to the batch shape) as something the kernel reads in its accumulation
+    type ``acc``: ``x`` itself when it already has that dtype, else a copy of its un-broadcast
+    values in ``acc`` kept broadcast (so a ``(H,)`` slope array costs H values, not B*H)."""
+    if x is None or x.dtype == numpy.dtype(acc):
         return x
-    base = x
     # undo broadcast_to: take one element along each stride-0 dim, then broadcast back
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in x.strides)
-    return xp.broadcast_to(xp.ascontiguousarray(base[index]).astype(numpy.float32), x.shape)
+    return xp.broadcast_to(xp.ascontiguousarray(x[index]).astype(acc), x.shape)
+
+
+def per_item_float32(x, xp=numpy):
+    """:func:`per_item_acc` in float32."""
+    return per_item_acc(x, numpy.float32, xp)
+
+
+#: the pointer fields of ModifierParams a call patches (the arrays of the built-in modifiers)
+POINTER_FIELDS = ("bias", "mask", "alibi_slopes", "sink")
+
+
+def check_gpu_layout(mods: Modifiers) -> None:
+    """ValueError for a bias or mask whose column offsets do not fit the kernels' 32-bit
+    arithmetic (a column stride times ``Lk - 1`` of 2**31 elements or more)."""
+    for name in ("bias", "mask"):
+        x = getattr(mods, name)
+        if x is not None:
+            col = abs(x.strides[-1] // x.itemsize)
+            if col * max(mods.Lk - 1, 0) >= 2**31:
+                raise ValueError(f"{name} has a column stride of {col} elements with "
+                                 f"Lk={mods.Lk}: the GPU kernels need (Lk - 1) * stride < 2**31 "
+                                 f"(pass a {name} with a smaller last-axis stride)")
 
 
 def _window_bound(x, limit: int) -> int:
@@ -81,8 +104,8 @@ def pack(mods: Modifiers, *, pointer, batch_strides, batch_base: int = 0,
     for name, short in (("alibi_slopes", "slope"), ("sink", "sink")):
         x = getattr(mods, name)
         if x is not None:
-            if x.dtype != numpy.float32:
-                raise TypeError(f"{name} must be float32 here; convert with per_item_float32")
+            # the kernel reads the array that `pointer` names in its accumulation type (a
+            # plan packs with pointer 0 and patches per_item_acc(x)'s address per call)
             p[name] = pointer(x)
             p[f"{short}_batch_stride"] = batch_strides(x)
     if block_kinds is not None:

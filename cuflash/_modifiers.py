@@ -321,14 +321,35 @@ def heads_of(batch_shape: tuple[int, ...]) -> int:
     return max(1, int(numpy.prod(dims, dtype=numpy.int64)))
 
 
-#: Modifiers the GPU kernel families implement today (issue 10 adds them family by family)
-GPU_FEATURES: frozenset[str] = frozenset()
+#: Modifiers the GPU kernel families implement today, per public function (issue 10 adds
+#: them direction by direction): the forward families run the built-ins through the Variant
+_BUILT_INS = frozenset({"window", "softcap", "alibi_slopes", "bias", "mask", "sink"})
+GPU_FEATURES: dict[str, frozenset[str]] = {
+    # user functions traced into the Variant; a block_mask runs its mask_mod (its tiles are
+    # not skipped on the GPU yet)
+    "attention": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
+    # bwd_sm80 only (float16 / bfloat16, head dims <= 128): see BACKWARD_DTYPES
+    "attention_backward": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
+}
+#: dtypes whose GPU backward runs the modifiers (bwd_sm80; bwd_simt and bwd_sm90 not yet)
+BACKWARD_DTYPES = frozenset({"float16", "bfloat16"})
 
 
-def check_gpu_support(mods: Modifiers, what: str) -> None:
+def gpu_missing(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> list[str]:
+    """The modifiers of ``mods`` that ``what``'s GPU path does not implement yet (for
+    inputs of ``dtype`` and head dim ``dmax``, where the families differ by them)."""
+    supported = GPU_FEATURES.get(what, frozenset())
+    if what == "attention_backward" and dtype is not None and (
+            numpy.dtype(dtype).name not in BACKWARD_DTYPES or dmax > 128):
+        supported = frozenset()
+    return sorted(mods.features - supported)
+
+
+def check_gpu_support(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> None:
     """NotImplementedError, before any GPU work, for a CuPy call with a modifier no kernel
-    family implements yet: never a result computed without it."""
-    missing = sorted(mods.features - GPU_FEATURES)
+    family implements yet: never a result computed without it. The backward runs them for
+    float16 / bfloat16 with head dims up to 128 (bwd_sm80)."""
+    missing = gpu_missing(mods, what, dtype, dmax)
     if missing:
         raise NotImplementedError(
             f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "
@@ -341,7 +362,7 @@ def explain(mods: Modifiers, what: str) -> str:
     and the CUDA source traced from the user functions (what the GPU Variant will compile)."""
     from cuflash import _trace
     lines = [f"{what} with modifiers: {', '.join(sorted(mods.features))}"]
-    missing = sorted(mods.features - GPU_FEATURES)
+    missing = gpu_missing(mods, what)
     if missing:
         lines.append(f"GPU: not implemented yet for {', '.join(missing)} (NotImplementedError); "
                      f"NumPy inputs run them on the CPU path")

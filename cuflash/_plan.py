@@ -76,12 +76,19 @@ def _run(launch: Launch, offsets, stream: int, bases: list[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class ForwardPlan:
-    """The forward of one (shapes, strides, dtype, keywords, device)."""
+    """The forward of one (shapes, strides, dtype, keywords, device).
 
-    def __init__(self, prob, o, lse):
+    ``mods`` (a ``Modifiers`` record, or None) are the call's modifiers: the Variant is
+    compiled for those that are on, their values are packed into ``Params.mod``, and their
+    arrays' pointers are patched in on every call (``__call__``'s ``mods``, of the same
+    layouts)."""
+
+    def __init__(self, prob, o, lse, mods=None):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
-        self.choice = _families.choose("fwd", Shape.of(prob), dev)
+        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        shape = Shape.of(prob, mods=mods)
+        self.choice = _families.choose("fwd", shape, dev)
         fam, t = self.choice.family, self.choice.traits
         self.copies = fam.tensor_core_rows and not all(
             _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v))
@@ -89,16 +96,20 @@ class ForwardPlan:
         self.lse_row = prob.Lq * lse.itemsize
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
-        self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
+                                      shape.variant.prelude)
         self.dims = Dims.of(prob)
-        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, mods)
 
-    def _build(self, q, k, v, o):
+    def _build(self, q, k, v, o, mods=None):
         """The launch for inputs laid out as q, k, v, o: (Launch, per-launch pointer offsets)."""
         tensors = {"q": q, "k": k, "v": v, "o": o}
-        layout = batch_layout(self.dims.batch_shape, list(tensors.values()))
+        extra = self.mods.arrays(mods) if self.mods is not None else []
+        layout = batch_layout(self.dims.batch_shape, list(tensors.values()) + extra)
         p = pack(self.dims, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  grid_order=self._order)
+        if self.mods is not None:
+            self.mods.pack_into(p, layout, len(tensors), mods)
         t = self.choice.traits
         launch = Launch(self._kernel, layout.inner_n * self.num_m_blocks, t.threads,
                         t.smem_bytes, p, name=self.choice.expr)
@@ -108,16 +119,21 @@ class ForwardPlan:
                    for first, offs in layout.outer]
         return launch, offsets
 
-    def __call__(self, q, k, v, o, lse) -> None:
+    def __call__(self, q, k, v, o, lse, mods=None) -> None:
         """Compute into ``o`` and ``lse`` (arrays laid out as at planning) on the current
-        stream; q, k, v as given to ``attention`` or broadcast views of them."""
+        stream; q, k, v as given to ``attention`` or broadcast views of them; ``mods`` the
+        call's modifiers (laid out as at planning)."""
         if self.copies:   # a layout the cp.async loads cannot read: copy, and pack for it
             q, k, v = (_launch.tensor_core_input(x) for x in (q, k, v))
-            launch, offsets = self._build(q, k, v, o)
+            launch, offsets = self._build(q, k, v, o, mods)
         else:
             launch, offsets = self.launch, self.offsets
-        _run(launch, offsets, _stream(),
-             [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr])
+        bases = [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr]
+        if self.mods is None:
+            _run(launch, offsets, _stream(), bases)
+            return
+        keep = self.mods.pointer_arrays(mods)   # converted slopes / sinks live until launched
+        launch(_stream(), bases, extra=self.mods.words(keep, mods))
 
     def run(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
         """Launch with raw device pointers (the fast path of ``_api``; not for copies plans)."""
@@ -125,6 +141,81 @@ class ForwardPlan:
 
     def explain(self) -> str:
         return explain_choice(self.choice, self.launch.grid)
+
+
+class _ModifierPatch:
+    """The modifiers of a plan (none of their arrays: a cached plan must not keep them alive):
+    which arrays there are, ``Params.mod`` packing, and the pointer words patched on every
+    call (bias, mask, slopes, sink)."""
+
+    def __init__(self, prob, mods):
+        from . import _modifier_params as mp
+        mp.check_gpu_layout(mods)
+        self.acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+        self.names = [n for n in mp.POINTER_FIELDS if getattr(mods, n) is not None]
+        base = _launch.PARAMS.fields["mod"][1]
+        self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
+        self.has_bias = mods.bias is not None
+        self.block_mask = mods.block_mask is not None
+        self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_kind"][1]) // 8
+        self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
+        # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
+        cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
+        self.captured_words = [(cap + k * mp.MODIFIER_PARAMS["captured"].base.itemsize) // 8
+                               for k in range(4)]
+
+    def arrays(self, mods) -> list:
+        """The call's modifier arrays (broadcast views), in ``names`` order, then the block
+        mask's kinds on the device: their batch strides join the batch layout's."""
+        out = [getattr(mods, n) for n in self.names]
+        if self.block_mask:
+            from ._block_mask import device_kind
+            out.append(device_kind(mods.block_mask, mods.batch_shape))
+        return out
+
+    def pack_into(self, p, layout, first: int, mods) -> None:
+        """Fill ``p["mod"]`` for ``layout`` (whose strides after the ``first`` tensors' are
+        this plan's arrays', in ``names`` order); pointers stay 0 until a call."""
+        from . import _modifier_params as mp
+        if len(layout.outer) > 1:
+            raise NotImplementedError(
+                "modifiers on the GPU with more than 4 batch dimensions that cannot be merged "
+                "(an outer loop of launches) are not implemented; reshape the batch dims")
+        arrays = self.arrays(mods)
+        strides = {id(x): st for x, st in zip(arrays, layout.strides[first:])}
+        from ._variant import traces_of
+        score, mask = traces_of(mods)
+        p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)],
+                           score_trace=score, mask_trace=mask,
+                           block_kinds=arrays[-1] if self.block_mask else None)
+
+    def pointer_arrays(self, mods) -> list:
+        """The arrays whose pointers a call patches, slopes and sinks in the accumulation
+        type (converted when needed: one value per un-broadcast item)."""
+        from ._modifier_params import per_item_acc
+        import cupy
+        out = []
+        for n in self.names:
+            x = getattr(mods, n)
+            out.append(per_item_acc(x, self.acc, cupy) if n in ("alibi_slopes", "sink") else x)
+        return out
+
+    def words(self, arrays, mods=None) -> list[tuple[int, int]]:
+        """(word, pointer) of the arrays, then of the captured arrays the user functions of
+        ``mods`` read."""
+        out = [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
+        if self.block_mask and mods is not None:
+            from ._block_mask import device_kind
+            out.append((self.block_word, device_kind(mods.block_mask, mods.batch_shape).data.ptr))
+        if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
+            from ._variant import traces_of
+            caps = [c for t in traces_of(mods) if t is not None for c in t.captures]
+            for w, c in zip(self.captured_words, caps):
+                if not hasattr(c.array, "data") or not hasattr(c.array.data, "ptr"):
+                    raise TypeError(f"{c!r} is read by a function on the GPU: capture a "
+                                    f"cupy.ndarray on the inputs' device")
+                out.append((w, c.array.data.ptr))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,11 +237,13 @@ class BackwardPlan:
     the main kernel (FA-2 Algorithm 2), and the finishing of dQ (and of dK, dV where they
     must be summed over broadcast dimensions)."""
 
-    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool):
+    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool, mods=None):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
-        self.choice = _families.choose("bwd", Shape.of(prob, deterministic), dev)
+        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        shape = Shape.of(prob, deterministic, mods)
+        self.choice = _families.choose("bwd", shape, dev)
         lse_contiguous = lse.flags.c_contiguous
         fam, t = self.choice.family, self.choice.traits
         self.tc = fam.tensor_core_rows
@@ -171,6 +264,9 @@ class BackwardPlan:
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  "dq_sem": 4 * nbatch * self.num_m_blocks if (deterministic and
                                                               fam.name == "bwd_sm80") else 0,
+                 # dL/dbias of every (item, i, j), float32, zeroed (pairs no tile visits)
+                 "dbias": 4 * nbatch * Lq * Lk if (mods is not None and mods.bias is not None)
+                 else 0,
                  "dpsum": nbatch * Lq * a,
                  "dk_acc": 0 if self.dk_direct else nbatch * Lk * d * a,
                  "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a,
@@ -186,7 +282,8 @@ class BackwardPlan:
         self.lse_contiguous = lse_contiguous
         self._vp = variant_params(prob)
         self._order = grid_order(self.choice, prob.causal)
-        self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes)
+        self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
+                                    shape.variant.prelude)
         dot, fin = FAMILIES["bwd_dot"], FAMILIES["bwd_finish_dq"]
         self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
         n = nbatch * Lq * d
@@ -199,20 +296,23 @@ class BackwardPlan:
                              grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS,
                              name="bwd_finish_dq")
         self.num_sms = dev.num_sms
-        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do)
+        self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do, mods)
 
-    def _build(self, q, k, v, o, do):
+    def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
         main kernel, per-launch byte offsets of the 11 pointers of Params)."""
         prob, t = self.prob, self.choice.traits
         tensors = {"q": q, "k": k, "v": v, "o": o, "dout": do}
-        layout = batch_layout(prob.batch_shape, list(tensors.values()))
+        extra = self.mods.arrays(mods) if self.mods is not None else []
+        layout = batch_layout(prob.batch_shape, list(tensors.values()) + extra)
         flags = (DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
         n = layout.inner_n
         p = pack(prob, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
                  dq_block_stride=(math.prod(prob.batch_shape) * prob.Lq * prob.d
                                   if self.parts > 1 else 0))
+        if self.mods is not None:
+            self.mods.pack_into(p, layout, len(tensors), mods)
         dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
                                 DOT_BLOCKS_PER_SM * self.num_sms))
         # -- 4: D = rowsum(dO o O), then 5-19: one block per (batch item, key tile)
@@ -230,20 +330,25 @@ class BackwardPlan:
                             first * 4 * self.num_m_blocks])
         return launch, offsets
 
-    def __call__(self, do, q, k, v, o, lse, dq, dk, dv) -> None:
+    def __call__(self, do, q, k, v, o, lse, dq, dk, dv, mods=None, extra_grads=None) -> None:
         """Write the gradients into ``dq``, ``dk``, ``dv`` (arrays of q's, k's, v's shapes, as
-        at planning) on the current stream."""
+        at planning) on the current stream; with modifiers (``mods``, laid out as at planning)
+        also ``extra_grads``' ``dbias`` and ``dsink`` (arrays of the bias's and the sink's
+        shapes and dtypes), summed over their broadcast dimensions."""
         import cupy
         if self.copies:
             q, k, v, do = (_launch.tensor_core_input(x) for x in (q, k, v, do))
-            launches = self._build(q, k, v, o, do)
+            launches = self._build(q, k, v, o, do, mods)
         else:
             launches = (self.launch, self.offsets)
         if not self.lse_contiguous:
             lse = cupy.ascontiguousarray(lse)
+        keep = self.mods.pointer_arrays(mods) if self.mods is not None else None
         ws = self._run(launches, _stream(), do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr)
+                       o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, keep, mods)
         self._sum_broadcast(ws, dq, dk, dv)
+        if self.mods is not None:
+            self._modifier_grads(ws, lse, keep, extra_grads or {})
 
     def run(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int, dq: int,
             dk: int, dv: int) -> None:
@@ -251,17 +356,24 @@ class BackwardPlan:
         need no broadcast sum and whose inputs need no copy)."""
         self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
 
-    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv):
+    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
         import cupy
         ws = cupy.cuda.alloc(self.workspace)
         base = ws.ptr
         if self.zeroed:   # dq_acc and the semaphores start at 0
             cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
         off = self.ws_offsets
-        _run(*launches, stream, [
+        words = [
             q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],
             dk if self.dk_direct else base + off["dk_acc"],
-            dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]])
+            dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]]
+        if keep is None:
+            _run(*launches, stream, words)
+        else:
+            extra = self.mods.words(keep, mods)
+            if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
+                extra.append((self.mods.dbias_word, base + off["dbias"]))
+            launches[0](stream, words, extra=extra)
         # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
         # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
         self.finish(stream, [base + off["dq_acc"], dq if self.dq_direct else base + off["dq_sum"]])
@@ -283,6 +395,26 @@ class BackwardPlan:
             _sum_into(dk, view("dk_acc", bs + (prob.Lk, prob.d)))
         if not self.dv_direct:
             _sum_into(dv, view("dv_acc", bs + (prob.Lk, prob.dv)))
+
+    def _modifier_grads(self, ws, lse, keep, grads: dict) -> None:
+        """dbias (the kernel's per-item float32 values summed over the bias's broadcast dims,
+        in a fixed order: bitwise reproducible) and dsink = -sum_i exp(sink - lse_i) D_i (D from
+        the workspace), summed likewise; into ``grads["dbias"]``, ``grads["dsink"]``."""
+        import cupy
+        prob, off = self.prob, self.ws_offsets
+        bs = prob.batch_shape
+        if grads.get("dbias") is not None:
+            acc = cupy.ndarray(bs + (prob.Lq, prob.Lk), numpy.float32, memptr=ws + off["dbias"])
+            _sum_into(grads["dbias"], acc)
+        if grads.get("dsink") is not None:
+            sink = keep[self.mods.names.index("sink")]
+            D = cupy.ndarray(bs + (prob.Lq,), self.acc, memptr=ws + off["dpsum"])
+            lse = lse.astype(self.acc, copy=False)
+            # lse >= sink, so exp(sink - lse) <= 1; a sink of -inf with a row with no key has
+            # lse = -inf and exp(-inf - -inf) = NaN there, where D = 0: selected to 0
+            w = cupy.exp(sink[..., None].astype(self.acc) - lse)
+            w = cupy.where(D == 0, 0, w)
+            _sum_into(grads["dsink"], -(w * D).sum(axis=-1))
 
     def explain(self) -> str:
         return explain_choice(self.choice, self.launch.grid)

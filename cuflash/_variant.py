@@ -8,9 +8,10 @@ known when the kernel is compiled (which modifiers are on) is the template argum
 known only per call (the causal offset, the scale) travels in ``Params.var``
 (``VariantParams``).
 
-Today the Variant carries the causal mask (both alignments: the alignment is the run-time
-``causal_offset``) and the scale. A modifier that is off is absent from the template argument,
-so it costs nothing in the compiled kernel.
+The Variant carries the causal mask (both alignments: the alignment is the run-time
+``causal_offset``), the scale and the built-in modifiers (window, softcap, ALiBi, bias, mask,
+sink; their values are ``Params.mod``). A modifier that is off is absent from the template
+argument, so it costs nothing in the compiled kernel.
 """
 
 from __future__ import annotations
@@ -37,31 +38,110 @@ class Variant:
     """The compile-time part of the score pipeline: which modifiers are on.
 
     Hashable and small: it is part of every plan's key and of every kernel's name expression.
+    ``bias`` is the bias's C++ element type (``"__half"``, ``"__nv_bfloat16"``, ``"float"``,
+    ``"double"``) or None; the other modifier fields are flags (their values are run-time:
+    ``Params.mod``, packed by ``_modifier_params.pack``). Plain attention keeps the short
+    spelling ``cuflash::Variant<true|false>``, the same C++ type as the long one with every
+    modifier off.
     """
 
     causal: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi_slopes: bool = False
+    bias: str | None = None
+    mask: bool = False
+    sink: bool = False
+    block_mask: bool = False          # a block mask classifies the mask_mod's tiles
+    #: the traced user functions' structs (``cuflash::user::...``), or None
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    #: their C++ source, compiled before the family's (the struct names hash the traces, so
+    #: equal names mean equal source: not compared)
+    prelude: str = dataclasses.field(default="", compare=False, repr=False)
+
+    @property
+    def modified(self) -> bool:
+        """Whether a modifier other than causal is on."""
+        return bool(self.window or self.softcap or self.alibi_slopes or self.bias or self.mask
+                    or self.sink or self.score_mod or self.mask_mod)
+
+    @property
+    def score_path(self) -> bool:
+        """Whether scores go through the modifiers' per-element code (everything but causal and
+        the window, which only move the mask's bounds): those kernels need more registers, and
+        the dispatcher gives them the tile choice with the most (``_families``)."""
+        return bool(self.softcap or self.alibi_slopes or self.bias or self.mask or self.sink
+                    or self.score_mod or self.mask_mod)
+
+    @property
+    def heavy(self) -> bool:
+        """A score transform and an element-mask array together (their loads and math side by
+        side): fwd_sm80's EVEN build of these spills, so they take the predicated one."""
+        return bool((self.softcap or self.alibi_slopes or self.bias or self.score_mod)
+                    and (self.mask or self.mask_mod))
 
     @property
     def cpp(self) -> str:
-        """The C++ template argument, e.g. ``cuflash::Variant<true>``."""
-        return f"cuflash::Variant<{'true' if self.causal else 'false'}>"
+        """The C++ template argument, e.g. ``cuflash::Variant<true>`` or, with modifiers,
+        ``cuflash::Variant<causal, window, softcap, alibi, BiasT, mask, ScoreMod, MaskMod,
+        block_mask, sink>`` (cuda_src/variant.cuh)."""
+        def b(x) -> str:
+            return "true" if x else "false"
+        if not self.modified:
+            return f"cuflash::Variant<{b(self.causal)}>"
+        args = [b(self.causal), b(self.window), b(self.softcap), b(self.alibi_slopes),
+                self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
+                self.mask_mod or "cuflash::NoMaskMod", b(self.block_mask), b(self.sink)]
+        return f"cuflash::Variant<{', '.join(args)}>"
 
     @property
     def features(self) -> frozenset[str]:
         """The modifiers that are on, by keyword name (a family must support all of them)."""
-        return frozenset(name for name, on in (("causal", self.causal),) if on)
+        return frozenset(name for name, on in (
+            ("causal", self.causal), ("window", self.window), ("softcap", self.softcap),
+            ("alibi_slopes", self.alibi_slopes), ("bias", self.bias), ("mask", self.mask),
+            ("sink", self.sink), ("score_mod", self.score_mod), ("mask_mod", self.mask_mod))
+            if on)
 
     def describe(self) -> str:
         return ", ".join(sorted(self.features)) or "plain softmax"
 
 
+#: What the families that run the modifiers implement (every forward family, bwd_sm80): causal,
+#: the built-ins and the traced user functions (a block_mask runs as its mask_mod)
+MODIFIER_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "bias", "mask",
+                               "sink", "score_mod", "mask_mod"})
+
 #: Every Variant a family may be compiled for (the compile gate instantiates each).
 ALL_VARIANTS = (Variant(causal=False), Variant(causal=True))
 
 
-def variant_of(prob) -> Variant:
-    """The Variant of a validated AttentionProblem."""
-    return Variant(causal=bool(prob.causal))
+def variant_of(prob, mods=None) -> Variant:
+    """The Variant of a validated AttentionProblem and its ``Modifiers`` record (None: none)."""
+    if mods is None:
+        return Variant(causal=bool(prob.causal))
+    from ._modifier_params import BIAS_CTYPE
+    from . import _trace_cuda
+    score, mask = traces_of(mods)
+    return Variant(causal=bool(prob.causal), window=mods.window is not None,
+                   softcap=mods.softcap is not None,
+                   alibi_slopes=mods.alibi_slopes is not None,
+                   bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
+                   mask=mods.mask is not None, sink=mods.sink is not None,
+                   score_mod=None if score is None else _trace_cuda.qualified_name(score),
+                   mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
+                   block_mask=mods.block_mask is not None,
+                   prelude="".join(t.source for t in (score, mask) if t is not None))
+
+
+def traces_of(mods) -> tuple:
+    """The traces of ``mods.score_mod`` and ``mods.mask_mod`` (None where absent), reused
+    while nothing the functions read changes (``_trace.cached_trace``). A ``block_mask``
+    contributes its mask_mod (its tiles are not skipped on the GPU yet)."""
+    from . import _trace
+    return tuple(None if fn is None else _trace.cached_trace(fn, role)
+                 for fn, role in ((mods.score_mod, "score_mod"), (mods.mask_mod, "mask_mod")))
 
 
 def variant_params(prob) -> numpy.void:
@@ -73,3 +153,29 @@ def variant_params(prob) -> numpy.void:
     if not math.isfinite(p["scale_log2"]):   # _problem rejects such scales; keep the kernel safe
         raise ValueError(f"scale={prob.scale} times log2(e) is not finite")
     return p[()]
+
+
+def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
+    """The traits a family's table gives plain attention, adjusted for a Variant whose
+    per-element score code needs registers (``score_path``): one block an SM (255 registers a
+    thread); fwd_sm90 at most 2 warpgroups; a ``heavy`` one 32-key tiles (fwd_sm80, fwd_sm90);
+    bwd_sm80 query chunks of at most 32 rows. The table's choices spill with them (the compile
+    table of docs/modifiers.md). Appends the reason to ``why``."""
+    if not variant.score_path:
+        return t
+    named = {}
+    if t.min_blocks > 1:
+        named["min_blocks"] = 1
+    if family == "fwd_sm90" and t["warpgroups"] > 2:
+        named["warpgroups"] = 2
+    if family in ("fwd_sm80", "fwd_sm90") and variant.heavy and t.block_n > 32:
+        named["block_n"] = 32
+    if family == "bwd_sm80" and t["sub_m"] > 32:
+        named["sub_m"] = 32
+    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80") or not named:
+        return t
+    new = dataclasses.replace(t.replace(**named), allow_even=t.allow_even)
+    why.append(f"modifiers ({variant.describe()}): " + ", ".join(
+        f"{k}={v}" for k, v in named.items()) + " for the registers of the per-element score "
+        "code")
+    return new

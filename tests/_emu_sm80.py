@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy
 
-from cuflash import _launch, _problem, _traits
+from cuflash import _launch, _modifier_params, _modifiers, _problem, _traits
 from cuflash._families import FAMILIES
 from cuflash._paths import cuda_src_dir
 from cuflash._traits import Traits
@@ -240,16 +240,35 @@ def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | N
 # The parameter block: cuflash's own packer (_launch.pack), pointers set to the host arrays
 # ---------------------------------------------------------------------------------------------
 
-def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, **buffers):
+def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=None,
+                **buffers):
     """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
     tensors ``strided`` (names q, k, v, o, dout), packed by ``cuflash._launch.pack`` as the GPU
     launcher packs them, and the pointers of the host arrays (the contiguous ``buffers``: lse,
-    dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0)."""
-    layout = _launch.batch_layout(prob.batch_shape, list(strided.values()))
+    dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0). ``mods`` (a ``Modifiers`` record over
+    NumPy arrays, slopes and sinks in float32) fills ``Params.mod`` as ``_plan`` does, with
+    their arrays' batch strides from the same merged layout."""
+    names = [n for n in _modifier_params.POINTER_FIELDS
+             if mods is not None and getattr(mods, n) is not None]
+    extra = [getattr(mods, n) for n in names]
+    kinds = None
+    if mods is not None and mods.block_mask is not None:   # as _plan does, on the host
+        kinds = numpy.broadcast_to(numpy.ascontiguousarray(mods.block_mask.kind),
+                                   prob.batch_shape + mods.block_mask.kind.shape[-2:])
+        extra.append(kinds)
+    layout = _launch.batch_layout(prob.batch_shape, list(strided.values()) + extra)
     if len(layout.outer) > 1:
         raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
     p = _launch.pack(prob, strided, layout, variant_params(prob), num_m_blocks=num_m_blocks,
                      num_n_blocks=num_n_blocks)
+    if mods is not None:
+        strides = {id(x): st for x, st in zip(extra, layout.strides[len(strided):])}
+        from cuflash._variant import traces_of
+        score, mask = traces_of(mods)
+        p["mod"] = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data,
+                                         batch_strides=lambda x: strides[id(x)],
+                                         score_trace=score, mask_trace=mask,
+                                         block_kinds=kinds)
     for name, t in strided.items():
         p[name] = t.ctypes.data
     for name, buf in buffers.items():
@@ -288,14 +307,21 @@ def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
 
 
 def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
-             deterministic=False, tiles: Traits | None = None):
+             deterministic=False, tiles: Traits | None = None, expr: str | None = None,
+             **modifiers):
     """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
     dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
-    them. ``o`` and ``lse`` are the forward's (any source)."""
+    them (then dbias, dsink with those modifiers, as the GPU plan finishes them). ``o`` and
+    ``lse`` are the forward's (any source); ``expr`` / ``tiles`` the specialisation (the
+    registry's choice on an A100 by default)."""
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    mods = modifiers_of(prob, **modifiers)
     shapes = (q.shape, k.shape, v.shape)
+    if expr is None:
+        from cuflash._families import PROFILES, Shape, choose
+        choice = choose("bwd", Shape.of(prob, deterministic, mods), PROFILES["a100"])
+        tiles, expr = choice.traits, choice.expr
     tiles = tiles or sm80_tiles(prob.d, prob.dv)
-    expr = sm80_expr(prob.dtype, tiles, prob.causal, deterministic)
     Lq, Lk, d, dv = prob.Lq, prob.Lk, prob.d, prob.dv
     nbatch = math.prod(prob.batch_shape)
     num_n_blocks = -(-Lk // tiles.block_n)
@@ -310,37 +336,72 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     dk_acc = numpy.full(prob.batch_shape + (Lk, d), numpy.nan, numpy.float32)   # poisoned:
     dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
     semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
+    dbias_acc = numpy.zeros(prob.batch_shape + (Lq, Lk), numpy.float32) \
+        if mods is not None and mods.bias is not None else None
 
     p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
                        num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
                        lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
-                       dq_sem=semaphore if deterministic else None)
+                       dq_sem=semaphore if deterministic else None, mods=mods)
+    if dbias_acc is not None:
+        p["mod"]["dbias"] = dbias_acc.ctypes.data
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
                readable=(q, k, v, do))
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
         visits = numpy.zeros(num_m_blocks, numpy.int32)
+        window = mods.window if mods is not None else None
+        diag = Lk - Lq
         for n in range(num_n_blocks):
-            first = max(0, n * tiles.block_n - prob.causal_offset) // tiles.block_m if prob.causal else 0
-            visits[first:] += 1
+            n0, n1 = n * tiles.block_n, (n + 1) * tiles.block_n
+            lo = max(0, n0 - prob.causal_offset) if prob.causal else 0
+            hi = Lq
+            if window is not None and window[1] is not None:
+                lo = max(lo, n0 - diag - window[1])
+            if window is not None and window[0] is not None:
+                hi = min(hi, max(0, n1 - diag + window[0]))
+            first = lo // tiles.block_m
+            last = -(-hi // tiles.block_m)
+            visits[first:last] += 1
         counts = semaphore.reshape(nbatch, num_m_blocks)
         assert (counts == visits).all(), (counts, visits)
-    return tuple(_problem.sum_to_shape(x, shape, prob.dtype)
-                 for x, shape in zip((dq_acc, dk_acc, dv_acc), shapes))
+    grads = tuple(_problem.sum_to_shape(x, shape, prob.dtype)
+                  for x, shape in zip((dq_acc, dk_acc, dv_acc), shapes))
+    if mods is not None and mods.bias is not None:
+        grads += (_problem.sum_to_shape(dbias_acc, mods.bias_shape, mods.bias_dtype),)
+    if mods is not None and mods.sink is not None:
+        with numpy.errstate(all="ignore"):
+            w = numpy.exp(mods.sink[..., None].astype(numpy.float32) - lse)
+        w = numpy.where(D == 0, 0, w)
+        grads += (_problem.sum_to_shape(-(w * D).sum(-1), mods.sink_shape, mods.sink_dtype),)
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------
 # The forward (the emulation's own check: fwd_sm80 is measured correct on the GPU)
 # ---------------------------------------------------------------------------------------------
 
+def modifiers_of(prob, **modifiers):
+    """The validated ``Modifiers`` record of NumPy modifier keywords, with alibi_slopes and sink
+    in float32 as the GPU plan hands them to the kernels (None when there are none)."""
+    if not modifiers:
+        return None
+    mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=prob.batch_shape,
+                                      Lq=prob.Lq, Lk=prob.Lk, **modifiers)
+    import dataclasses
+    return dataclasses.replace(mods, **{n: _modifier_params.per_item_acc(getattr(mods, n))
+                                        for n in ("alibi_slopes", "sink")})
+
+
 def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
-             causal=False):
-    """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0)."""
+             causal=False, **modifiers):
+    """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0), with
+    any built-in modifier keywords (``expr`` must be compiled for them)."""
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
     num_m_blocks = -(-prob.Lq // block_m)
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
-                            num_m_blocks=num_m_blocks, lse=lse)
+                            num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers))
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v))
     return o, lse

@@ -129,3 +129,59 @@ def check_close(o, lse, o_ref, lse_ref, o_naive, lse_naive, dtype, *, L, W, Lk):
         assert err <= tol, f"{name}: error {err:.3g} > {tol:.3g} (naive {naive_err:.3g}, {dtype})"
         worst = max(worst, err / tol)
     return worst
+
+
+def check_result(q, k, v, causal, kw, o, lse, scale=None) -> float:
+    """``(o, lse)`` of any implementation (CPU path, emulated or real GPU kernel; NumPy arrays)
+    for ``attention(q, k, v, causal=causal, **kw)`` against this module's float64 oracle, with
+    the tolerance of DESIGN.md from this module's naive same-dtype computation. Returns the
+    largest error / tolerance."""
+    import ml_dtypes
+    from cuflash import _problem
+    prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
+    nk = {key: val for key, val in kw.items() if key != "block_mask"}
+    if "block_mask" in kw and "mask_mod" not in kw:
+        nk["mask_mod"] = kw["block_mask"].mask_mod
+    nk["causal_offset"] = prob.causal_offset if prob.causal else None
+    o_ref, lse_ref = attention(q, k, v, scale=prob.scale, **nk)
+    half = prob.dtype in (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
+    o_n, lse_n = attention(q, k, v, scale=prob.scale, **nk,
+                           dtype=numpy.float32 if half else prob.dtype.type,
+                           store=prob.dtype if half else None)
+    s_abs = 0.0
+    for name in ("bias", "alibi_slopes"):
+        if name in kw:
+            x = numpy.asarray(kw[name]).astype(numpy.float64)
+            finite = numpy.abs(x[numpy.isfinite(x)])
+            s_abs += float(finite.max(initial=0.0)) * (max(prob.Lq, prob.Lk) if name[0] == "a"
+                                                       else 1)
+    if "sink" in kw:
+        x = numpy.asarray(kw["sink"]).astype(numpy.float64)
+        s_abs += float(numpy.abs(x[numpy.isfinite(x)]).max(initial=0.0))
+    L, W = conditioning(q, k, v, s_abs + 3.0, scale=prob.scale, o_kwargs=nk)
+    return check_close(o, lse, o_ref, lse_ref, o_n, lse_n.astype(numpy.float64),
+                       prob.dtype, L=L, W=W, Lk=prob.Lk + ("sink" in kw))
+
+
+def check_gradients(grads, q, k, v, o, lse, do, causal, kw) -> None:
+    """Gradients of any implementation (NumPy arrays: dq, dk, dv[, dbias][, dsink]) against the
+    float64 reference: each within 3x the error of cuflash's CPU path on the same inputs in
+    the same dtype (its blocked float32 computation rounded to the dtype: a same-dtype
+    baseline, DESIGN.md's 3x for gradients) plus a floor of 4 ulps of the result's dtype at
+    the gradient's scale. Also: shapes and dtypes as the CPU path's, all finite."""
+    import ml_dtypes
+    import cuflash
+    ref = cuflash.reference.attention_backward(do, q, k, v, causal=causal, **kw)
+    cpu = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, **kw)
+    names = ["dq", "dk", "dv"] + (["dbias"] if "bias" in kw else []) + \
+        (["dsink"] if "sink" in kw else [])
+    assert len(grads) == len(ref) == len(cpu) == len(names), (len(grads), names)
+    for what, ours, r, c in zip(names, grads, ref, cpu):
+        assert ours.shape == c.shape and ours.dtype == c.dtype, (what, ours.shape, ours.dtype)
+        ours64, r = numpy.asarray(ours, numpy.float64), numpy.asarray(r, numpy.float64)
+        assert numpy.isfinite(ours64).all(), f"{what} is not finite"
+        err = numpy.abs(ours64 - r).max(initial=0.0)
+        base = numpy.abs(numpy.asarray(c, numpy.float64) - r).max(initial=0.0)
+        floor = 4 * float(ml_dtypes.finfo(ours.dtype).eps) * numpy.abs(r).max(initial=0.0)
+        assert err <= 3 * base + floor, \
+            f"{what}: error {err:.3g} > 3 x {base:.3g} (CPU path) + {floor:.3g}"

@@ -151,3 +151,198 @@ def test_emulation_catches_a_wrong_fragment_layout():
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     with pytest.raises(AssertionError, match="dq: max abs error"):
         assert_gradients_close(prob, do, grads, ref, (q.shape, k.shape, v.shape))
+
+
+# -- the forward with the built-in modifiers (issue 10): fwd_sm80's Variant code in the emulation
+
+def _modifier_case(name, dtype):
+    """(q, k, v, causal, modifier keywords) of one small case; each masking modifier leaves
+    some rows with no visible key."""
+    rng = numpy.random.default_rng(len(name))
+    B, H, d = 2, 2, 64
+    # Lq > Lk: the window's diagonal i + Lk - Lq starts below key 0 (rows with no key)
+    Lq, Lk = (150, 100) if name in ("window", "sink") else (100, 150)
+    q, k, v = (make_array(rng, (B, H, L, d), dtype) for L in (Lq, Lk, Lk))
+    bias = rng.standard_normal((H, Lq, Lk)).astype(numpy.float32)   # broadcast over B
+    bias[:, 7, :] = -numpy.inf                                      # row 7: no visible key
+    bias[:, :, 3] = -numpy.inf
+    mask = rng.random((B, 1, Lq, Lk)) < 0.6                          # broadcast over H
+    mask[:, :, 11, :] = False
+    slopes = rng.uniform(0.0, 0.1, (H,)).astype(numpy.float32)
+    sink = rng.standard_normal((H,)).astype(numpy.float16)           # converted per item
+    cases = {
+        "window": (False, dict(window=(20, 5))),                     # rows < 45 see nothing
+        "window-causal-top-left": ("top_left", dict(window=(33, None))),
+        "softcap": (True, dict(softcap=2.0)),
+        "alibi": (True, dict(alibi_slopes=slopes)),
+        "bias": (False, dict(bias=bias.astype(dtype))),
+        "mask": (True, dict(mask=mask)),
+        "sink": (False, dict(sink=sink, window=(10, 0))),            # rows < 50: lse = sink
+        "all": (True, dict(window=(40, 3), softcap=5.0, alibi_slopes=slopes, bias=bias,
+                           mask=mask, sink=sink)),
+    }
+    causal, kw = cases[name]
+    return q, k, v, causal, kw
+
+
+MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "alibi", "bias", "mask", "sink",
+                  "all"]
+
+
+@pytest.fixture(scope="module")
+def fwd_mods_lib():
+    """One g++ library with every specialisation the modifier cases select on an A100."""
+    kernels = {}
+    for name in MODIFIER_CASES:
+        for dtype in DTYPES:
+            choice, _ = _modifier_choice(name, dtype)
+            kernels[("fwd", choice.expr)] = None
+    return emu.build("fwd_sm80.cu", sorted(kernels))
+
+
+def _modifier_choice(name, dtype):
+    q, k, v, causal, kw = _modifier_case(name, dtype)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    choice = _families.choose("fwd", _families.Shape.of(prob, mods=mods),
+                              _families.PROFILES["a100"])
+    return choice, (q, k, v, causal, kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name", MODIFIER_CASES)
+def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
+    import _naive_modifiers as naive
+    choice, (q, k, v, causal, kw) = _modifier_choice(name, dtype)
+    assert choice.family.name == "fwd_sm80" and "cuflash::Variant<" in choice.expr
+    t = choice.traits
+    o, lse = emu.fwd_sm80(fwd_mods_lib, choice.expr, q, k, v, block_m=t.block_m,
+                          threads=t.threads, smem_bytes=t.smem_bytes, causal=causal, **kw)
+    assert not numpy.isnan(o.astype(numpy.float32)).any() and not numpy.isnan(lse).any()
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    dead = lse_ref == -numpy.inf
+    if name in ("window", "bias", "mask"):
+        assert dead.any()            # the case has rows with no visible key ...
+    assert (lse[dead] == -numpy.inf).all() and (o[dead] == 0).all()   # ... o = 0, lse = -inf
+    if name == "sink":               # rows with no visible key but a sink: o = 0, lse = sink
+        empty = numpy.isclose(lse_ref, numpy.broadcast_to(kw["sink"].astype(float)[:, None],
+                                                           lse_ref.shape))
+        assert empty.any() and (o[empty] == 0).all()
+
+
+# -- the backward with the built-in modifiers: dq, dk, dv, dbias, dsink of bwd_sm80's Variant code
+
+BWD_MODIFIER_CASES = ["window", "softcap", "alibi", "bias", "mask", "sink", "all"]
+
+
+def _bwd_modifier_case(name, dtype):
+    q, k, v, causal, kw = _modifier_case(name, dtype)
+    return q[..., :70, :], k[..., :90, :], v[..., :90, :], causal, \
+        _shrink(kw, 70, 90, q.shape[-2], k.shape[-2])
+
+
+def _shrink(kw, Lq, Lk, Lq0, Lk0):
+    """The case's modifier arrays cut to Lq x Lk (bias and mask), the rest as they are."""
+    out = dict(kw)
+    for n in ("bias", "mask"):
+        if n in out:
+            out[n] = numpy.ascontiguousarray(out[n][..., :Lq, :Lk])
+    return out
+
+
+def _bwd_modifier_choice(name, dtype, det):
+    q, k, v, causal, kw = _bwd_modifier_case(name, dtype)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    choice = _families.choose("bwd", _families.Shape.of(prob, det, mods),
+                              _families.PROFILES["a100"])
+    return choice, (q, k, v, causal, kw)
+
+
+@pytest.fixture(scope="module")
+def bwd_mods_lib():
+    kernels = {}
+    for name in BWD_MODIFIER_CASES:
+        for det in (False, True):
+            choice, _ = _bwd_modifier_choice(name, BF16, det)
+            kernels[("bwd", choice.expr)] = None
+    return emu.build("bwd_sm80.cu", sorted(kernels))
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("name", BWD_MODIFIER_CASES)
+def test_backward_with_modifiers_matches_the_reference(bwd_mods_lib, name, det):
+    dtype = BF16
+    choice, (q, k, v, causal, kw) = _bwd_modifier_choice(name, dtype, det)
+    assert choice.family.name == "bwd_sm80"
+    o, lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    o, lse = o.astype(dtype), lse.astype(numpy.float32)
+    do = make_array(numpy.random.default_rng(1), o.shape, dtype)
+    grads = emu.bwd_sm80(bwd_mods_lib, do, q, k, v, o, lse, causal=causal, deterministic=det,
+                         tiles=choice.traits, expr=choice.expr, **kw)
+    import _naive_modifiers as naive
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    if det:   # bitwise reproducible, dbias and dsink included
+        again = emu.bwd_sm80(bwd_mods_lib, do, q, k, v, o, lse, causal=causal,
+                             deterministic=True, tiles=choice.traits, expr=choice.expr, **kw)
+        for a, b in zip(grads, again):
+            assert a.tobytes() == b.tobytes()
+
+
+# -- user functions (score_mod, mask_mod, a captured array, block masks) traced into the Variant
+
+def _user_case(name):
+    from test_modifiers import MASK_MODS, SCORE_MODS
+    from cuflash._block_mask import block_mask
+    rng = numpy.random.default_rng(11)
+    L = 256 if name == "block-halves" else 64
+    q, k, v = (make_array(rng, (2, 3, L, 64), BF16) for _ in range(3))
+    halves = lambda b, h, q, kv: ((q // 128) == (kv // 128)) & ((q - kv) % 5 != 3)  # noqa: E731
+    kw = {"score": dict(score_mod=SCORE_MODS["relpos"]),
+          "table": dict(score_mod=SCORE_MODS["table"], softcap=4.0),      # a captured array
+          "document": dict(mask_mod=MASK_MODS["document"]),                 # another, as a mask
+          "both": dict(score_mod=SCORE_MODS["where"], mask_mod=MASK_MODS["mod3"], sink=None),
+          # block masks: tiles the map calls empty are skipped, full ones skip the mask_mod
+          # (blocks of 16 x 16 and 32 x 8: smaller than and across the kernels' tiles)
+          "block-band": dict(block_mask=block_mask(MASK_MODS["band"], (2, 3), 64, 64,
+                                                   block=(16, 16))),
+          "block-document": dict(block_mask=block_mask(MASK_MODS["document"], (2, 1), 64, 64,
+                                                       block=(32, 8)), softcap=3.0),
+          # two documents of 128: whole kernel tiles empty (skipped), partial ones (mod 5)
+          "block-halves": dict(block_mask=block_mask(halves, (1, 1), L, L, block=(64, 64))),
+          }[name]
+    return q, k, v, True, {n: x for n, x in kw.items() if x is not None}
+
+
+USER_CASES = ["score", "table", "document", "both", "block-band", "block-document",
+              "block-halves"]
+
+
+@pytest.mark.parametrize("name", USER_CASES)
+def test_user_functions_in_the_kernels_match_the_oracle(name):
+    """The traced structs compiled into fwd_sm80 and bwd_sm80 (their source before the
+    family's), captured arrays read through their pointers: o, lse against the oracle, the
+    gradients against the reference."""
+    import _naive_modifiers as naive
+    q, k, v, causal, kw = _user_case(name)
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    mods = emu.modifiers_of(prob, **kw)
+    fwd = _families.choose("fwd", _families.Shape.of(prob, mods=mods), _families.PROFILES["a100"])
+    shape = _families.Shape.of(prob, mods=mods)
+    assert "cuflash::user::" in fwd.expr and shape.variant.prelude
+    text = (emu.cuda_src_dir() / "fwd_sm80.cu").read_text()
+    lib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)], kernel_text=shape.variant.prelude + text)
+    t = fwd.traits
+    o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, threads=t.threads,
+                          smem_bytes=t.smem_bytes, causal=causal, **kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    bwd = _families.choose("bwd", _families.Shape.of(prob, False, mods), _families.PROFILES["a100"])
+    btext = (emu.cuda_src_dir() / "bwd_sm80.cu").read_text()
+    blib = emu.build("bwd_sm80.cu", [("bwd", bwd.expr)], kernel_text=shape.variant.prelude + btext)
+    o, lse = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    o, lse = o.astype(BF16), lse.astype(numpy.float32)
+    do = make_array(numpy.random.default_rng(1), o.shape, BF16)
+    grads = emu.bwd_sm80(blib, do, q, k, v, o, lse, causal=causal, tiles=bwd.traits,
+                         expr=bwd.expr, **kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)

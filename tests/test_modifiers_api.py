@@ -101,10 +101,21 @@ def test_public_names_and_errors_through_the_api():
 def test_gpu_calls_with_modifiers_are_refused_with_the_names():
     mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2,), Lq=3, Lk=3,
                                       softcap=2.0, window=(1, 1))
+    # the forward kernels run the built-ins; the backward only bwd_sm80 (half types, d <= 128)
+    _modifiers.check_gpu_support(mods, "attention")
+    _modifiers.check_gpu_support(mods, "attention_backward", numpy.float16, 128)
+    for dtype, dmax in ((numpy.float32, 64), (numpy.float16, 256)):
+        with pytest.raises(NotImplementedError,
+                           match=r"cuflash.attention_backward on CuPy arrays does not implement "
+                                 r"softcap, window yet"):
+            _modifiers.check_gpu_support(mods, "attention_backward", dtype, dmax)
+    user = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=(2,), Lq=3, Lk=3,
+                                      softcap=2.0, score_mod=lambda s, b, h, i, j: s)
+    _modifiers.check_gpu_support(user, "attention")          # traced into the Variant
     with pytest.raises(NotImplementedError,
-                       match=r"cuflash.attention on CuPy arrays does not implement softcap, "
-                             r"window yet"):
-        _modifiers.check_gpu_support(mods, "attention")
+                       match=r"cuflash.attention_backward on CuPy arrays does not implement "
+                             r"score_mod, softcap yet"):
+        _modifiers.check_gpu_support(user, "attention_backward", numpy.float64, 8)
     _modifiers.check_gpu_support(_modifiers.no_modifiers((2,), 3, 3), "attention")   # fine
 
 
@@ -112,10 +123,13 @@ def test_gpu_calls_with_modifiers_are_refused_with_the_names():
 def test_cupy_calls_with_modifiers_raise_not_implemented_before_gpu_work():
     import cupy
     q = cupy.ones((2, 4, 8), cupy.float16)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        cuflash.attention(q, q, q, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        q64 = q.astype(cupy.float64)
+        cuflash.attention_backward(q64, q64, q64, q64, q64, cupy.zeros((2, 4), cupy.float64),
+                                   softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0)
     with pytest.raises(NotImplementedError, match="bias"):
-        cuflash.attention_backward(q, q, q, q, q, cupy.zeros((2, 4), cupy.float32),
+        q32 = q.astype(cupy.float32)
+        cuflash.attention_backward(q32, q32, q32, q32, q32, cupy.zeros((2, 4), cupy.float32),
                                    bias=cupy.zeros((4, 4), cupy.float16))
 
 
@@ -125,7 +139,7 @@ def test_explain_shows_the_traced_source():
     text = _api.explain(q, q, q, softcap=30.0, score_mod=lambda s, b, h, i, j: s * 2.0,
                         mask_mod=lambda b, h, i, j: i >= j)
     assert "with modifiers: mask_mod, score_mod, softcap" in text
-    assert "not implemented yet" in text
+    assert "not implemented yet" not in text        # the forward kernels run all three
     assert "struct ScoreMod_" in text and "struct MaskMod_" in text and "0x1.0" in text
     bad = _api.explain(q, q, q, score_mod=lambda s, b, h, i, j: np.arctan(s))
     assert "cannot be traced for the GPU" in bad and "numpy.arctan" in bad

@@ -76,7 +76,9 @@ def _source(host: bool) -> str:
     if host:
         parts.append("#include <math.h>\n#include <string.h>\n#define __device__\n"
                      "#define __forceinline__ inline\nstatic inline float __int_as_float(int x)"
-                     " { float f; memcpy(&f, &x, 4); return f; }\n")
+                     " { float f; memcpy(&f, &x, 4); return f; }\n"
+                     "static inline double __longlong_as_double(long long x)"
+                     " { double f; memcpy(&f, &x, 8); return f; }\n")
     parts += [t.source for t in traces.values()]
     parts.append(_jit.load_source("modifiers.cuh") if not host else
                  (Path(__file__).parent.parent / "cuda_src" / "modifiers.cuh").read_text())
@@ -346,3 +348,85 @@ __global__ void probe_{n}(const cuflash::ModifierParams m, const int* bs, float*
                                     _jit._options("sm_80"))
     assert lowered is not None, log[:4000]
 
+
+
+def test_params_ends_with_the_modifier_params():
+    """_launch.PARAMS carries ModifierParams as its last field ``mod``, both mirrored."""
+    from cuflash import _launch
+    from _layout import assert_struct_matches
+    assert _launch.PARAMS.names[-1] == "mod"
+    assert_struct_matches("common.cuh", "cuflash", "Params", _launch.PARAMS,
+                          nested={"var": "VariantParams", "mod": "ModifierParams"})
+
+
+#: every built-in modifier on (a bf16 bias for the half kernels, float for fwd_simt's float32)
+def _all_builtins(bias: str):
+    from cuflash._variant import Variant
+    return Variant(causal=True, window=True, softcap=True, alibi_slopes=True, bias=bias,
+                   mask=True, sink=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, arch, dtype, bias", [
+    ("fwd_sm80", "sm_80", "bfloat16", "__nv_bfloat16"),
+    ("fwd_sm90", "sm_90a", "bfloat16", "__nv_bfloat16"),
+    ("fwd_simt", "sm_80", "float32", "float"),
+])
+def test_every_builtin_modifier_at_once_compiles_without_spills(family, arch, dtype, bias):
+    """One specialisation per forward family with all built-in modifiers on (the compile gate
+    keeps its default set, without modifier variants): NVRTC compiles it with 0 spills and no
+    stack, for the tile choice the dispatcher makes at d = 128 (64 for fwd_simt)."""
+    from cuflash import _families
+    fam = _families.FAMILIES[family]
+    dev = _families.PROFILES["h200" if arch == "sm_90a" else "a100"]
+    d = 64 if family == "fwd_simt" else 128
+    shape = _families.Shape(dtype, 16, 4096, 4096, d, d, _all_builtins(bias))
+    traits, flags, _ = fam.select(fam, shape, dev)
+    expr = fam.expr(dtype, traits, shape.variant, **flags)
+    (report,) = _jit.compile_offline(fam.source, [expr], arch)
+    assert report.error is None, report.error[:3000]
+    assert report.ok, report
+
+
+def test_the_plans_pack_and_patch_the_modifiers_as_the_emulation_does():
+    """_plan's modifier packing (the GPU path, which CI cannot launch) gives the Params.mod the
+    emulated kernels were checked with, and its patch words land on the pointer fields."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _emu_sm80 as emu
+    from cuflash import _launch, _plan, _problem
+    rng = numpy.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 40, 16)).astype(numpy.float16)
+    k = rng.standard_normal((1, 3, 50, 16)).astype(numpy.float16)
+    kw = dict(bias=rng.standard_normal((3, 40, 50)).astype(numpy.float32), window=(7, None),
+              mask=rng.random((2, 1, 40, 50)) < 0.5, softcap=3.0,
+              alibi_slopes=numpy.ones(3, numpy.float32), sink=numpy.zeros((2, 3), numpy.float32),
+              score_mod=lambda s, b, h, i, j: s + TAB[h % 3, 1])
+    prob = _problem.make_problem(q, k, k, scale=None, causal=True)
+    mods = emu.modifiers_of(prob, **kw)
+    o = numpy.empty((2, 3, 40, 16), numpy.float16)
+    ours = _plan._ModifierPatch(prob, mods)
+    tensors = {"q": prob.q, "k": prob.k, "v": prob.v, "o": o}
+    layout = _launch.batch_layout(prob.batch_shape, list(tensors.values()) + ours.arrays(mods))
+    p = _launch.pack(prob, tensors, layout, emu.variant_params(prob))
+    ours.pack_into(p, layout, len(tensors), mods)
+    ref, _ = emu.pack_params(prob, dict(tensors), mods=mods)
+    for name in MODIFIER_FIELDS_COMPARED:
+        assert (p["mod"][name] == ref["mod"][name]).all(), name
+    assert (p["mod"]["captured"]["shape"] == ref["mod"]["captured"]["shape"]).all()
+    assert (p["mod"]["captured"]["stride"] == ref["mod"]["captured"]["stride"]).all()
+    # the words a call patches are the pointer fields
+    buf = numpy.zeros(-(-p.nbytes // 8), numpy.uint64)
+    words = [(ours.word[n], 1000 + i) for i, n in enumerate(ours.names)]
+    words += [(ours.dbias_word, 7), (ours.captured_words[0], 9)]
+    for w, val in words:
+        buf[w] = val
+    back = numpy.frombuffer(buf.tobytes()[:p.nbytes], _launch.PARAMS)[0]["mod"]
+    assert [int(back[n]) for n in ours.names] == [1000, 1001, 1002, 1003]
+    assert int(back["dbias"]) == 7 and int(back["captured"][0]["ptr"]) == 9
+
+
+MODIFIER_FIELDS_COMPARED = ("bias_batch_stride", "mask_batch_stride", "slope_batch_stride",
+                            "sink_batch_stride", "bias_row", "bias_col", "mask_row", "mask_col",
+                            "softcap", "inv_softcap", "window_left", "window_right", "diag",
+                            "heads", "batch_base", "mask_mod_captured_base")

@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Benchmark suite ``mods`` (issue 10, item 7): attention with modifiers, cuflash against
+``torch.compile``d FlexAttention (the same functions and block mask) and PyTorch SDPA with a
+dense bias / mask where SDPA can express the modifier, in one process and one run.
+
+Points: bf16; d 64 and 128; L 4k and 16k (B x L = 16k tokens, H x d = 2048, as the fwd suite);
+forward and forward + backward; modifiers (``MODS``):
+
+- ``softcap``  softcap 50, not causal (SDPA cannot express it: no row)
+- ``alibi``    ALiBi slopes 2^(-8 (h + 1) / H), causal (SDPA: a dense (1, H, L, L) float bias)
+- ``window``   sliding window of 1024 keys, causal (SDPA: a dense (L, L) bool mask)
+- ``document`` 8 equal documents, causal within each (FlexAttention: its block mask)
+- ``prefix``   prefix-LM: keys of the first L/4 positions are visible to every query, the rest
+               causally
+- ``bias``     a dense learnable float bias (H, L, L) broadcast over B; fwd+bwd includes dbias
+- ``plain``    causal attention without modifiers, the baseline of the targets (softcap or
+               ALiBi within 10%; window's TFLOP/s on visible pairs >= 0.85x plain causal)
+
+Every implementation computes the same function: ``MODS[name]`` holds the one definition of
+each modifier, as the cuflash keywords and as the FlexAttention ``score_mod`` / ``mask_mod``
+(plain Python operators, so the same functions run on NumPy in the CPU test of this file's
+logic, tests/test_modifiers_bench.py). cuflash runs the document and prefix masks from a dense
+``mask=`` array, and again (``impl = "cuflash_block_mask"``, forward) from the same mask_mod
+through ``cuflash.block_mask`` (traced into the kernel; its empty tiles are not skipped on the
+GPU yet). A point an implementation cannot run is a row with ``tflops = None`` and the reason
+(the modifiers' backward runs on bwd_sm80; SDPA cannot express softcap).
+
+Method (as bench/suite_decode.py): ``ms`` = median CUDA-event time of one call through the
+public function on CuPy's current stream (torch on the same stream through DLPack views, no
+copy), after warm-up, inputs rotating over a few sets; ``tflops`` counts the visible pairs only:
+forward 4 x B x H x d x pairs, fwd+bwd 3.5x that (FlashAttention's convention, halved causal
+generalised to any mask). Rows: ``impl, suite, mode, dtype, d, L, causal, isolated, tflops, ms,
+mod`` (+ ``note``).
+
+Run: ``PYTHONPATH=. python bench/suite_mods.py --out bench/results/h200/mods.json`` (``--quick``:
+d 128, L 4k); ``run_mods_suite()`` returns the rows for bench/bench_attention.py to wire in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Callable
+
+TOKENS, WIDTH = 16384, 2048
+WINDOW, SOFTCAP, DOCUMENTS = 1024, 50.0, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Mod:
+    """One modifier of the suite: its FlexAttention functions and cuflash's keywords."""
+    name: str
+    causal: bool
+    score_mod: Callable | None = None      # (score, b, h, q, kv) -> score, FlexAttention's
+    mask_mod: Callable | None = None       # (b, h, q, kv) -> bool, FlexAttention's
+    sdpa: str | None = None                # "bias" / "mask": how SDPA expresses it, or None
+
+
+def alibi_slopes(H: int):
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / H) (Press et al.), float32 NumPy."""
+    import numpy
+    return (2.0 ** (-8.0 * (numpy.arange(H) + 1) / H)).astype(numpy.float32)
+
+
+def _window(b, h, q, kv):
+    return (q >= kv) & (q - kv <= WINDOW)
+
+
+def _document_of(L: int):
+    size = L // DOCUMENTS
+    return lambda b, h, q, kv: ((q // size) == (kv // size)) & (q >= kv)
+
+
+def _prefix_of(L: int):
+    prefix = L // 4
+    return lambda b, h, q, kv: (kv < prefix) | (q >= kv)
+
+
+def _softcap(score, b, h, q, kv):
+    import torch
+    return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+
+def mods_for(L: int, H: int, torch=None) -> dict[str, Mod]:
+    """The suite's modifiers at length L with H heads (``torch``: the module, for the ALiBi
+    score_mod's slope tensor; without it that score_mod is None)."""
+    alibi = None
+    if torch is not None:
+        slopes = torch.as_tensor(alibi_slopes(H), device="cuda")
+
+        def alibi(score, b, h, q, kv):
+            return score - slopes[h] * (q - kv).abs()
+
+    return {
+        "plain": Mod("plain", True, sdpa="causal"),
+        "softcap": Mod("softcap", False, score_mod=_softcap),
+        "alibi": Mod("alibi", True, score_mod=alibi, sdpa="bias"),
+        "window": Mod("window", True, mask_mod=_window, sdpa="mask"),
+        "document": Mod("document", False, mask_mod=_document_of(L), sdpa="mask"),
+        "prefix": Mod("prefix", False, mask_mod=_prefix_of(L), sdpa="mask"),
+        "bias": Mod("bias", False, sdpa="bias"),
+    }
+
+
+def visible_pairs(mod: Mod, L: int) -> int:
+    """Query/key pairs the modifier leaves visible (the FLOP count's pairs), per (b, h)."""
+    import numpy
+    if mod.name in ("softcap", "bias"):
+        return L * L
+    if mod.name in ("plain", "alibi"):
+        return L * (L + 1) // 2
+    total = 0
+    q = numpy.arange(L)
+    for start in range(0, L, 1024):       # rows in chunks: L x 1024 booleans at a time
+        rows = q[start:start + 1024, None]
+        total += int(numpy.count_nonzero(mod.mask_mod(0, 0, rows, q[None, :])))
+    return total
+
+
+def cuflash_kwargs(mod: Mod, L: int, H: int, xp, bias=None) -> dict:
+    """The cuflash keywords of ``mod`` (arrays of module ``xp``): the document and prefix masks
+    as a dense bool (L, L) mask, broadcast over (B, H)."""
+    kw = {"causal": mod.causal}
+    if mod.name == "softcap":
+        kw["softcap"] = SOFTCAP
+    elif mod.name == "alibi":
+        kw["alibi_slopes"] = xp.asarray(alibi_slopes(H))
+    elif mod.name == "window":
+        kw["window"] = (WINDOW, 0)
+    elif mod.name in ("document", "prefix"):
+        i = xp.arange(L)
+        kw["mask"] = mod.mask_mod(0, 0, i[:, None], i[None, :])   # causality included
+    elif mod.name == "bias":
+        kw["bias"] = bias
+    return kw
+
+
+def _row(impl, mode, d, L, mod, ms, flops, note=None, causal=None):
+    row = {"impl": impl, "suite": "mods", "mode": mode, "dtype": "bfloat16", "d": d, "L": L,
+           "causal": causal, "isolated": False, "mod": mod,
+           "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12, "ms": ms}
+    if note:
+        row["note"] = note
+    return row
+
+
+def _time(fn, n_sets, iters=20, warmup=3):
+    import cupy
+    for i in range(warmup):
+        fn(i % n_sets)
+    cupy.cuda.Device().synchronize()
+    starts = [cupy.cuda.Event() for _ in range(iters)]
+    ends = [cupy.cuda.Event() for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i % n_sets)
+        ends[i].record()
+    ends[-1].synchronize()
+    ts = sorted(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
+    return ts[len(ts) // 2]
+
+
+def _note(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def _torch():
+    try:
+        import torch
+    except Exception as exc:
+        return None, f"torch unavailable: {exc}"
+    if not torch.cuda.is_available():
+        return None, "torch.cuda.is_available() is False"
+    return torch, None
+
+
+def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd"),
+                   names=None, peers=True, n_sets=2, log=print) -> list[dict]:
+    """Every (d, L, mode, modifier) point for cuflash, FlexAttention and SDPA; the rows."""
+    import cupy
+    import numpy
+    import cuflash
+    torch, torch_why = _torch() if peers else (None, "peers off")
+    flex = compiled = create_block_mask = None
+    flex_why = torch_why
+    if torch is not None:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            compiled = torch.compile(flex_attention)
+            flex = True
+        except Exception as exc:
+            flex_why = _note(exc)
+    rows: list[dict] = []
+    import ml_dtypes
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    for d in ds:
+        H = WIDTH // d
+        for L in lengths:
+            B = max(1, TOKENS // L)
+            rng = numpy.random.default_rng(L + d)
+            sets = []
+            for _ in range(n_sets):
+                q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16))
+                           for _ in range(3))
+                sets.append((q, k, v))
+            bias = cupy.asarray((rng.standard_normal((H, L, L)) * 0.5).astype(bf16)) \
+                if "bias" in (names or ("bias",)) and H * L * L * 2 <= 8e9 else None
+            for name, mod in mods_for(L, H, torch).items():
+                if names and name not in names:
+                    continue
+                pairs = visible_pairs(mod, L)
+                for mode in modes:
+                    flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                    t0 = time.perf_counter()
+                    first = len(rows)
+                    rows += _cuflash_point(cuflash, cupy, mod, mode, d, L, H, sets, bias, flops)
+                    if flex:
+                        rows += _flex_point(torch, compiled, create_block_mask, mod, mode, d, L,
+                                            B, H, sets, bias, flops)
+                    else:
+                        rows.append(_row("flex", mode, d, L, name, None, flops, flex_why))
+                    if torch is not None:
+                        rows += _sdpa_point(torch, mod, mode, d, L, B, H, sets, bias, flops)
+                    else:
+                        rows.append(_row("sdpa", mode, d, L, name, None, flops, torch_why))
+                    log(f"{name:8} {mode:7} d={d} L={L}: " + ", ".join(
+                        f"{r['impl']} {r['tflops']:.0f}" if r["tflops"] else f"{r['impl']} -"
+                        for r in rows[first:]) + f" TFLOP/s ({time.perf_counter() - t0:.0f} s)")
+            del sets, bias
+            cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def _cuflash_point(cuflash, cupy, mod, mode, d, L, H, sets, bias, flops):
+    out = []
+    if mod.name == "bias" and bias is None:
+        return [_row("cuflash", mode, d, L, mod.name, None, flops, "bias larger than 8 GB")]
+    kw = cuflash_kwargs(mod, L, H, cupy, bias=bias)
+    try:
+        if mode == "fwd":
+            ms = _time(lambda i: cuflash.attention(*sets[i], **kw), len(sets))
+        else:
+            dos = [cupy.ones_like(s[0]) for s in sets]
+
+            def step(i):
+                o, pullback = cuflash.attention_vjp(*sets[i], **kw)
+                return pullback(dos[i])
+            ms = _time(step, len(sets))
+        note = "dense mask= array (mask_mod on the GPU: not yet)" if "mask" in kw else None
+        out.append(_row("cuflash", mode, d, L, mod.name, ms, flops, note, kw.get("causal")))
+    except Exception as exc:
+        out.append(_row("cuflash", mode, d, L, mod.name, None, flops, _note(exc)))
+    if mod.mask_mod is not None and mode == "fwd":   # the user-function path, when it runs
+        try:
+            bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
+            ms = _time(lambda i: cuflash.attention(*sets[i], block_mask=bm), len(sets))
+            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, ms, flops))
+        except Exception as exc:
+            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, None, flops, _note(exc)))
+    return out
+
+
+def _flex_point(torch, compiled, create_block_mask, mod, mode, d, L, B, H, sets, bias, flops):
+    tq = [[torch.from_dlpack(x) for x in s] for s in sets]
+    try:
+        bm = None
+        mask_mod = mod.mask_mod
+        if mask_mod is None and mod.causal:
+            mask_mod = lambda b, h, q, kv: q >= kv   # noqa: E731
+        if mask_mod is not None:
+            bm = create_block_mask(mask_mod, None, None, L, L, device="cuda")
+        score_mod = mod.score_mod
+        tb = None
+        if mod.name == "bias":
+            tb = torch.from_dlpack(bias).detach().requires_grad_(mode == "fwd_bwd")
+            score_mod = lambda s, b, h, q, kv: s + tb[h, q, kv]   # noqa: E731
+        if mode == "fwd":
+            with torch.no_grad():
+                ms = _time(lambda i: compiled(*tq[i], score_mod=score_mod, block_mask=bm),
+                           len(sets))
+        else:
+            leaves = [[x.detach().requires_grad_() for x in s] for s in tq]
+
+            def step(i):
+                o = compiled(*leaves[i], score_mod=score_mod, block_mask=bm)
+                o.backward(torch.ones_like(o))
+            ms = _time(step, len(sets))
+        return [_row("flex", mode, d, L, mod.name, ms, flops)]
+    except Exception as exc:
+        return [_row("flex", mode, d, L, mod.name, None, flops, _note(exc))]
+
+
+def _sdpa_point(torch, mod, mode, d, L, B, H, sets, bias, flops):
+    if mod.sdpa is None:
+        return [_row("sdpa", mode, d, L, mod.name, None, flops, "SDPA cannot express it")]
+    tq = [[torch.from_dlpack(x) for x in s] for s in sets]
+    F = torch.nn.functional
+    try:
+        kw = {}
+        if mod.sdpa == "causal":
+            kw["is_causal"] = True
+        elif mod.sdpa == "mask":
+            i = torch.arange(L, device="cuda")
+            kw["attn_mask"] = mod.mask_mod(0, 0, i[:, None], i[None, :])
+        elif mod.name == "alibi":
+            if H * L * L * 2 > 8e9:
+                return [_row("sdpa", mode, d, L, mod.name, None, flops, "dense bias > 8 GB")]
+            i = torch.arange(L, device="cuda")
+            slopes = torch.as_tensor(alibi_slopes(H), device="cuda")
+            dist = (i[:, None] - i[None, :]).abs().to(torch.float32)
+            causal = i[None, :] <= i[:, None]
+            b = torch.where(causal, -slopes[:, None, None] * dist, float("-inf"))
+            kw["attn_mask"] = b.to(torch.bfloat16)[None]
+        elif mod.name == "bias":
+            if bias is None:
+                return [_row("sdpa", mode, d, L, mod.name, None, flops, "bias larger than 8 GB")]
+            kw["attn_mask"] = torch.from_dlpack(bias)[None].detach().requires_grad_(
+                mode == "fwd_bwd")
+        if mode == "fwd":
+            with torch.no_grad():
+                ms = _time(lambda i: F.scaled_dot_product_attention(*tq[i], **kw), len(sets))
+        else:
+            leaves = [[x.detach().requires_grad_() for x in s] for s in tq]
+
+            def step(i):
+                o = F.scaled_dot_product_attention(*leaves[i], **kw)
+                o.backward(torch.ones_like(o))
+            ms = _time(step, len(sets))
+        return [_row("sdpa", mode, d, L, mod.name, ms, flops)]
+    except Exception as exc:
+        return [_row("sdpa", mode, d, L, mod.name, None, flops, _note(exc))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="write the rows here as JSON")
+    p.add_argument("--quick", action="store_true", help="d 128, L 4k only")
+    p.add_argument("--mods", help="comma-separated subset of " + ", ".join(
+        ("plain", "softcap", "alibi", "window", "document", "prefix", "bias")))
+    p.add_argument("--modes", default="fwd,fwd_bwd")
+    p.add_argument("--no-peers", action="store_true")
+    a = p.parse_args(argv)
+    kw = dict(peers=not a.no_peers, modes=tuple(a.modes.split(",")),
+              names=tuple(a.mods.split(",")) if a.mods else None)
+    if a.quick:
+        kw.update(ds=(128,), lengths=(4096,))
+    t0 = time.perf_counter()
+    rows = run_mods_suite(**kw)
+    meta = {"suite": "mods", "seconds": time.perf_counter() - t0}
+    try:
+        import cupy
+        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:
+        pass
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The GPU forward with the built-in modifiers (window, softcap, alibi_slopes, sink, bias, mask)
+against the float64 oracle of tests/_naive_modifiers.py (``gpu`` marker: skipped without a
+device; written without one, run on the H200 next).
+
+Every call writes into an output buffer poisoned with NaN first. Each test runs with the
+dispatcher's choice and again with each other forward family forced (``CUFLASH_FWD``), so the
+one Variant is checked in fwd_sm90, fwd_sm80 and fwd_simt. Modifier arrays are handed over
+with their broadcast (stride-0) dimensions kept, as users pass them.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+import _naive_modifiers as naive
+
+pytestmark = pytest.mark.gpu
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+F16 = numpy.dtype(numpy.float16)
+BUILT_INS = ("window", "softcap", "alibi_slopes", "sink", "bias", "mask")
+
+
+@pytest.fixture(params=["default", "sm80", "simt"])
+def family(request, monkeypatch):
+    """The dispatcher's family, then fwd_sm80 and fwd_simt forced (on Hopper the default is
+    fwd_sm90; elsewhere "sm80" repeats the default and is skipped)."""
+    import cupy
+    if request.param == "sm80" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("CUFLASH_FWD=sm80 changes nothing off Hopper")
+    if request.param != "default":
+        monkeypatch.setenv("CUFLASH_FWD", request.param)
+    from cuflash import _api
+    _api.clear_plans()
+    yield request.param
+    _api.clear_plans()
+
+
+def to_device(x):
+    """A CuPy copy of a NumPy array; stride-0 (broadcast) dimensions stay broadcast."""
+    import cupy
+    if not isinstance(x, numpy.ndarray):
+        return x
+    index = tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None)
+                  for n, s in zip(x.shape, x.strides))
+    return cupy.broadcast_to(cupy.asarray(numpy.ascontiguousarray(x[index])), x.shape)
+
+
+def run_gpu(q, k, v, causal, kw):
+    """cuflash.attention on the device, into a poisoned out; NumPy (o, lse) back."""
+    import cupy
+    batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    out = cupy.full(batch + (q.shape[-2], v.shape[-1]), numpy.nan, q.dtype)
+    o, lse = cuflash.attention(to_device(q), to_device(k), to_device(v), causal=causal,
+                               return_lse=True, out=out, **{n: to_device(x) for n, x in kw.items()})
+    assert o is out
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(o), cupy.asnumpy(lse)
+
+
+@st.composite
+def builtin_case(draw, dtypes=(F16, BF16, numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))):
+    """q, k, v, causal and built-in modifier keywords: lengths across tile edges (1 .. 200),
+    head dims of every kind of kernel, modifier arrays broadcast over some batch dims, -inf in
+    a bias, masks with empty rows, sinks of -inf."""
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = numpy.random.default_rng(seed)
+    dtype = numpy.dtype(draw(st.sampled_from(dtypes)))
+    batch = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2))))
+    Lq, Lk = draw(st.integers(1, 200)), draw(st.integers(1, 200))
+    d = draw(st.sampled_from([8, 24, 64, 72, 128]))
+    dv = draw(st.sampled_from([d, 64]))
+
+    def sub(shape):        # a shape that broadcasts to `shape`
+        keep = draw(st.integers(0, len(shape)))
+        tail = shape[len(shape) - keep:]
+        return tuple(n if draw(st.booleans()) else 1 for n in tail)
+
+    q = rng.standard_normal(batch + (Lq, d)).astype(dtype)
+    k = rng.standard_normal(sub(batch) + (Lk, d)).astype(dtype)
+    v = rng.standard_normal(sub(batch) + (Lk, dv)).astype(dtype)
+    on = draw(st.sets(st.sampled_from(BUILT_INS), min_size=1))
+    kw = {}
+    bound = st.one_of(st.none(), st.integers(0, 150))
+    if "window" in on:
+        kw["window"] = (draw(bound), draw(bound))
+    if "softcap" in on:
+        kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
+    if "alibi_slopes" in on:
+        kw["alibi_slopes"] = numpy.asarray(rng.uniform(0, 0.2, sub(batch))).astype(
+            draw(st.sampled_from([numpy.float32, numpy.float64, numpy.float16])))
+    if "sink" in on:
+        kw["sink"] = numpy.asarray(rng.standard_normal(sub(batch))).astype(numpy.float32)
+        if kw["sink"].size and draw(st.booleans()):
+            kw["sink"].flat[0] = -numpy.inf
+    if "bias" in on:
+        bias = numpy.asarray(rng.standard_normal(sub(batch + (Lq, Lk)))).astype(
+            draw(st.sampled_from([numpy.float32, numpy.float16, BF16, numpy.float64])))
+        if bias.size and draw(st.booleans()):
+            bias[rng.random(bias.shape) < 0.3] = -numpy.inf
+        kw["bias"] = bias
+    if "mask" in on:
+        kw["mask"] = numpy.asarray(rng.random(sub(batch + (Lq, Lk)))
+                                   < draw(st.sampled_from([0.05, 0.5, 1.0])))
+    causal = draw(st.sampled_from([False, True, "top_left"]))
+    return q, k, v, causal, kw
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(builtin_case())
+def test_builtin_modifiers_match_the_oracle(family, case):
+    q, k, v, causal, kw = case
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+
+
+def _case(dtype, Lq=150, Lk=100, d=64, seed=0):
+    rng = numpy.random.default_rng(seed)
+    return tuple(rng.standard_normal((2, 3, L, dd)).astype(dtype)
+                 for L, dd in ((Lq, d), (Lk, d), (Lk, d)))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32)], ids=str)
+@pytest.mark.parametrize("how", ["window", "bias", "mask", "window+sink"])
+def test_rows_with_no_visible_key(family, dtype, how):
+    """Each masking modifier empties some rows: o = 0 and lse = -inf there (lse = sink with a
+    sink), exactly; the other rows match the oracle."""
+    q, k, v = _case(dtype)            # Lq > Lk: the window's diagonal starts below key 0
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    kw = {}
+    empty = numpy.zeros((2, 3, Lq), bool)
+    if "window" in how:
+        kw["window"] = (4, 2)         # row i sees keys i - 54 .. i - 48
+        empty[..., :48] = True
+    if how == "bias":
+        bias = numpy.zeros((3, Lq, Lk), numpy.float32)
+        bias[:, 17] = -numpy.inf
+        kw["bias"] = bias
+        empty[:, :, 17] = True
+    if how == "mask":
+        mask = numpy.ones((2, 1, Lq, Lk), bool)
+        mask[1, :, 99] = False
+        kw["mask"] = mask
+        empty[1, :, 99] = True
+    if "sink" in how:
+        kw["sink"] = numpy.array([0.5, -1.0, 2.0], numpy.float32)
+    o, lse = run_gpu(q, k, v, False, kw)
+    assert (o[empty] == 0).all()
+    if "sink" in how:
+        assert (lse == numpy.broadcast_to(kw["sink"][:, None], lse.shape))[empty].all()
+    else:
+        assert (lse[empty] == -numpy.inf).all()
+    naive.check_result(q, k, v, False, kw, o, lse)
+
+
+def test_new_modifier_arrays_reuse_the_plan_and_are_read(family):
+    """A second call with other bias / slope / mask arrays of the same layouts hits the cached
+    plan and reads the new arrays (pointers patched per call), and a plain call afterwards
+    is plain attention (the fast path holds no modifier)."""
+    import cupy
+    from cuflash import _api
+    q, k, v = _case(F16, 96, 96)
+    rng = numpy.random.default_rng(5)
+    for seed in range(2):
+        kw = dict(bias=rng.standard_normal((96, 96)).astype(numpy.float16),
+                  alibi_slopes=rng.uniform(0, 0.1, (3,)).astype(numpy.float16),
+                  mask=rng.random((2, 3, 96, 96)) < 0.8)
+        o, lse = run_gpu(q, k, v, True, kw)
+        naive.check_result(q, k, v, True, kw, o, lse)
+    misses = _api._FWD_PLANS.misses
+    o, lse = run_gpu(q, k, v, True, kw)
+    assert _api._FWD_PLANS.misses == misses
+    o, lse = run_gpu(q, k, v, True, {})
+    naive.check_result(q, k, v, True, {}, o, lse)
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_sliding_window_skips_tiles_and_stays_exact_at_length(family, dtype):
+    """A window of 128 over 4096 keys (causal): the result matches the oracle on rows spread
+    over the sequence (the band's tiles only are visited)."""
+    rng = numpy.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 4096, 64)).astype(dtype) for _ in range(3))
+    o, lse = run_gpu(q, k, v, True, dict(window=(128, 0)))
+    # rows of q only: the window makes every row depend on its 129 keys alone
+    for start in (0, 2000, 4032):
+        lo = max(0, start - 128)
+        sl = slice(start, start + 64)
+        oq, ok_, ov = q[..., sl, :], k[..., lo:start + 64, :], v[..., lo:start + 64, :]
+        # the same rows as a smaller problem: shift the window's diagonal with Lk - Lq
+        kw = dict(window=(128, 0))
+        naive.check_result(oq, ok_, ov, True, kw, o[..., sl, :], lse[..., sl])
+
+
+def run_gpu_backward(q, k, v, causal, kw, deterministic=False, seed=1):
+    """cuflash's forward and backward on the device; NumPy (o, lse, do, grads) back."""
+    import cupy
+    dev = {n: to_device(x) for n, x in kw.items()}
+    qd, kd, vd = (to_device(x) for x in (q, k, v))
+    o, lse = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True, **dev)
+    do = numpy.random.default_rng(seed).standard_normal(o.shape).astype(q.dtype)
+    grads = cuflash.attention_backward(cupy.asarray(do), qd, kd, vd, o, lse, causal=causal,
+                                       deterministic=deterministic, **dev)
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(o), cupy.asnumpy(lse), do, tuple(cupy.asnumpy(g) for g in grads)
+
+
+@settings(deadline=None)
+@given(builtin_case(dtypes=(F16, BF16)), st.booleans())
+def test_builtin_modifier_gradients_match_the_reference(case, deterministic):
+    """dq, dk, dv, then dbias and dsink (DESIGN.md's order, the shapes and dtypes of bias and
+    sink, summed over their broadcast dims) of bwd_sm80's Variant code (the backward family
+    that runs the modifiers; on Hopper too)."""
+    q, k, v, causal, kw = case
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw, deterministic)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+
+
+@pytest.mark.parametrize("how", ["window", "bias", "mask", "window+sink"])
+def test_gradients_of_rows_with_no_visible_key_are_zero(how):
+    """A row that a masking modifier empties contributes nothing: its dq is exactly 0 (and
+    with a sink, dsink gets exp(sink - lse) D = 0 from it: D = dO . O = 0)."""
+    q, k, v = _case(BF16)
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    kw, empty = {}, numpy.zeros((2, 3, Lq), bool)
+    if "window" in how:
+        kw["window"] = (4, 2)
+        empty[..., :48] = True
+    if how == "bias":
+        bias = numpy.zeros((3, Lq, Lk), numpy.float32)
+        bias[:, 17] = -numpy.inf
+        kw["bias"], empty[:, :, 17] = bias, True
+    if how == "mask":
+        mask = numpy.ones((2, 1, Lq, Lk), bool)
+        mask[1, :, 99] = False
+        kw["mask"], empty[1, :, 99] = mask, True
+    if "sink" in how:
+        kw["sink"] = numpy.array([0.5, -1.0, 2.0], numpy.float32)
+    o, lse, do, grads = run_gpu_backward(q, k, v, False, kw)
+    assert (grads[0][empty] == 0).all()
+    naive.check_gradients(grads, q, k, v, o, lse, do, False, kw)
+
+
+def test_deterministic_gradients_are_bitwise_reproducible():
+    """deterministic=True: dq, dk, dv, dbias (a broadcast bias: summed over B) and dsink are
+    the same bits run after run."""
+    q, k, v = _case(BF16, 200, 200, 64)
+    rng = numpy.random.default_rng(9)
+    kw = dict(bias=rng.standard_normal((3, 200, 200)).astype(BF16), window=(64, 16),
+              softcap=20.0, sink=rng.standard_normal((3,)).astype(numpy.float32))
+    first = run_gpu_backward(q, k, v, True, kw, deterministic=True)[3]
+    for _ in range(3):
+        again = run_gpu_backward(q, k, v, True, kw, deterministic=True)[3]
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_float32_backward_with_modifiers_is_refused_before_gpu_work():
+    """The generic backward (bwd_simt) does not implement the modifiers yet: NotImplementedError
+    naming them, never gradients computed without them."""
+    import cupy
+    q = cupy.ones((2, 4, 8), cupy.float32)
+    lse = cupy.zeros((2, 4), cupy.float32)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        cuflash.attention_backward(q, q, q, q, q, lse, softcap=30.0)
+
+
+def _user_functions(xp):
+    """score_mod / mask_mod pairs reading arrays captured on ``xp`` (the device for cuflash,
+    NumPy for the oracle): the same functions over the same values."""
+    rng = numpy.random.default_rng(2)
+    table = cuflash.captured(xp.asarray(rng.standard_normal((3, 8)).astype(numpy.float32)))
+    doc = cuflash.captured(xp.asarray(rng.integers(0, 3, (2, 200)).cumsum(axis=1)))
+    return {
+        "relpos": dict(score_mod=lambda s, b, h, q, kv: s - 0.1 * numpy.abs(q - kv) + 0.05 * h),
+        "table": dict(score_mod=lambda s, b, h, q, kv:
+                      s + table[h % 3, numpy.minimum(numpy.abs(q - kv), 7)], softcap=5.0),
+        "document": dict(mask_mod=lambda b, h, q, kv: doc[b, q] == doc[b, kv]),
+        "both": dict(score_mod=lambda s, b, h, q, kv: numpy.where(kv % 2 == 0, s, s * 0.5),
+                     mask_mod=lambda b, h, q, kv: (q - kv) % 3 != 1),
+        # a block mask: two documents of 100 (whole tiles empty: skipped), holes inside
+        "block": dict(block_mask=_HALVES),
+    }
+
+
+_HALVES = cuflash.block_mask(lambda b, h, q, kv: ((q // 100) == (kv // 100)) & ((q - kv) % 7 != 3),
+                             (1, 1), 200, 200, block=(32, 64))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, numpy.dtype(numpy.float32)], ids=str)
+@pytest.mark.parametrize("name", ["relpos", "table", "document", "both", "block"])
+def test_user_functions_match_the_oracle(family, dtype, name):
+    """score_mod / mask_mod traced into the Variant of every forward family, captured arrays
+    read on the device through their pointers; the backward (bwd_sm80, half types) too."""
+    import cupy
+    q, k, v = _case(dtype, 200, 200)
+    kw_dev, kw_host = _user_functions(cupy)[name], _user_functions(numpy)[name]
+    o, lse = run_gpu(q, k, v, True, kw_dev)
+    naive.check_result(q, k, v, True, kw_host, o, lse)
+    if dtype != numpy.dtype(numpy.float32):
+        o, lse, do, grads = run_gpu_backward(q, k, v, True, kw_dev)
+        naive.check_gradients(grads, q, k, v, o, lse, do, True, kw_host)

@@ -1,0 +1,51 @@
+"""bench/suite_mods.py's logic on the CPU: each modifier's cuflash keywords compute what its
+FlexAttention mask_mod says (the same function, run by cuflash's CPU path on NumPy), and the
+visible-pair counts of the FLOP rate are those of the masks. The suite itself runs on the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy
+import pytest
+
+import cuflash
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "suite_mods.py"
+spec = importlib.util.spec_from_file_location("suite_mods", _PATH)
+suite = importlib.util.module_from_spec(spec)
+sys.modules["suite_mods"] = suite          # (dataclasses look their module up)
+spec.loader.exec_module(suite)
+
+
+@pytest.mark.parametrize("name", ["plain", "window", "document", "prefix", "alibi", "softcap"])
+def test_keywords_match_the_flex_functions(name, monkeypatch):
+    monkeypatch.setattr(suite, "WINDOW", 5)        # small lengths: a window that matters
+    L, H = 48, 2
+    mod = suite.mods_for(L, H)[name]
+    rng = numpy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, H, L, 8)) for _ in range(3))
+    kw = suite.cuflash_kwargs(mod, L, H, numpy)
+    ours = cuflash.attention(q, k, v, **kw)
+    # the same function by the reference, with the flex function as a mask_mod
+    ref_kw = {n: x for n, x in kw.items() if n not in ("mask", "window")}
+    if mod.mask_mod is not None:
+        ref_kw["mask_mod"] = mod.mask_mod
+    numpy.testing.assert_allclose(ours, cuflash.reference.attention(q, k, v, **ref_kw),
+                                  rtol=1e-10, atol=1e-12)
+    i = numpy.arange(L)
+    keep = (i[None, :] <= i[:, None]) if mod.causal or mod.name == "plain" else \
+        numpy.ones((L, L), bool)
+    if mod.mask_mod is not None:
+        keep = numpy.broadcast_to(mod.mask_mod(0, 0, i[:, None], i[None, :]), (L, L))
+    assert suite.visible_pairs(mod, L) == int(keep.sum())
+
+
+def test_points_and_rows():
+    assert suite.TOKENS // 4096 == 4 and suite.WIDTH // 128 == 16
+    row = suite._row("cuflash", "fwd", 128, 4096, "window", 2.0, 4e9)
+    assert row["tflops"] == pytest.approx(2.0) and row["suite"] == "mods"
+    assert set(row) >= {"impl", "suite", "mode", "dtype", "d", "L", "causal", "isolated",
+                        "tflops", "ms", "mod"}
