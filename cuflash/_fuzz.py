@@ -136,16 +136,28 @@ def gpu_unsupported(features: Sequence[str]) -> dict[str, str]:
     catching NotImplementedError: a campaign must not mistake a missing feature for a bug, nor
     hide a real NotImplementedError."""
     from cuflash import _modifiers
-    supported = frozenset(getattr(_modifiers, "GPU_FEATURES", frozenset()))
+    names = [n for n in features if n in _modifiers.KEYWORDS or n == "block_mask"]
+    missing = set(_modifiers.gpu_missing_features(names, "attention"))
     out = {}
-    for name in features:
-        if name in _modifiers.KEYWORDS and name not in supported:
-            out[name] = (f"the GPU kernels do not implement {name} yet (cuflash._modifiers."
-                         f"GPU_FEATURES = {sorted(supported)}); fuzz it with --device cpu")
-        elif name == "block_mask" and "mask_mod" not in supported:
+    for name in names:
+        if name in missing:
+            out[name] = (f"the GPU forward does not implement {name} yet (cuflash._modifiers."
+                         f"GPU_FEATURES['attention']); fuzz it with --device cpu")
+        elif name == "block_mask" and "mask_mod" in missing:
             out[name] = ("block_mask runs its mask_mod, which the GPU kernels do not implement "
                          "yet; fuzz it with --device cpu")
     return out
+
+
+def gpu_backward_missing(case: Any) -> list[str]:
+    """The modifiers of ``case`` that the GPU backward does not implement for its dtype and
+    head dims (the same rule as the API's NotImplementedError): a case with any of them checks
+    its forward only."""
+    from cuflash import _modifiers
+    on = [n for n, v in case.kwargs.items()
+          if (n in _modifiers.KEYWORDS or n == "block_mask") and v is not None]
+    dmax = max(case.q.shape[-1], case.v.shape[-1])
+    return _modifiers.gpu_missing_features(on, "attention_backward", case.dtype, dmax)
 
 
 def check_case(case: Any, xp: Any, grads: bool) -> float:
@@ -242,6 +254,10 @@ def run_campaign(args, xp, device: str, log=sys.stderr) -> dict:
         # unlike a Hypothesis draw, which favours small values; and the same for the same case,
         # so that shrinking keeps it)
         grads = zlib.crc32(repr(case).encode()) % 1000 < share
+        if grads and xp is not numpy and gpu_backward_missing(case):
+            grads = False          # counted under "grads_not_on_gpu", not as a failure
+            counts.setdefault("grads_not_on_gpu", Counter())[
+                ",".join(gpu_backward_missing(case))] += 1
         shrinking = args.stop_on_failure and failures
         if not shrinking:
             state["done"] += 1

@@ -601,20 +601,35 @@ def test_fuzz_features_flag_picks_the_modifiers(tmp_path):
 
 
 def test_gpu_support_is_asked_of_one_place(monkeypatch):
-    """On the GPU the campaign leaves out what _modifiers.GPU_FEATURES does not list, with the
-    reason; as the kernels gain a modifier it is fuzzed there."""
+    """On the GPU the campaign leaves out what _modifiers.GPU_FEATURES["attention"] does not
+    list, with the reason; as the kernels gain a modifier it is fuzzed there. A case whose
+    modifiers the GPU backward lacks (for its dtype) checks its forward only."""
     from cuflash import _fuzz, _modifiers
     everything = list(cuflash.testing.FEATURES)
-    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset())
+
+    def gpu(forward, backward=frozenset()):
+        monkeypatch.setattr(_modifiers, "GPU_FEATURES", {"attention": frozenset(forward),
+                                                         "attention_backward": frozenset(backward)})
+    gpu(())
     skipped = _fuzz.gpu_unsupported(everything)
     assert set(skipped) == set(cuflash.testing.MODIFIERS)
-    assert "do not implement window yet" in skipped["window"] and "--device cpu" in skipped["window"]
-    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset({"window", "softcap", "block_mask"}))
+    assert "does not implement window yet" in skipped["window"] and "--device cpu" in skipped["window"]
+    gpu({"window", "softcap", "block_mask"})
     skipped = _fuzz.gpu_unsupported(everything)
     assert "window" not in skipped and "softcap" not in skipped and "sink" in skipped
     assert "mask_mod" in skipped["block_mask"]          # a block mask runs its mask_mod
-    monkeypatch.setattr(_modifiers, "GPU_FEATURES", frozenset(_modifiers.KEYWORDS))
+    gpu(_modifiers.KEYWORDS)
     assert _fuzz.gpu_unsupported(everything) == {}
+
+    gpu(_modifiers.KEYWORDS, {"window"})
+    half = AttentionCase.make("float16", (2, 5, 8), (2, 7, 8), (2, 7, 8), seed=1, window=(2, 1),
+                              softcap=5.0)
+    assert _fuzz.gpu_backward_missing(half) == ["softcap"]
+    single = AttentionCase.make("float32", (2, 5, 8), (2, 7, 8), (2, 7, 8), seed=1,
+                                window=(2, 1))
+    assert _fuzz.gpu_backward_missing(single) == ["window"]     # bwd_sm80 only: 16-bit inputs
+    assert _fuzz.gpu_backward_missing(AttentionCase.make(
+        "float32", (2, 5, 8), (2, 7, 8), (2, 7, 8), seed=1)) == []
 
 
 def test_case_with_modifiers_round_trips_through_npz(tmp_path):
