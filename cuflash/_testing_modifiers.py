@@ -235,16 +235,19 @@ DRAWS = {"window": draw_window, "softcap": draw_softcap, "alibi_slopes": draw_al
          "sink": draw_sink, "bias": draw_bias, "mask": draw_mask, "score_mod": draw_score_mod,
          "mask_mod": draw_mask_mod, "block_mask": draw_block_mask}
 
+_HOW_DIM = st.sampled_from(("full", "one", "full", "expanded"))
+
+
 def draw_array_shape(draw, full: tuple, *, keep_last: bool = False) -> tuple[tuple, tuple]:
     """A shape that broadcasts to ``full`` and its stride-0 dims: leading dims dropped, each
-    dim of extent > 1 kept, made 1 or given as a stride-0 view (``keep_last``: the last dim is
-    always kept)."""
+    dim of extent > 1 kept (one time in two: bugs that mix up batch items need a real batch
+    dim), made 1 or given as a stride-0 view (``keep_last``: the last dim is always kept)."""
     drop = draw(st.integers(0, max(0, len(full) - 2))) if draw(st.booleans()) else 0
     shape, expanded = list(full[drop:]), []
     for i, n in enumerate(shape):
         if n <= 1 or (keep_last and i == len(shape) - 1):
             continue
-        how = draw(st.sampled_from(("full", "one", "expanded")))
+        how = draw(_HOW_DIM)
         if how == "one":
             shape[i] = 1
         elif how == "expanded":
