@@ -13,10 +13,7 @@ parameter block ``cuflash._inference_gpu.DecodeSpec`` builds. It says nothing ab
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy
@@ -110,19 +107,7 @@ extern "C" void emu_readable(const void* lo, unsigned long long n) {
 }
 extern "C" void emu_clear_readable() { ::emu::st().readable.clear(); }
 """ % cases
-    key = hashlib.sha256(text.encode()).hexdigest()[:20]
-    cache = Path(tempfile.gettempdir()) / "cuflash-emu"
-    cache.mkdir(exist_ok=True)
-    so = cache / f"decode-{key}.so"
-    if not so.exists():
-        cpp = cache / f"decode-{key}.cpp"
-        cpp.write_text(text)
-        cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-w", f"-I{EMU}",
-               f"-I{EMU / 'include'}", f"-I{src_dir}", str(cpp), "-o", str(so) + ".tmp"]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode:
-            raise RuntimeError(f"g++ failed on decode.cu:\n{run.stderr[:5000]}")
-        Path(str(so) + ".tmp").rename(so)
+    so = _emu_sm80.compile_host_library(text, "decode-", [EMU, EMU / "include", src_dir], "decode.cu")
     return Library(so, exprs)
 
 

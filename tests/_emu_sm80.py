@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import math
 import re
 import shutil
@@ -220,20 +221,29 @@ def build(source_name: str, kernels: list[tuple[str, str]], kernel_text: str | N
     cached on disk by the source text."""
     text = kernel_text if kernel_text is not None else (cuda_src_dir() / source_name).read_text()
     src = host_source(_PRELUDE + text, headers) + _entry_points(kernels)
+    return Library(compile_host_library(src, "", [EMU / "include"], source_name), kernels)
+
+
+def compile_host_library(src: str, prefix: str, includes, what: str) -> Path:
+    """The shared library g++ makes of ``src``, cached in the temp directory by the text.
+    Safe when several test processes (pytest -n) want the same one at once: each compiles to
+    names of its own and the finished library is moved into place in one step."""
     key = hashlib.sha256(src.encode()).hexdigest()[:20]
     cache = Path(tempfile.gettempdir()) / "cuflash-emu"
     cache.mkdir(exist_ok=True)
-    so = cache / f"{key}.so"
+    so = cache / f"{prefix}{key}.so"
     if not so.exists():
-        cpp = cache / f"{key}.cpp"
+        mine = f"{prefix}{key}.{os.getpid()}"
+        cpp = cache / f"{mine}.cpp"
         cpp.write_text(src)
         cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-w",
-               f"-I{EMU / 'include'}", str(cpp), "-o", str(so) + ".tmp"]
+               *(f"-I{i}" for i in includes), str(cpp), "-o", str(cache / f"{mine}.so")]
         run = subprocess.run(cmd, capture_output=True, text=True)
+        cpp.unlink()
         if run.returncode:
-            raise RuntimeError(f"g++ failed on {source_name}:\n{run.stderr[:5000]}")
-        Path(str(so) + ".tmp").rename(so)
-    return Library(so, kernels)
+            raise RuntimeError(f"g++ failed on {what}:\n{run.stderr[:5000]}")
+        os.replace(cache / f"{mine}.so", so)
+    return so
 
 
 # ---------------------------------------------------------------------------------------------
