@@ -4,8 +4,8 @@ the tensor-core families really hold tensor-core instructions (HMMA / HGMMA in t
 
 No GPU is needed: NVRTC and the CUDA headers come from pip (see setup.cfg's ``test`` extra).
 The specialisations come from the registry: by default its covering set (cuflash/_gate.py: each
-tile configuration with each Variant and flag, every element type paired with every option;
-536 of 1,017), so that CI's two cores finish in about two minutes; ``CUFLASH_GATE=all`` compiles
+tile configuration with each Variant and flag, every element type and arch paired with every
+option; 258 of 1,033), so that CI's two cores finish in about a minute; ``CUFLASH_GATE=all`` compiles
 every one, as ``python -m cuflash check`` does (bench/gpu_run.sh runs that on the GPU machine).
 Each is compiled once, the work spread over every core (``_jit.compile_many``).
 """
