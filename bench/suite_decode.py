@@ -29,10 +29,14 @@ an H200); ``run_decode_suite()`` returns the rows for bench/bench_attention.py t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+import pathlib as _pathlib
+
+sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
+from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 D = 128
 BATCHES = (1, 8, 64)
@@ -54,19 +58,7 @@ def _row(impl, B, Hq, Hkv, Lk, paged, page_size, ms, nbytes, note=None, **extra)
 
 
 def _time(fn, n_sets, iters=30, warmup=5):
-    import cupy
-    for i in range(warmup):
-        fn(i % n_sets)
-    cupy.cuda.Device().synchronize()
-    starts = [cupy.cuda.Event() for _ in range(iters)]
-    ends = [cupy.cuda.Event() for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn(i % n_sets)
-        ends[i].record()
-    ends[-1].synchronize()
-    ts = sorted(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
-    return ts[len(ts) // 2]
+    return median_event_ms(fn, n_sets, iters, warmup)
 
 
 def _sdpa(backend_name):
@@ -231,16 +223,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = run_decode_suite(**kw)
     meta = {"suite": "decode", "seconds": time.perf_counter() - t0}
-    try:
-        import cupy
-        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception:
-        pass
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
-    return 0
+    return finish(meta, rows, a.out)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
 from typing import Callable
+
+import pathlib as _pathlib
+
+sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
+from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 TOKENS, WIDTH = 16384, 2048
 WINDOW, SOFTCAP, DOCUMENTS = 1024, 50.0, 8
@@ -149,19 +153,7 @@ def _row(impl, mode, d, L, mod, ms, flops, note=None, causal=None):
 
 
 def _time(fn, n_sets, iters=20, warmup=3):
-    import cupy
-    for i in range(warmup):
-        fn(i % n_sets)
-    cupy.cuda.Device().synchronize()
-    starts = [cupy.cuda.Event() for _ in range(iters)]
-    ends = [cupy.cuda.Event() for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn(i % n_sets)
-        ends[i].record()
-    ends[-1].synchronize()
-    ts = sorted(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
-    return ts[len(ts) // 2]
+    return median_event_ms(fn, n_sets, iters, warmup)
 
 
 def _note(exc: BaseException) -> str:
@@ -351,16 +343,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = run_mods_suite(**kw)
     meta = {"suite": "mods", "seconds": time.perf_counter() - t0}
-    try:
-        import cupy
-        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception:
-        pass
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
-    return 0
+    return finish(meta, rows, a.out)
 
 
 if __name__ == "__main__":

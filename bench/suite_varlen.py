@@ -32,10 +32,14 @@ returns the rows for bench/bench_attention.py to wire in.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+import pathlib as _pathlib
+
+sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
+from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 TOTAL = 16384
 D = 128
@@ -80,19 +84,7 @@ def _row(impl, mix, lengths, Hq, Hkv, causal, ms, flop_pairs, note=None, **extra
 
 
 def _time(fn, iters=20, warmup=3):
-    import cupy
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    starts = [cupy.cuda.Event() for _ in range(iters)]
-    ends = [cupy.cuda.Event() for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    ends[-1].synchronize()
-    ts = sorted(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
-    return ts[len(ts) // 2]
+    return median_event_ms(lambda i: fn(), 1, iters, warmup)
 
 
 class _Env:
@@ -244,16 +236,7 @@ def main(argv=None) -> int:
     rows = run_varlen_suite(**kw)
     meta = {"suite": "varlen", "seconds": time.perf_counter() - t0, "total": TOTAL,
             "mixes": {k: v for k, v in mixes().items()}}
-    try:
-        import cupy
-        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    except Exception:
-        pass
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
-    return 0
+    return finish(meta, rows, a.out)
 
 
 if __name__ == "__main__":
