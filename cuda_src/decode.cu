@@ -245,21 +245,7 @@ decode_split(const DecodeParams p) {
       lsum = fmaf(s_l[g2][r], f, lsum);
       osum += s_acc[g2][r][c];
     }
-    // lsum == 0: no visible key in this range: output 0 and lse -inf (no 0/0)
-    const float out = lsum > 0.f ? osum / lsum : 0.f;
-    const float lse = lsum > 0.f ? (mx + __log2f(lsum)) * 0.6931471805599453f : kNegInf;
-    const int g = row / p.Lq, i = row % p.Lq;
-    if (p.num_splits == 1) {
-      T* o = reinterpret_cast<T*>(p.o);
-      o[b * p.o_b + h * p.o_h + g * p.o_g + i * p.o_row + c] = from_float<T>(out);
-      if (c == 0)
-        reinterpret_cast<float*>(p.lse)[b * p.lse_b + h * p.lse_h + g * p.lse_g + i] = lse;
-    } else {
-      // partials: [(b * Hkv + h) * G * Lq + row][split][dv] and [...][split]
-      const long long prow = static_cast<long long>(bh) * rows_total + row;
-      reinterpret_cast<float*>(p.o_part)[(prow * p.num_splits + split) * p.dv + c] = out;
-      if (c == 0) reinterpret_cast<float*>(p.lse_part)[prow * p.num_splits + split] = lse;
-    }
+    store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum);
   }
 }
 

@@ -113,5 +113,30 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// The epilogue both decode kernels share: column c of packed row `row` (group member g, query
+// i) of KV head h of batch item b, from the combined running max `mx` (log2 units), the sum of
+// exponentials `lsum` and the output sum `osum` of this block's key range. With one split it is
+// the result (o in T, lse in natural log); with several, the float32 partials decode_combine
+// merges: o_part [(bh * rows_total + row) * num_splits + split][dv], lse_part [...][split].
+template <typename T>
+__device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, int bh,
+                                          int rows_total, int row, int split, int c, float mx,
+                                          float lsum, float osum) {
+  // lsum == 0: no visible key in this range: output 0 and lse -inf (no 0/0)
+  const float out = lsum > 0.f ? osum / lsum : 0.f;
+  const float lse = lsum > 0.f ? (mx + __log2f(lsum)) * 0.6931471805599453f : kNegInf;
+  const int g = row / p.Lq, i = row % p.Lq;
+  if (p.num_splits == 1) {
+    T* o = reinterpret_cast<T*>(p.o);
+    o[b * p.o_b + h * p.o_h + g * p.o_g + i * p.o_row + c] = from_float<T>(out);
+    if (c == 0)
+      reinterpret_cast<float*>(p.lse)[b * p.lse_b + h * p.lse_h + g * p.lse_g + i] = lse;
+  } else {
+    const long long prow = static_cast<long long>(bh) * rows_total + row;
+    reinterpret_cast<float*>(p.o_part)[(prow * p.num_splits + split) * p.dv + c] = out;
+    if (c == 0) reinterpret_cast<float*>(p.lse_part)[prow * p.num_splits + split] = lse;
+  }
+}
+
 }  // namespace decode
 }  // namespace cuflash
