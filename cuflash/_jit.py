@@ -285,9 +285,9 @@ def _parse_ptxas(log: str, lowered: str) -> dict:
     return out
 
 
-def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, tuple[int, int]] | None:
-    """(HMMA + HGMMA, HGMMA) instruction counts of each function in ``cubin`` (None: no
-    nvdisasm)."""
+def sass_sections(cubin: bytes) -> dict[str, str] | None:
+    """The SASS of each function in ``cubin``, by mangled name, as nvdisasm prints it (None:
+    no nvdisasm here, or one that cannot read this cubin, e.g. nvdisasm 13 and sm_70 code)."""
     try:
         from cuda import pathfinder
         tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
@@ -300,15 +300,20 @@ def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, tuple[int, int]] | 
         f.write(cubin)
         f.flush()
         run = subprocess.run([tool, f.name], capture_output=True, text=True)
-    if run.returncode != 0:  # e.g. nvdisasm 13 no longer reads sm_70 code
+    if run.returncode != 0:
         return None
-    sass = run.stdout
-    counts: dict[str, tuple[int, int]] = {}
-    for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
-        name = section.split(",", 1)[0]
-        counts[name] = (len(re.findall(r"\b(?:HMMA|HGMMA)\b", section)),
-                        len(re.findall(r"\bHGMMA\b", section)))
-    return counts
+    return {section.split(",", 1)[0]: section
+            for section in re.split(r"^\s*\.section\s+\.text\.", run.stdout, flags=re.MULTILINE)[1:]}
+
+
+def _tensor_core_ops_per_function(cubin: bytes) -> dict[str, tuple[int, int]] | None:
+    """(HMMA + HGMMA, HGMMA) instruction counts of each function in ``cubin`` (None: no
+    nvdisasm)."""
+    sections = sass_sections(cubin)
+    if sections is None:
+        return None
+    return {name: (len(re.findall(r"\b(?:HMMA|HGMMA)\b", text)), len(re.findall(r"\bHGMMA\b", text)))
+            for name, text in sections.items()}
 
 
 def compile_offline(source: str, exprs, arch: str, sass: bool = True) -> list[CompileReport]:

@@ -29,9 +29,7 @@ import argparse
 import hashlib
 import json
 import re
-import subprocess
 import sys
-import tempfile
 
 #: old <- new spellings of name expressions, applied to the keys of both sides before comparing
 SPELLING = [(re.compile(r"cuflash::Variant<(true|false)>"), r"\1")]
@@ -61,10 +59,7 @@ def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str =
     """Fingerprint the selected specialisations; with ``path``, resume from what that JSON file
     already holds and rewrite it after every (arch, source) compiled, so that a run cut short
     keeps what it finished."""
-    from cuda import pathfinder
-
     from cuflash import _families, _jit
-    tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
     out: dict[str, dict | None] = {}
     if path:
         try:
@@ -87,13 +82,11 @@ def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str =
                                             _jit._options(arch, ("--ptxas-options=-v",)))
         if lowered is None:
             raise SystemExit(f"{src} does not compile for {arch}:\n{log}")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+        raw = _jit.sass_sections(cubin)
+        if raw is None:
+            raise SystemExit("nvdisasm is needed (pip install nvidia-cuda-nvdisasm)")
         sections = {}
-        for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
-            name = section.split(",", 1)[0]
+        for name, section in raw.items():
             text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
             # branch labels are numbered across the whole cubin, in the order of its
             # functions (which follows their mangled names): number them per function

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -39,8 +37,6 @@ KINDS = {
 
 
 def _sass(arch: str, source: str, exprs: list[str], defines: tuple[str, ...] = ()):
-    from cuda import pathfinder
-
     from cuflash import _jit
     nvrtc = _jit._nvrtc_for(arch)
     log, lowered, cubin = nvrtc.compile(_jit.load_source(source), source, exprs,
@@ -48,14 +44,9 @@ def _sass(arch: str, source: str, exprs: list[str], defines: tuple[str, ...] = (
                                                       + tuple(f"-D{d}" for d in defines)))
     if lowered is None:
         raise SystemExit(f"{source} does not compile for {arch}:\n{log}")
-    tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
-    sections = {}
-    for section in re.split(r"^\s*\.section\s+\.text\.", sass, flags=re.MULTILINE)[1:]:
-        sections[section.split(",", 1)[0]] = section
+    sections = _jit.sass_sections(cubin)
+    if sections is None:
+        raise SystemExit("nvdisasm is needed (pip install nvidia-cuda-nvdisasm)")
     return log, lowered, sections
 
 
