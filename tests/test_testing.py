@@ -69,21 +69,21 @@ def _cases(**kw):
     return attention_cases(max_seqlen=64, **kw)
 
 
-def run_until_failure(bug, max_examples, *, shrink):
-    """Run the strategies against the toy with ``bug``: ``(examples run, last failing case,
-    its error)``; the last failing case is the shrunk one when ``shrink``."""
+def first_failure(cases, check_one, max_examples, *, shrink):
+    """Run ``check_one(case)`` (it raises AssertionError on a wrong result) over the strategy
+    ``cases``, derandomized: ``(examples run until the first failure, last failing case, its
+    error)``; the last failing case is the shrunk one when ``shrink``."""
     seen = {"n": 0, "case": None, "error": None}
     phases = (Phase.generate, Phase.shrink) if shrink else (Phase.generate,)
 
     @settings(max_examples=max_examples, database=None, derandomize=True, deadline=None,
               phases=phases, suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-    @given(_cases())
+    @given(cases)
     def check(case):
         if seen["error"] is None:
             seen["n"] += 1
-        o, lse = toy_attention(case.q, case.k, case.v, bug=bug, **case.kwargs)
         try:
-            assert_attention_close(o, case, lse=lse)
+            check_one(case)
         except AssertionError as e:
             seen["case"], seen["error"] = case, e
             raise
@@ -93,6 +93,14 @@ def run_until_failure(bug, max_examples, *, shrink):
     except AssertionError:
         pass
     return seen["n"], seen["case"], seen["error"]
+
+
+def run_until_failure(bug, max_examples, *, shrink):
+    """The strategies against the toy with ``bug`` (first_failure)."""
+    def check_one(case):
+        o, lse = toy_attention(case.q, case.k, case.v, bug=bug, **case.kwargs)
+        assert_attention_close(o, case, lse=lse)
+    return first_failure(_cases(), check_one, max_examples, shrink=shrink)
 
 
 def test_the_correct_toy_passes():
@@ -476,29 +484,13 @@ def toy_attention_mods_backward(do, q, k, v, *, scale=None, causal=False, window
 def run_mods_until_failure(bug, max_examples, *, features=MOD_FEATURES, grads=False,
                            shrink=False):
     """As run_until_failure, for the toy with modifiers."""
-    seen = {"n": 0, "case": None, "error": None}
-
-    @settings(max_examples=max_examples, database=None, derandomize=True, deadline=None,
-              phases=(Phase.generate, Phase.shrink) if shrink else (Phase.generate,),
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-    @given(attention_cases(max_seqlen=64, features=features))
-    def check(case):
-        if seen["error"] is None:
-            seen["n"] += 1
+    def check_one(case):
         o, lse = toy_attention_mods(case.q, case.k, case.v, bug=bug, **case.kwargs)
         g = (toy_attention_mods_backward(case.do, case.q, case.k, case.v, bug=bug,
                                          **case.kwargs) if grads else None)
-        try:
-            assert_attention_close(o, case, lse=lse, grads=g)
-        except AssertionError as e:
-            seen["case"], seen["error"] = case, e
-            raise
-
-    try:
-        check()
-    except AssertionError:
-        pass
-    return seen["n"], seen["case"], seen["error"]
+        assert_attention_close(o, case, lse=lse, grads=g)
+    return first_failure(attention_cases(max_seqlen=64, features=features), check_one,
+                         max_examples, shrink=shrink)
 
 
 def test_the_correct_toy_with_modifiers_passes():
