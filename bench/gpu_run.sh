@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh PART [PART ...]          results and logs land in $OUT (default ./out)
 #
 # Parts (each prints its summary lines and appends them to $OUT/summary.txt):
-#   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=gpu, spread over
+#   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}, spread over
 #             $TESTS_WORKERS processes, default 15, with pytest-xdist) -> tests.log
 #             ~4-5 min (413 tests in 269 s on 15 processes, session 4)
 #   gate      the whole compile gate, every specialisation of every arch (python -m cuflash
@@ -50,7 +50,7 @@ part_tests() {
   local log="$OUT/tests.log"
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
   # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures
-  HYPOTHESIS_PROFILE=gpu timeout -s INT "${TESTS_TIMEOUT:-560}" \
+  HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} timeout -s INT "${TESTS_TIMEOUT:-560}" \
     "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" -p no:cacheprovider -q --tb=short -rfE \
     >> "$log" 2>&1
   local rc=$?
