@@ -40,9 +40,10 @@ def per_item_acc(x, acc=numpy.float32, xp=numpy):
     values in ``acc`` kept broadcast (so a ``(H,)`` slope array costs H values, not B*H)."""
     if x is None or x.dtype == numpy.dtype(acc):
         return x
-    # undo broadcast_to: take one element along each stride-0 dim, then broadcast back
+    # undo broadcast_to: take one element along each stride-0 dim, then broadcast back (astype
+    # with order "C", not ascontiguousarray, which turns a 0-d array into a 1-d one)
     index = tuple(slice(0, 1) if s == 0 else slice(None) for s in x.strides)
-    return xp.broadcast_to(xp.ascontiguousarray(x[index]).astype(acc), x.shape)
+    return xp.broadcast_to(x[index].astype(acc, order="C"), x.shape)
 
 
 def per_item_float32(x, xp=numpy):

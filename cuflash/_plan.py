@@ -323,7 +323,8 @@ class BackwardPlan:
         dk_row = prob.d * (prob.dtype.itemsize if self.dk_direct else a)
         dv_row = prob.dv * (prob.dtype.itemsize if self.dv_direct else a)
         offsets = []   # in _launch.POINTERS order
-        for first, (oq, ok, ov, oo, odo) in layout.outer:
+        for first, offs in layout.outer:    # q, k, v, o, dO, then the modifiers' arrays
+            oq, ok, ov, oo, odo = offs[:5]
             offsets.append([oq * sizes[0], ok * sizes[1], ov * sizes[2], oo * sizes[3],
                             first * Lq * self.lse_itemsize, odo * do.itemsize, first * Lq * a,
                             first * Lq * prob.d * a, first * Lk * dk_row, first * Lk * dv_row,

@@ -39,7 +39,7 @@ def to_device(x: numpy.ndarray, cupy: Any) -> Any:
     hi = sum(max(0, s * (n - 1)) for n, s in zip(x.shape, x.strides)) + x.itemsize
     buf = cupy.full((hi - lo) // x.itemsize, numpy.nan, dtype=x.dtype)
     view = cupy.ndarray(x.shape, x.dtype, memptr=buf.data + (-lo), strides=x.strides)
-    view[...] = cupy.asarray(numpy.ascontiguousarray(x))
+    view[...] = cupy.asarray(numpy.ascontiguousarray(x).reshape(x.shape))   # 0-d stays 0-d
     return view
 
 

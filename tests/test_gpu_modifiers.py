@@ -48,7 +48,8 @@ def to_device(x):
         return x
     index = tuple(slice(0, 1) if (s == 0 and n > 1) else slice(None)
                   for n, s in zip(x.shape, x.strides))
-    return cupy.broadcast_to(cupy.asarray(numpy.ascontiguousarray(x[index])), x.shape)
+    return cupy.broadcast_to(cupy.asarray(numpy.ascontiguousarray(x[index]).reshape(
+        x[index].shape)), x.shape)
 
 
 def run_gpu(q, k, v, causal, kw):
