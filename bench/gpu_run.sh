@@ -23,6 +23,8 @@
 #             GPU tests of bench/sanitize_tests.txt   -> sanitize/{memcheck,racecheck,synccheck,
 #             warmup}.json, environment.txt, logs.tar.gz
 #             ~9.5 min: alone in one device call
+#   correctness  tests, a 10,000-example fuzz campaign (5 processes) and the sanitizer at once,
+#             in ~8 min (part_correctness says how)  -> tests.log fuzz.json fuzz.log sanitize/
 #
 # Suggested device calls (each under 10 minutes; the device tool returns at most 8 files):
 #   bash bench/gpu_run.sh gate tests
@@ -96,6 +98,38 @@ part_overhead() {
   grep -B 1 -A 8 "^ *impl" "$log"
 }
 
+part_correctness() {
+  # The GPU tests, a fuzz campaign and the sanitizer at once (none of them is timed, so they
+  # may share the GPU; NVRTC compiles of the specialisations they need spread over the cores):
+  #   tests     -n $CORR_TEST_WORKERS (8), $TESTS_PROFILE (gpu), stopped at $CORR_SECONDS - 60
+  #   fuzz      $FUZZ_SHARDS (5) processes of python -m cuflash fuzz, seeds 1..N, together
+  #             $FUZZ_EXAMPLES (10000) examples of every feature, each stopped after
+  #             $CORR_SECONDS - 90 s; merged by bench/fuzz_merge.py  -> fuzz.json fuzz.log
+  #   sanitize  bench/sanitize.sh with budgets summing to about $CORR_SECONDS - 80
+  # ~$CORR_SECONDS (480) s in all. Logs: tests.log, fuzz.log, sanitize/
+  local secs=${CORR_SECONDS:-480} shards=${FUZZ_SHARDS:-5} n=${FUZZ_EXAMPLES:-10000}
+  TESTS_WORKERS=${CORR_TEST_WORKERS:-8} TESTS_TIMEOUT=$((secs - 60)) part_tests &
+  local tests_pid=$!
+  local b=$((secs - 80))
+  SANITIZE_BUDGET_WARMUP=$((b * 15 / 100)) SANITIZE_BUDGET_MEMCHECK=$((b * 25 / 100)) \
+    SANITIZE_BUDGET_RACECHECK=$((b * 40 / 100)) SANITIZE_BUDGET_SYNCCHECK=$((b * 20 / 100)) \
+    part_sanitize > "$OUT/sanitize.out" 2>&1 &
+  local san_pid=$!
+  local pids=() i
+  for i in $(seq 1 "$shards"); do
+    "$PY" -m cuflash fuzz --examples $(( (n + shards - 1) / shards )) --device gpu --seed "$i" \
+      --quiet --time-limit $((secs - 90)) --report "$OUT/fuzz_shard$i.json" \
+      > "$OUT/fuzz_shard$i.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  cat "$OUT"/fuzz_shard*.log > "$OUT/fuzz.log"
+  "$PY" bench/fuzz_merge.py "$OUT/fuzz.json" "$OUT"/fuzz_shard*.json >> "$OUT/fuzz.log" 2>&1
+  note "fuzz: exit $? ($(tail -n 1 "$OUT/fuzz.log"))"
+  wait "$tests_pid" "$san_pid"
+  cat "$OUT/sanitize.out"
+}
+
 part_sanitize() {
   # bench/sanitize.sh: memcheck, racecheck, synccheck over bench/sanitize_tests.txt, one JSON
   # summary per tool under $OUT/sanitize/ (its header says the budgets: ~9.5 min in all)
@@ -106,7 +140,8 @@ part_sanitize() {
 [ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for part in "$@"; do
   case $part in
-    tests|gate|bench|isolated|overhead|sanitize) "part_$part" ;;
-    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize)" >&2; exit 2 ;;
+    tests|gate|bench|isolated|overhead|sanitize|correctness) "part_$part" ;;
+    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize, correctness)" >&2
+       exit 2 ;;
   esac
 done

@@ -69,7 +69,9 @@ fi
   echo "compute-sanitizer: ${SANITIZER:-none}"; [ -n "$SANITIZER" ] && "$SANITIZER" --version 2>&1 | tail -n 1
 } > "$DIR/environment.txt"
 
-PYTEST=("$PY" -m pytest -m gpu -v -p sanitize_plugin -p no:cacheprovider --tb=short -rfE)
+# -n 0: one process (setup.cfg's addopts spread tests over pytest-xdist workers; the sanitizer
+# then watches one application, and its records are in test order)
+PYTEST=("$PY" -m pytest -m gpu -n 0 -v -p sanitize_plugin -p no:cacheprovider --tb=short -rfE)
 
 # one run: name, budget, then the command; writes <name>.json
 run() {

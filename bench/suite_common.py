@@ -42,3 +42,17 @@ def finish(meta: dict, rows: list, out: str | None) -> int:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
     return 0
+
+
+def compile_flex(torch):
+    """``torch.compile(flex_attention)`` for a benchmark: every (score_mod, mask, shape, grad
+    mode) is a recompile, and past dynamo's default limit of 8 it silently runs the unfused
+    fallback that materialises the L x L scores (1-13 TFLOP/s on the first H200 run of the
+    mods suite), so the limits are raised first."""
+    from torch.nn.attention.flex_attention import flex_attention
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 4096)
+    return torch.compile(flex_attention)

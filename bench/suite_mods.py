@@ -48,7 +48,7 @@ from typing import Callable
 import pathlib as _pathlib
 
 sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
-from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
+from suite_common import compile_flex, finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 TOKENS, WIDTH = 16384, 2048
 WINDOW, SOFTCAP, DOCUMENTS = 1024, 50.0, 8
@@ -181,8 +181,8 @@ def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd")
     flex_why = torch_why
     if torch is not None:
         try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            compiled = torch.compile(flex_attention)
+            from torch.nn.attention.flex_attention import create_block_mask
+            compiled = compile_flex(torch)
             flex = True
         except Exception as exc:
             flex_why = _note(exc)

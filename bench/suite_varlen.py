@@ -39,7 +39,7 @@ import time
 import pathlib as _pathlib
 
 sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
-from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
+from suite_common import compile_flex, finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 TOTAL = 16384
 D = 128
@@ -108,7 +108,7 @@ def _flex(Hq, Hkv, lengths, causal):
     """(call, None) running FlexAttention with a document mask on CuPy arrays, or (None, why)."""
     try:
         import torch
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
     except Exception as exc:
         return None, f"torch / flex_attention unavailable: {exc}"
     if not torch.cuda.is_available():
@@ -123,7 +123,7 @@ def _flex(Hq, Hkv, lengths, causal):
             return same & (kv_idx - start[kv_idx] <= q_idx - start[q_idx])
         return same
     block_mask = create_block_mask(mask, 1, 1, TOTAL, TOTAL, device="cuda")
-    compiled = torch.compile(flex_attention)
+    compiled = compile_flex(torch)
 
     def call(q, k, v):
         with torch.no_grad():

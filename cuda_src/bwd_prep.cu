@@ -2,7 +2,8 @@
 // family (bwd_simt, bwd_sm80, bwd_sm90; the registry's "aux" family):
 //
 //   bwd_dot_do_o<T>          line 4 of Algorithm 2: D = rowsum(dO o O), run before the main
-//                            kernel
+//                            kernel; it also zeroes the workspace's accumulators (one launch
+//                            instead of a memset and a launch: host time per call)
 //   bwd_finish_dq<Acc, Out>  after it: dQ from its accumulation buffer, rounded to the output
 //                            type once (bwd_simt's DETERMINISTIC mode: the sum of the
 //                            per-key-tile partials, in key-tile order)
@@ -22,9 +23,19 @@ namespace cuflash {
 //   lanes, 4 rows a warp). Otherwise (any strides; float64, whose vector path spills on
 //   sm_70) one element a lane and step, G = 32.
 // (Uniform over the grid, so every lane of a warp takes the same path to the shuffles.)
+//   First, the `zero_bytes` bytes from p.dq_acc are zeroed: the accumulators the main kernel
+// adds into (dQ's, the semaphores, dL/dbias: the launcher lays them out first in its
+// workspace, 256-byte aligned, so the span is whole 16-byte words). The main kernel runs after
+// this one on the same stream, so it sees them zeroed.
 template <typename T>
-__global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p) {
+__global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p, long long zero_bytes) {
   using Acc = typename AccOf<T>::type;
+  {
+    uint4* const z = reinterpret_cast<uint4*>(p.dq_acc);
+    const long long words = zero_bytes / 16;
+    for (long long e = blockIdx.x * 256LL + threadIdx.x; e < words; e += gridDim.x * 256LL)
+      z[e] = make_uint4(0u, 0u, 0u, 0u);
+  }
   constexpr int kVec = 16 / int(sizeof(T));
   bool vec = sizeof(T) < 8 && p.o_col_stride == 1 && p.dout_col_stride == 1 && p.dv % kVec == 0 &&
              ((p.o | p.dout) & 15) == 0 && p.o_row_stride % kVec == 0 && p.dout_row_stride % kVec == 0;

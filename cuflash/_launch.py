@@ -193,10 +193,12 @@ class Launch:
     for every family; one per argument for the helper kernels with plain arguments.
     """
 
-    __slots__ = ("name", "kernels", "buf", "_argv", "argv_ptr", "lock")
+    __slots__ = ("name", "kernels", "buf", "_argv", "argv_ptr", "lock", "_launch_kernel")
 
     def __init__(self, k, grid: int, block: int, smem: int, block_args: numpy.ndarray,
                  offsets=(0,), name: str = ""):
+        from cupy.cuda import driver
+        self._launch_kernel = driver.launchKernel   # looked up once, not per call
         self.name = name
         self.kernels = [(k.kernel.ptr, int(grid), int(block), int(smem))]
         self.buf = numpy.zeros(-(-block_args.nbytes // 8), numpy.uint64)
@@ -220,13 +222,13 @@ class Launch:
         """Write ``words`` over the leading 8-byte words of the block (and each ``(index,
         value)`` of ``extra`` over the 8-byte word ``index``: the modifiers' pointers) and
         launch."""
-        from cupy.cuda import driver
+        launch = self._launch_kernel
         with self.lock:
             self.buf[:len(words)] = words
             for i, w in extra:
                 self.buf[i] = w
             for fn, grid, block, smem in self.kernels:
-                driver.launchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+                launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
 
 
 def word(name: str) -> int:

@@ -228,6 +228,12 @@ FINISH_ARGS = numpy.dtype([("partial", "<u8"), ("dq", "<u8"), ("n", "<i8"), ("pa
 FINISH_OFFSETS = tuple(FINISH_ARGS.fields[f][1] for f in FINISH_ARGS.names)
 
 
+#: the arguments of bwd_dot_do_o(p, zero_bytes): Params (which the main kernel, launched after
+#: it from the same block, reads alone), then the bytes of accumulators it zeroes
+DOT_ARGS = numpy.dtype([("p", _launch.PARAMS), ("zero_bytes", "<i8")], align=True)
+DOT_OFFSETS = tuple(DOT_ARGS.fields[f][1] for f in DOT_ARGS.names)
+
+
 def _align(n: int) -> int:
     return -(-n // 256) * 256
 
@@ -276,7 +282,9 @@ class BackwardPlan:
             self.ws_offsets[name] = total
             total += _align(n)
         self.workspace = max(total, 256)
-        self.zeroed = self.ws_offsets["dpsum"]   # dq_acc and dq_sem start at 0
+        # dq_acc, dq_sem and dbias start at 0 (bwd_dot_do_o zeroes them: not a memset, which
+        # would cost a driver call per backward); they begin the workspace, so at dq_acc
+        self.zeroed = self.ws_offsets["dpsum"]
         self.direct = self.dq_direct and self.dk_direct and self.dv_direct
         self.lse_itemsize = 8 if prob.dtype == numpy.float64 else 4
         self.lse_contiguous = lse_contiguous
@@ -315,8 +323,12 @@ class BackwardPlan:
             self.mods.pack_into(p, layout, len(tensors), mods)
         dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
                                 DOT_BLOCKS_PER_SM * self.num_sms))
-        # -- 4: D = rowsum(dO o O), then 5-19: one block per (batch item, key tile)
-        launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, p, name="bwd_dot_do_o").then(
+        # -- 4: D = rowsum(dO o O) (and the accumulators zeroed), then 5-19: one block per
+        #    (batch item, key tile)
+        args = numpy.zeros((), DOT_ARGS)
+        args["p"], args["zero_bytes"] = p, self.zeroed
+        launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, args, offsets=DOT_OFFSETS,
+                        name="bwd_dot_do_o").then(
             self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
         a, Lq, Lk = self.acc.itemsize, prob.Lq, prob.Lk
         sizes = [x.itemsize for x in (q, k, v, o)]
@@ -360,9 +372,7 @@ class BackwardPlan:
     def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
         import cupy
         ws = cupy.cuda.alloc(self.workspace)
-        base = ws.ptr
-        if self.zeroed:   # dq_acc and the semaphores start at 0
-            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
+        base = ws.ptr    # its first self.zeroed bytes are zeroed by bwd_dot_do_o
         off = self.ws_offsets
         words = [
             q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],

@@ -476,9 +476,10 @@ def test_gpu_run_script_parts(tmp_path):
     script = ROOT / "bench" / "gpu_run.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    for part in ("tests", "gate", "bench", "isolated", "overhead", "sanitize"):
+    for part in ("tests", "gate", "bench", "isolated", "overhead", "sanitize", "correctness"):
         assert f"part_{part}()" in text
-    assert "HYPOTHESIS_PROFILE=gpu" in text and "bench/sanitize.sh" in text
+    assert "HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}" in text and "bench/sanitize.sh" in text
+    assert "bench/fuzz_merge.py" in text
     assert "-m cuflash check" in text
     env = dict(os.environ, OUT=str(tmp_path))
     r = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env)
