@@ -53,7 +53,7 @@ part_tests() {
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
   # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures
   HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} timeout -s INT "${TESTS_TIMEOUT:-560}" \
-    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" -p no:cacheprovider -q --tb=short -rfE \
+    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" -p no:cacheprovider -q --tb=short -rfE --durations=40 \
     >> "$log" 2>&1
   local rc=$?
   note "tests: exit $rc: $(grep -E '[0-9]+ (passed|failed|error)' "$log" | tail -n 1)"
