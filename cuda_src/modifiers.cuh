@@ -210,8 +210,8 @@ struct ModVariant {
     return empty ? kTileEmpty : (full ? kTileFull : kTilePartial);
   }
 
-  // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (a
-  //     score_mod computes in float: the traced functions are float32).
+  // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (the
+  //     traced score_mod too: its apply / dscore are templates on the float type).
   template <class Acc, class It>
   __device__ __forceinline__ static Acc score(const ModifierParams& m, const It& it, Acc s,
                                               int i, int j) {
@@ -235,7 +235,7 @@ struct ModVariant {
       s -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
     }
     if (kHasBias) s += mod_detail::load_as<Acc>(it.bias + j * static_cast<int>(m.bias_col));
-    if constexpr (kHasScoreMod) s = static_cast<Acc>(ScoreMod::apply(static_cast<float>(s), it.ub, it.uh, i, j, m.captured));
+    if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
     return s;
   }
 
@@ -290,7 +290,7 @@ struct ModVariant {
         t -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
       }
       if (kHasBias) t += mod_detail::load_as<Acc>(it.bias + ((long long)i * m.bias_row + (long long)j * m.bias_col));
-      g *= static_cast<Acc>(ScoreMod::dscore(static_cast<float>(t), it.ub, it.uh, i, j, m.captured));
+      g *= ScoreMod::dscore(t, it.ub, it.uh, i, j, m.captured);
     }
     if (kHasBias) dbias = g;
     if (kSoftcap && g != Acc(0)) g *= Acc(1) - th * th;

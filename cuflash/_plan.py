@@ -326,7 +326,9 @@ class BackwardPlan:
         # -- 4: D = rowsum(dO o O) (and the accumulators zeroed), then 5-19: one block per
         #    (batch item, key tile)
         args = numpy.zeros((), DOT_ARGS)
-        args["p"], args["zero_bytes"] = p, self.zeroed
+        # (with an outer loop of launches each would zero from its own offset: _run zeroes the
+        # workspace once instead, with a memset)
+        args["p"], args["zero_bytes"] = p, (0 if len(layout.outer) > 1 else self.zeroed)
         launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, args, offsets=DOT_OFFSETS,
                         name="bwd_dot_do_o").then(
             self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
@@ -372,7 +374,9 @@ class BackwardPlan:
     def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
         import cupy
         ws = cupy.cuda.alloc(self.workspace)
-        base = ws.ptr    # its first self.zeroed bytes are zeroed by bwd_dot_do_o
+        base = ws.ptr    # its first self.zeroed bytes are zeroed by bwd_dot_do_o ...
+        if len(launches[1]) > 1 and self.zeroed:   # ... or here, before an outer loop
+            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
         off = self.ws_offsets
         words = [
             q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],

@@ -6,16 +6,18 @@ implement the Python operators and NumPy's ``__array_ufunc__`` / ``__array_funct
 ``doc[b, q_idx] == doc[b, kv_idx]`` (``doc`` a :func:`cuflash.captured` array) build a graph of
 :class:`Sym` nodes instead of computing. The graph is the trace; ``_trace_cuda`` prints it as
 C++ and this module also evaluates it on NumPy arrays (:meth:`Trace.evaluate`, with the
-kernel's arithmetic: float32 scores, int32 indices) and differentiates it with respect to
+kernel's arithmetic: scores in the accumulation type, int32 indices) and differentiates it with respect to
 ``score`` by forward mode (:meth:`Trace.evaluate_derivative`; the CUDA ``dscore`` is the same
 rules printed).
 
-Types: ``f`` (float32 on the GPU), ``i`` (int32: the indices), ``l`` (int64: int64 or uint32
+Types: ``f`` (the kernel's accumulation type on the GPU: float32, float64 for float64 inputs),
+``i`` (int32: the indices), ``l`` (int64: int64 or uint32
 captured values, Python ints beyond int32), ``b`` (bool). Python numbers are weak: ``score * 2``
-stays float32, ``q_idx + 1`` stays int32. Two bools are not added (NumPy would OR them).
+stays in the score's type, ``q_idx + 1`` stays int32. Two bools are not added (NumPy would OR them).
 
 Constants in the closure become literals: a function that reads a float ``c`` traces to a
-source holding ``c``'s float32 value, so a new ``c`` is a new source (and a new compiled
+source holding ``c``'s value (exactly, rounded to float32 by the compiler where the kernel
+computes in float32), so a new ``c`` is a new source (and a new compiled
 variant, cached like any other). Anything not listed in ``UFUNCS`` / ``FUNCTIONS`` / the
 operators raises ``TypeError`` at trace time, naming the operation and the function, as do
 Python control flow on a traced value (``if``, ``and``, ``or``: use ``np.where``, ``&``, ``|``)
@@ -335,7 +337,8 @@ class Trace:
 
     def evaluate(self, score=None, b=0, h=0, q_idx=0, kv_idx=0) -> numpy.ndarray:
         """The traced function on NumPy arrays with the kernel's arithmetic (floats in
-        ``score``'s dtype: float32 is what the GPU computes; captured indices clamped)."""
+        ``score``'s dtype: float32 is what the GPU computes for float16, bfloat16 and float32
+        inputs, float64 for float64; captured indices clamped)."""
         from cuflash import _trace_eval
         return _trace_eval.evaluate(self, score, b, h, q_idx, kv_idx, derivative=False)
 

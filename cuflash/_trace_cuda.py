@@ -4,18 +4,23 @@ A score_mod becomes::
 
     namespace cuflash { namespace user {
     struct ScoreMod_<hash> {   // score_mod <name> (<file>:<line>)
-      __device__ __forceinline__ static float apply(float score, int b, int h, int q_idx,
-                                                     int kv_idx, const cuflash::CapturedArray* cap);
-      __device__ __forceinline__ static float dscore(...same...);   // d apply / d score
+      template <class F> __device__ __forceinline__ static F apply(F score, int b, int h,
+                                        int q_idx, int kv_idx, const cuflash::CapturedArray* cap);
+      template <class F> __device__ __forceinline__ static F dscore(...same...);  // d apply / d s
     };
     }}
 
-and a mask_mod a ``MaskMod_<hash>`` with ``static bool apply(int b, int h, int q_idx, int kv_idx,
-const cuflash::CapturedArray* cap)``. One ``const`` local per trace node, in order; types
-``float`` (scores and float math), ``int`` (indices), ``long long``, ``bool``. ``cap[k]`` is the
-k-th captured array of the trace (``Trace.captures``); every index into it is clamped into
-``[0, shape - 1]``. Float constants are printed as exact hexadecimal float32 literals, so the
-source pins the closure's values. The prelude (``CapturedArray`` and the helpers that give
+``F`` is the kernel's accumulation type: float for float16, bfloat16 and float32 inputs, double
+for float64 (so the float64 path stays exact: the first H200 fuzz campaign with modifiers found
+float64 outputs off by float32 roundings when the functions were float-only). A mask_mod is a
+``MaskMod_<hash>`` with ``static bool apply(int b, int h, int q_idx, int kv_idx, const
+cuflash::CapturedArray* cap)`` and ``F = float`` for its float math. One ``const`` local per
+trace node, in order; types ``F`` (scores and float math), ``int`` (indices), ``long long``,
+``bool``. ``cap[k]`` is the k-th captured array of the trace (``Trace.captures``); every index
+into it is clamped into ``[0, shape - 1]``. Float constants are printed as exact hexadecimal
+float64 literals converted to ``F`` (``F(0x1.8p+1)``: in float, the closure's value rounded to
+float32 once, at compile time), so the source pins the closure's values. The prelude
+(``CapturedArray``, float and double overloads of the math functions, and the helpers that give
 NumPy's semantics to ``//``, ``%``, ``**``, ``minimum`` and ``maximum``) is guarded, so several
 user functions and ``variant.cuh`` may include it. The hash is of the struct's text: equal
 traces give equal sources (and one compiled variant).
@@ -31,7 +36,7 @@ import numpy
 
 from cuflash import _trace
 
-CTYPE = {"f": "float", "i": "int", "l": "long long", "b": "bool"}
+CTYPE = {"f": "F", "i": "int", "l": "long long", "b": "bool"}
 LOAD_CTYPE = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char",
               "int16": "short", "uint16": "unsigned short", "int32": "int",
               "uint32": "unsigned int", "int64": "long long", "float32": "float",
@@ -69,25 +74,40 @@ template <class T> __device__ __forceinline__ T ipow(T a, T b) {
     while (b > 0) { if (b & 1) r *= a; a *= a; b >>= 1; }
     return r;
 }
+// the math functions in the accumulation type: f_<name>(float) is <name>f, f_<name>(double) <name>
+#define CUFLASH_USER_FN1(name) \
+    __device__ __forceinline__ float f_##name(float x) { return name##f(x); } \
+    __device__ __forceinline__ double f_##name(double x) { return name(x); }
+#define CUFLASH_USER_FN2(name) \
+    __device__ __forceinline__ float f_##name(float x, float y) { return name##f(x, y); } \
+    __device__ __forceinline__ double f_##name(double x, double y) { return name(x, y); }
+CUFLASH_USER_FN1(tanh) CUFLASH_USER_FN1(exp) CUFLASH_USER_FN1(log) CUFLASH_USER_FN1(sqrt)
+CUFLASH_USER_FN1(exp2) CUFLASH_USER_FN1(log2) CUFLASH_USER_FN1(log1p) CUFLASH_USER_FN1(expm1)
+CUFLASH_USER_FN1(sin) CUFLASH_USER_FN1(cos) CUFLASH_USER_FN1(floor) CUFLASH_USER_FN1(ceil)
+CUFLASH_USER_FN1(trunc) CUFLASH_USER_FN1(rint) CUFLASH_USER_FN1(fabs)
+CUFLASH_USER_FN2(pow) CUFLASH_USER_FN2(fmod) CUFLASH_USER_FN2(copysign) CUFLASH_USER_FN2(fmin)
+CUFLASH_USER_FN2(fmax)
+#undef CUFLASH_USER_FN1
+#undef CUFLASH_USER_FN2
 // NumPy's float divmod (npy_divmodf): floor division and remainder with the divisor's sign
-__device__ __forceinline__ float ffloordiv(float a, float b) {
-    if (b == 0.0f) return a / b;
-    float mod = fmodf(a, b);
-    float div = (a - mod) / b;
-    if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) div -= 1.0f;
-    if (div == 0.0f) return copysignf(0.0f, a / b);
-    float fl = floorf(div);
-    return (div - fl > 0.5f) ? fl + 1.0f : fl;
+template <class F> __device__ __forceinline__ F ffloordiv(F a, F b) {
+    if (b == F(0)) return a / b;
+    F mod = f_fmod(a, b);
+    F div = (a - mod) / b;
+    if (mod != F(0) && ((b < F(0)) != (mod < F(0)))) div -= F(1);
+    if (div == F(0)) return f_copysign(F(0), a / b);
+    F fl = f_floor(div);
+    return (div - fl > F(0.5)) ? fl + F(1) : fl;
 }
-__device__ __forceinline__ float fremainder(float a, float b) {
-    float mod = fmodf(a, b);
-    if (b == 0.0f) return mod;
-    if (mod != 0.0f) return ((b < 0.0f) != (mod < 0.0f)) ? mod + b : mod;
-    return copysignf(0.0f, b);
+template <class F> __device__ __forceinline__ F fremainder(F a, F b) {
+    F mod = f_fmod(a, b);
+    if (b == F(0)) return mod;
+    if (mod != F(0)) return ((b < F(0)) != (mod < F(0))) ? mod + b : mod;
+    return f_copysign(F(0), b);
 }
 // NumPy's minimum / maximum propagate NaN (fminf / fmaxf would drop it)
-__device__ __forceinline__ float fminimum(float a, float b) { return (a <= b || a != a) ? a : b; }
-__device__ __forceinline__ float fmaximum(float a, float b) { return (a >= b || a != a) ? a : b; }
+template <class F> __device__ __forceinline__ F fminimum(F a, F b) { return (a <= b || a != a) ? a : b; }
+template <class F> __device__ __forceinline__ F fmaximum(F a, F b) { return (a >= b || a != a) ? a : b; }
 template <class T> __device__ __forceinline__ T iminimum(T a, T b) { return a <= b ? a : b; }
 template <class T> __device__ __forceinline__ T imaximum(T a, T b) { return a >= b ? a : b; }
 __device__ __forceinline__ long long clamp_index(long long i, long long n) {
@@ -110,21 +130,20 @@ def literal(node) -> str:
     if kind == "l":
         return "(-9223372036854775807LL - 1)" if v == -2 ** 63 else (
             f"({v}LL)" if v < 0 else f"{v}LL")
-    v = float(numpy.float32(v))    # the GPU computes in float32: the literal is v's float32
+    v = float(v)                   # F(v): rounded to float32 once where F is float
     if math.isnan(v):
-        return "__int_as_float(0x7fffffff)"
+        return "F(__int_as_float(0x7fffffff))"
     if math.isinf(v):
-        return _INF if v > 0 else f"(-{_INF})"
-    text = v.hex() + "f"
-    return f"({text})" if v < 0 or text.startswith("-") else text
+        return f"F({_INF})" if v > 0 else f"F(-{_INF})"
+    return f"F({v.hex()})"
 
 
 _INFIX = {"add": "+", "subtract": "-", "multiply": "*", "true_divide": "/", "less": "<",
           "less_equal": "<=", "greater": ">", "greater_equal": ">=", "equal": "==",
           "not_equal": "!="}
-_FLOAT_FN = {"tanh": "tanhf", "exp": "expf", "log": "logf", "sqrt": "sqrtf", "exp2": "exp2f",
-             "log2": "log2f", "log1p": "log1pf", "expm1": "expm1f", "sin": "sinf", "cos": "cosf",
-             "floor": "floorf", "ceil": "ceilf", "trunc": "truncf", "rint": "rintf"}
+_FLOAT_FN = {name: f"{'cuflash::user::'}f_{name}" for name in (
+    "tanh", "exp", "log", "sqrt", "exp2", "log2", "log1p", "expm1", "sin", "cos", "floor",
+    "ceil", "trunc", "rint")}
 U = "cuflash::user::"
 
 
@@ -145,15 +164,15 @@ def _expr(node, a: list[str]) -> str:
             return f"({a[0]} {dict(bitwise_and='&&', bitwise_or='||', bitwise_xor='!=')[op]} {a[1]})"
         return f"({a[0]} {dict(bitwise_and='&', bitwise_or='|', bitwise_xor='^')[op]} {a[1]})"
     if op == "floor_divide":
-        return f"{U}ffloordiv({a[0]}, {a[1]})" if isf else f"{U}ifloordiv<{ct}>({a[0]}, {a[1]})"
+        return f"{U}ffloordiv<F>({a[0]}, {a[1]})" if isf else f"{U}ifloordiv<{ct}>({a[0]}, {a[1]})"
     if op == "remainder":
-        return f"{U}fremainder({a[0]}, {a[1]})" if isf else f"{U}imod<{ct}>({a[0]}, {a[1]})"
+        return f"{U}fremainder<F>({a[0]}, {a[1]})" if isf else f"{U}imod<{ct}>({a[0]}, {a[1]})"
     if op == "power":
-        return f"powf({a[0]}, {a[1]})" if isf else f"{U}ipow<{ct}>({a[0]}, {a[1]})"
+        return f"{U}f_pow({a[0]}, {a[1]})" if isf else f"{U}ipow<{ct}>({a[0]}, {a[1]})"
     if op in ("minimum", "maximum"):
-        return f"{U}f{op}({a[0]}, {a[1]})" if isf else f"{U}i{op}<{ct}>({a[0]}, {a[1]})"
+        return f"{U}f{op}<F>({a[0]}, {a[1]})" if isf else f"{U}i{op}<{ct}>({a[0]}, {a[1]})"
     if op in ("fmin", "fmax"):
-        return f"{op}f({a[0]}, {a[1]})" if isf else f"{U}i{op[1:]}imum<{ct}>({a[0]}, {a[1]})"
+        return f"{U}f_{op}({a[0]}, {a[1]})" if isf else f"{U}i{op[1:]}imum<{ct}>({a[0]}, {a[1]})"
     if op in _FLOAT_FN:
         return f"{_FLOAT_FN[op]}({a[0]})"
     if op == "square":
@@ -161,15 +180,15 @@ def _expr(node, a: list[str]) -> str:
     if op == "negative":
         return f"(-{a[0]})"
     if op == "absolute":
-        return f"fabsf({a[0]})" if kind == "f" else f"({a[0]} < 0 ? -{a[0]} : {a[0]})"
+        return f"{U}f_fabs({a[0]})" if kind == "f" else f"({a[0]} < 0 ? -{a[0]} : {a[0]})"
     if op == "invert":
         return f"(!{a[0]})" if kind == "b" else f"(~{a[0]})"
     if op == "isnan":
         return f"({a[0]} != {a[0]})"
     if op == "isinf":
-        return f"(fabsf({a[0]}) == {_INF})"
+        return f"({U}f_fabs({a[0]}) == F({_INF}))"
     if op == "isfinite":
-        return f"(fabsf({a[0]}) < {_INF})"
+        return f"({U}f_fabs({a[0]}) < F({_INF}))"
     if op == "where":
         return f"({a[0]} ? {a[1]} : {a[2]})"
     raise AssertionError(f"no C++ for {op}")   # every op _trace builds is listed above
@@ -189,9 +208,9 @@ def _derivative(node, a: list[str], d: list[str | None], me: str) -> str | None:
     if node.kind != "f" or not node.has_d:
         return None
     if node.op == "input":
-        return "1.0f"
+        return "F(1)"
     op = node.op
-    dd = [x if x is not None else "0.0f" for x in d]
+    dd = [x if x is not None else "F(0)" for x in d]
     if op in ("add", "subtract", "multiply", "true_divide"):
         # only the terms of operands that depend on the score
         first = {"add": d[0], "subtract": d[0], "multiply": d[0] and f"{d[0]} * {a[1]}",
@@ -205,13 +224,13 @@ def _derivative(node, a: list[str], d: list[str | None], me: str) -> str | None:
     if op in ("floor_divide", "floor", "ceil", "trunc", "rint", "cast", "load"):
         return None
     if op == "remainder":
-        return f"({dd[0]} - {U}ffloordiv({a[0]}, {a[1]}) * {dd[1]})"
+        return f"({dd[0]} - {U}ffloordiv<F>({a[0]}, {a[1]}) * {dd[1]})"
     if op == "power":
         terms = []
         if d[0] is not None:
-            terms.append(f"{a[1]} * powf({a[0]}, {a[1]} - 1.0f) * {d[0]}")
+            terms.append(f"{a[1]} * {U}f_pow({a[0]}, {a[1]} - F(1)) * {d[0]}")
         if d[1] is not None:
-            terms.append(f"{me} * logf({a[0]}) * {d[1]}")
+            terms.append(f"{me} * {U}f_log({a[0]}) * {d[1]}")
         return "(" + " + ".join(terms) + ")"
     if op in ("minimum", "maximum", "fmin", "fmax"):
         cmp = "<=" if op in ("minimum", "fmin") else ">="
@@ -222,13 +241,14 @@ def _derivative(node, a: list[str], d: list[str | None], me: str) -> str | None:
     if op == "negative":
         return f"(-{dd[0]})"
     if op == "absolute":
-        return f"({a[0]} < 0.0f ? -{dd[0]} : {dd[0]})"
+        return f"({a[0]} < F(0) ? -{dd[0]} : {dd[0]})"
     x = a[0]
-    rule = {"tanh": f"(1.0f - {me} * {me})", "exp": me, "log": f"(1.0f / {x})",
-            "sqrt": f"(0.5f / {me})", "exp2": f"({me} * 0x1.62e42fefa39efp-1f)",
-            "log2": f"(1.0f / ({x} * 0x1.62e42fefa39efp-1f))", "log1p": f"(1.0f / (1.0f + {x}))",
-            "expm1": f"expf({x})", "sin": f"cosf({x})", "cos": f"(-sinf({x}))",
-            "square": f"(2.0f * {x})"}
+    ln2 = "F(0x1.62e42fefa39efp-1)"
+    rule = {"tanh": f"(F(1) - {me} * {me})", "exp": me, "log": f"(F(1) / {x})",
+            "sqrt": f"(F(0.5) / {me})", "exp2": f"({me} * {ln2})",
+            "log2": f"(F(1) / ({x} * {ln2}))", "log1p": f"(F(1) / (F(1) + {x}))",
+            "expm1": f"{U}f_exp({x})", "sin": f"{U}f_cos({x})", "cos": f"(-{U}f_sin({x}))",
+            "square": f"(F(2) * {x})"}
     return f"({rule[op]} * {dd[0]})"
 
 
@@ -253,9 +273,9 @@ def _body(trace, derivative: bool) -> list[str]:
                     dnames[id(node)] = g
                 else:
                     dnames[id(node)] = f"d{n}"
-                    lines.append(f"const float d{n} = {g};")
+                    lines.append(f"const F d{n} = {g};")
     out = trace.output
-    result = (dnames.get(id(out), "0.0f") if derivative else names[id(out)])
+    result = (dnames.get(id(out), "F(0)") if derivative else names[id(out)])
     return _live(lines, f"return {result};")
 
 
@@ -277,17 +297,19 @@ def _live(lines: list[str], ret: str) -> list[str]:
 
 def _struct_text(trace, name: str) -> str:
     role = trace.role
-    params = ("float score, " if role == "score_mod" else "") + \
+    score = role == "score_mod"
+    params = ("F score, " if score else "") + \
         "int b, int h, int q_idx, int kv_idx, const cuflash::CapturedArray* cap"
-    ret = "float" if role == "score_mod" else "bool"
     fns = [("apply", _body(trace, False))]
-    if role == "score_mod":
+    if score:
         fns.append(("dscore", _body(trace, True)))
     text = [f"struct {name} {{  // {role} {trace.fn_name.split(' ', 1)[1].split(' (')[0]}",
             f"    static constexpr int num_captured = {len(trace.captures)};"]
+    if not score:   # a mask_mod's float math (if any) is in float
+        text.append("    using F = float;")
     for fname, lines in fns:
-        text.append(f"    __device__ __forceinline__ static {ret if fname == 'apply' else 'float'} "
-                    f"{fname}({params}) {{")
+        text.append(f"    {'template <class F> ' if score else ''}__device__ __forceinline__ "
+                    f"static {'F' if score else 'bool'} {fname}({params}) {{")
         text += [f"        {line}" for line in lines]
         text.append("    }")
     text.append("};")

@@ -124,6 +124,10 @@ def test_every_split_count_agrees_and_is_bitwise_reproducible():
     c = _inference.check_kvcache(*dev[:3], dev[3], dev[4], None, None, None, None, False, True)
     heuristic = _inference_gpu.spec_or_reason(c).splits
     assert heuristic > 1
+    # every split count is run twice (bitwise equal); the float64 check of _check_rows (its
+    # reference and naive baseline recomputed per call: the whole range took 207 s on the H200
+    # machine, session 6) runs on the ends and the middle of the range
+    checked = {1, 2, 3, heuristic // 2, heuristic - 1, heuristic, heuristic + 1}
     for s in range(1, heuristic + 2):
         kw["num_splits"] = s
         runs = [_run_device(dev[:5] + [None, None], kw) for _ in range(2)]
@@ -131,7 +135,8 @@ def test_every_split_count_agrees_and_is_bitwise_reproducible():
         o1, l1 = (cupy.asnumpy(x) for x in runs[1])
         assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), s
         assert numpy.array_equal(l0, l1), s
-        _check_rows(host, o0, l0, 0, False, 16)
+        if s in checked:
+            _check_rows(host, o0, l0, 0, False, 16)
 
 
 def test_paged_equals_dense_bitwise():
