@@ -331,6 +331,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="write the rows here as JSON")
     p.add_argument("--quick", action="store_true", help="d 128, L 4k only")
+    p.add_argument("--d", help="comma-separated head dims (default 64,128)")
+    p.add_argument("--L", help="comma-separated lengths (default 4096,16384)")
     p.add_argument("--mods", help="comma-separated subset of " + ", ".join(
         ("plain", "softcap", "alibi", "window", "document", "prefix", "bias")))
     p.add_argument("--modes", default="fwd,fwd_bwd")
@@ -340,6 +342,10 @@ def main(argv=None) -> int:
               names=tuple(a.mods.split(",")) if a.mods else None)
     if a.quick:
         kw.update(ds=(128,), lengths=(4096,))
+    if a.d:
+        kw["ds"] = tuple(int(x) for x in a.d.split(","))
+    if a.L:
+        kw["lengths"] = tuple(int(x) for x in a.L.split(","))
     t0 = time.perf_counter()
     rows = run_mods_suite(**kw)
     meta = {"suite": "mods", "seconds": time.perf_counter() - t0}
