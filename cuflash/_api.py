@@ -38,6 +38,10 @@ def clear_plans() -> None:
     if _FWD_PLANS is not None:
         _FWD_PLANS.clear()
         _BWD_PLANS.clear()
+    # attention_with_kvcache's fast path and decode plans (CUFLASH_DECODE), where imported
+    for name, cache in (("cuflash._inference", "_FAST"), ("cuflash._inference_gpu", "_PLANS")):
+        if name in sys.modules:
+            getattr(sys.modules[name], cache).clear()
 
 
 def _layout(x) -> tuple:
