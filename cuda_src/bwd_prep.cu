@@ -33,6 +33,7 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p, long long ze
   {
     uint4* const z = reinterpret_cast<uint4*>(p.dq_acc);
     const long long words = zero_bytes / 16;
+#pragma unroll 1   // unrolled, the float64 build spilled 4 bytes on sm_70
     for (long long e = blockIdx.x * 256LL + threadIdx.x; e < words; e += gridDim.x * 256LL)
       z[e] = make_uint4(0u, 0u, 0u, 0u);
   }
