@@ -159,7 +159,8 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
     thread); fwd_sm90 at most 2 warpgroups; a ``heavy`` one 32-key tiles (fwd_sm80, fwd_sm90);
-    bwd_sm80 query chunks of at most 32 rows. The table's choices spill with them (the compile
+    bwd_sm80 query chunks of at most 32 rows; bwd_sm90 query tiles of 64 rows (S^T and dP^T
+    of 128 rows and the per-element code spill). The table's choices spill with them (the compile
     table of docs/modifiers.md). Appends the reason to ``why``."""
     if not variant.score_path:
         return t
@@ -172,7 +173,9 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
         named["block_n"] = 32
     if family == "bwd_sm80" and t["sub_m"] > 32:
         named["sub_m"] = 32
-    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80") or not named:
+    if family == "bwd_sm90" and t.block_m > 64:
+        named["block_m"] = 64
+    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90") or not named:
         return t
     new = dataclasses.replace(t.replace(**named), allow_even=t.allow_even)
     why.append(f"modifiers ({variant.describe()}): " + ", ".join(

@@ -1,6 +1,6 @@
 """Registers and spills of the modifier specialisations (issue 10), no GPU needed.
 
-    PYTHONPATH=. python tools/mods_compile_table.py [fwd_sm80,fwd_sm90,fwd_simt,bwd_sm80] [out.json]
+    PYTHONPATH=. python tools/mods_compile_table.py [fwd_sm80,fwd_sm90,fwd_simt,bwd_sm80,bwd_sm90] [out.json]
 
 For each family and arch it compiles, with NVRTC, the specialisation the dispatcher picks (L =
 4096, 16 batch items, causal) for each built-in modifier alone and all six at once, at d = 64
@@ -26,7 +26,8 @@ TARGETS = [("fwd_sm80", "sm_80", "bfloat16", "__nv_bfloat16"),
            ("fwd_simt", "sm_80", "float32", "float"),
            ("fwd_simt", "sm_80", "float64", "double"),
            ("bwd_sm80", "sm_80", "bfloat16", "__nv_bfloat16"),
-           ("bwd_sm80", "sm_90a", "bfloat16", "__nv_bfloat16")]
+           ("bwd_sm80", "sm_90a", "bfloat16", "__nv_bfloat16"),
+           ("bwd_sm90", "sm_90a", "bfloat16", "__nv_bfloat16")]
 
 
 def main(argv: list[str]) -> int:
