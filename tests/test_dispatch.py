@@ -122,8 +122,8 @@ def test_backward_modifiers_on_hopper_take_wgmma_where_they_fit(d, bucket):
                 {"mask_mod": "cuflash::user::M"} if feats == "mask_mod" else {feats: True}))
         c = _bwd_mods(d, **kw)
         assert c.family.name == "bwd_sm90", (feats, c.reasons)
-        assert c.traits.block_m == (_traits.BWD_SM90[(bucket, True)].block_m if feats == "window"
-                                    else 64)
+        assert c.traits.block_m == (_traits.BWD_SM90[(bucket, True)].block_m
+                                    if feats in ("window", "sink") else 64)
     assert _bwd_mods(d, window=True).traits == _traits.BWD_SM90[(bucket, True)]
     c = _bwd_mods(d, mask=True)                      # a bool mask array: bwd_sm80 everywhere
     assert c.family.name == "bwd_sm80"
