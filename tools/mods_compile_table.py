@@ -47,7 +47,11 @@ def main(argv: list[str]) -> int:
                     kw = {k: (bias if v == "B" else v) for k, v in kw.items()}
                     shape = _families.Shape(dtype, 16, 4096, Lk, d, d,
                                             Variant(causal=True, **kw), det)
-                    t, flags, _ = fam.select(fam, shape, dev)
+                    picked = fam.select(fam, shape, dev)
+                    if isinstance(picked, str):   # not this family's (bwd_sm90: the registers)
+                        print(f"{name:9} {arch:6} {dtype:8} d={d:3} {mod:8} runs elsewhere: {picked}")
+                        continue
+                    t, flags, _ = picked
                     exprs[fam.expr(dtype, t, shape.variant, **flags)] = (d, flags, mod)
         for r in _jit.compile_offline(fam.source, list(exprs), arch):
             d, flags, mod = exprs[r.expr]
