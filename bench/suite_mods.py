@@ -23,7 +23,9 @@ logic, tests/test_modifiers_bench.py). cuflash runs the document and prefix mask
 ``mask=`` array, and again (``impl = "cuflash_block_mask"``, forward) from the same mask_mod
 through ``cuflash.block_mask`` (traced into the kernel; its empty tiles are not skipped on the
 GPU yet). A point an implementation cannot run is a row with ``tflops = None`` and the reason
-(the modifiers' backward runs on bwd_sm80; SDPA cannot express softcap).
+(SDPA cannot express softcap). The modifiers' backward runs on bwd_sm90 on Hopper where
+``_traits.BWD_SM90_MODIFIERS`` lists them (softcap, window, ALiBi at d = 64), else on bwd_sm80;
+``CUFLASH_BWD=sm80`` keeps every row on bwd_sm80.
 
 Method (as bench/suite_decode.py): ``ms`` = median CUDA-event time of one call through the
 public function on CuPy's current stream (torch on the same stream through DLPack views, no

@@ -124,6 +124,49 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
   }
 }
 
+// -- 11 and 14 of Algorithm 2 for one pair, with the score pipeline (DESIGN.md "Modifiers"):
+// the element of query qi, key kj of a thread's S_ij^T, dP_ij^T accumulators (bwd_sm80 and
+// bwd_sm90 hold them in the same layout: element e of an 8-column tile is query column
+// 2 t4 + (e & 1), key row g + 8 (e >> 1)). On entry s = S_ij = q_i . k_j (raw), dp = dP_ij,
+// l2 and di = L_i log2(e) and D_i of the columns 2 t4, 2 t4 + 1, `analytic()` = the caller's analytic mask of the pair (causal,
+// window, keys past Lk; true where the tile needs none; a callable, evaluated after dS as the
+// kernels had it inline, which keeps their machine code); on return s = P_ij and dp = dS_ij = dL/d(tau S_ij),
+// both selected to 0 where the pair is hidden.
+//   P_ij = exp(score(tau S_ij) - L_i): plain attention folds tau log2(e) into sl2; a Variant
+//     with modifiers (kNatural) takes steps 2-5 in natural units and sl2 = log2(e).
+//   dS_ij = P_ij o (dP_ij - D_i) is dL/d score; the modifiers' chain rule (softcap,
+//     score_mod: Mod::grad) turns it into dL/d(tau S_ij), and a bias gets dL/dbias of the pair
+//     (before softcap's chain) in Params::mod.dbias (float32, item x Lq x Lk; the host sums
+//     it over the bias's broadcast dims), 0 at a hidden pair.
+// Numerics: a hidden pair is selected, never computed through (its S may give Inf, its dP - D
+// NaN from a dO row that does not see the key); Mod::grad is evaluated with dS = 0 there and
+// returns 0 (its derivatives may be NaN at a score of -inf). The element mask of a bool array
+// / mask_mod (kPairMask) is evaluated only in a tile not known to be full (pair_tile).
+template <class Var, class P, class It>
+__device__ __forceinline__ void p_ds_pair(const P& p, const It& item, int b, float scale, float sl2,
+                                          const float2& l2, const float2& di, const int& t, const int& e,
+                                          int qi, int kj, const bool& need_mask, const int (&first)[2],
+                                          const int (&last)[2], bool pair_tile, float& s, float& dp) {
+  float sx = s;
+  if constexpr (Var::kNatural) sx = Var::Mod::score(p.mod, item, sx * scale, min(qi, p.Lq - 1), min(kj, p.Lk - 1));
+  const float pij = ex2_approx(fmaf(sx, sl2, -((e & 1) ? l2.y : l2.x)));
+  float dsij = pij * (dp - ((e & 1) ? di.y : di.x));
+  bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
+                                (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
+  if constexpr (Var::kPairMask)
+    if (pair_tile) visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
+  if constexpr (Var::kGrad) {
+    // dL/d(tau S) from dL/dS' (0 where dS' is: the chain is never evaluated at a hidden
+    // pair); dL/dbias = dL/dS' before softcap's chain, stored per pair
+    float dbias;
+    dsij = visible ? Var::Mod::grad(p.mod, item, s * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
+    if constexpr (Var::kHasBias)
+      if (qi < p.Lq && kj < p.Lk) p.mod.dbias[((long long)b * p.Lq + qi) * p.Lk + kj] = visible ? dbias : 0.f;
+  }
+  s = visible ? pij : 0.f;
+  dp = visible ? dsij : 0.f;
+}
+
 // -- 18 of Algorithm 2: write this thread's rows of dK_j = tau dK_j and dV_j (accumulators in
 // the mma.sync / wgmma C layout: rows key0 and key0 + 8, columns 8 t + 2 t4 and + 1) for batch
 // item b: float32, one slice per batch item, which the launcher sums over broadcast dimensions,

@@ -324,27 +324,10 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
           const float2 di = *reinterpret_cast<const float2*>(sDi + q0 + 8 * t + 2 * t4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            // (modifiers) query i, key j of this element; the score pipeline's steps 2-5 on
-            // tau S (natural units), the element mask of a bool array
+            // query i, key j of this element; P, dS with the score pipeline (bwd_io.cuh)
             const int qi = m0 + q0 + 8 * t + 2 * t4 + (e & 1), kj = kw0 + g + 8 * (e >> 1);
-            float sx = s[t][e];
-            if constexpr (Var::kNatural) sx = Var::Mod::score(p.mod, item, sx * scale, min(qi, p.Lq - 1), min(kj, p.Lk - 1));
-            const float pij = ex2_approx(fmaf(sx, sl2, -((e & 1) ? l2.y : l2.x)));
-            float dsij = pij * (dp[t][e] - ((e & 1) ? di.y : di.x));
-            bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
-                                          (!Var::kKeyLo || 8 * t + (e & 1) <= last[e >> 1]));
-            if constexpr (Var::kPairMask)
-              if (pair_tile) visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
-            if constexpr (Var::kGrad) {
-              // dL/d(tau S) from dL/dS' (0 where dS' is: the chain is never evaluated at a
-              // hidden pair); dL/dbias = dL/dS' before softcap's chain, stored per pair
-              float dbias;
-              dsij = visible ? Var::Mod::grad(p.mod, item, s[t][e] * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
-              if constexpr (Var::kHasBias)
-                if (qi < p.Lq && kj < p.Lk) p.mod.dbias[((long long)b * p.Lq + qi) * p.Lk + kj] = visible ? dbias : 0.f;
-            }
-            s[t][e] = visible ? pij : 0.f;
-            dp[t][e] = visible ? dsij : 0.f;
+            bwd_io::p_ds_pair<Var>(p, item, b, scale, sl2, l2, di, t, e, qi, kj, need_mask, first, last,
+                                   pair_tile, s[t][e], dp[t][e]);
           }
         }
 

@@ -27,13 +27,23 @@
 //
 // deterministic=True runs bwd_sm80 (its semaphore-ordered dQ); this kernel has only atomics.
 //
+// The modifiers (DESIGN.md "Modifiers"; the Variant's hooks, as in bwd_sm80): causal and the
+// window bound the walk over the query tiles (query_begin / query_end) and the mask of the
+// tiles that cross their diagonals (the plain code path; the sink is in L_i already and needs
+// nothing here). A score transform (softcap, ALiBi, bias, score_mod) or an element mask (bool
+// array, mask_mod) takes the path of bwd_io::p_ds_pair, the element of P and dS that bwd_sm80
+// computes too, with the chain rule of softcap / score_mod and dL/dbias; a block mask skips the
+// query tiles it calls empty and the mask_mod of those it calls full. Which modifiers run here
+// at which head dim (registers): cuflash/_traits.py, BWD_SM90_MODIFIERS.
+//
 // Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
 // dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
 // HEAD_DIM, HEAD_DIM in {64, 128}.
 //
 // Numerics: exactly bwd_sm80's (dead rows get L = +inf, D = 0 and zeroed Q, dO rows; keys past
-// Lk and causally masked pairs get P = dS = 0 by selection; exp2 is ex2.approx.ftz), and the
-// same float32 accumulation of every product.
+// Lk and masked pairs get P = dS = 0 by selection; exp2 is ex2.approx.ftz; the modifiers'
+// element is the same function, bwd_io::p_ds_pair), and the same float32 accumulation of every
+// product.
 #include "common.cuh"
 #include "mma_sm80.cuh"
 #include "sm80_ops.cuh"
@@ -163,12 +173,23 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int n0 = n_block * kBlockN;
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);   // K_j, V_j's (q, dout: see load_q_tile)
-  const float sl2 = float(p.var.scale_log2);   // tau * log2(e)
+  // The modifiers that change P or dS element by element (a score transform, a bool mask or
+  // mask_mod) take the path of bwd_io::p_ds_pair below; causal, the window and the sink do not
+  // (the sink is in L_i already; dsink is the launcher's, from D and L) and keep the plain one.
+  constexpr bool kPairwise = Var::Mod::kTransforms || Var::kPairMask;
+  // tau * log2(e); log2(e) where the modifiers give natural-unit scores (p_ds_pair)
+  const float sl2 = (kPairwise && Var::kNatural) ? 1.4426950408889634f : float(p.var.scale_log2);
   const float scale = float(p.var.scale);      // tau
+  // the modifiers' state of this batch item (slopes, bias / mask rows); empty if unused
+  const auto item = Var::template item<float>(p, b);
 
   // The query tiles that can see K_j: from the one holding the first query that sees a key of
-  // K_j (causal: row n0 - causal_offset).
-  const int m_first = Var::query_begin(p.var, n0) / BLOCK_M * BLOCK_M;
+  // K_j (causal: row n0 - causal_offset; a window's right bound), up to the last query that
+  // sees one (a window's left bound; Lq otherwise).
+  const int m_first = Var::query_begin(p.var, p.mod, n0) / BLOCK_M * BLOCK_M;
+  // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
+  // parameter itself, as in bwd_sm80)
+  const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
@@ -191,7 +212,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       d_next = __ldg(reinterpret_cast<const float*>(p.dpsum) + row);
     }
   };
-  if (m_first < p.Lq) load_q_tile(m_first, 0);
+  if (m_first < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_first, 0);
   cp_async_commit();
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (wgmma accumulators: rows = this warpgroup's
@@ -249,7 +270,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   int stage = 0;
-  for (int m0 = m_first; m0 < p.Lq; m0 += BLOCK_M, stage ^= 1) {
+  for (int m0 = m_first; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 += BLOCK_M, stage ^= 1) {
     const unsigned stage_off = stage * Tr::kStageBytes;
     const unsigned long long sdesc = stage_off >> 4;
     float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
@@ -268,8 +289,19 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
-    if (m0 + BLOCK_M < p.Lq) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    if (m0 + BLOCK_M < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m0 + BLOCK_M, stage ^ 1);
     cp_async_commit();
+
+    // A block mask: a (query tile, key tile) its mask_mod hides entirely changes nothing (P =
+    // dS = 0): the block skips its products and its dQ (the loop's barriers stay in step: the
+    // kind is the same for every thread); in one it keeps entirely the mask_mod is not
+    // evaluated.
+    bool pair_tile = true;
+    if constexpr (Var::kBlockMask) {
+      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, m0, min(m0 + BLOCK_M, p.Lq), n0, min(n0 + kBlockN, p.Lk));
+      if (kind == kTileEmpty) continue;
+      pair_tile = kind != kTileFull;
+    }
 
     // -- 10: S_ij^T = K_j Q_i^T;  13: dP_ij^T = V_j dO_i^T  (this warpgroup's 64 keys x BLOCK_M
     //        queries; a thread holds keys kw0 + g (+8) x queries 8t + 2 t4 (+1)), two commit
@@ -284,46 +316,75 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     // keys or the tile's mask boundary evaluate the mask. first[h], last[h]: this thread's first
     // and last visible query column, relative to its column 2 t4, for its key rows g (h = 0)
     // and g + 8 (h = 1).
-    const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, m0, m0 + BLOCK_M, kw0, kw0 + 16);
+    const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, p.mod, m0, m0 + BLOCK_M, kw0, kw0 + 16);
     int first[2], last[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = kw0 + g + 8 * h;
-      first[h] = key >= p.Lk ? (1 << 30) : Var::kKeyHi ? Var::query_first(p.var, key) - m0 - 2 * t4 : -(1 << 30);
-      last[h] = Var::query_last(p.var, key) - m0 - 2 * t4;   // used only where kKeyLo
+      first[h] = key >= p.Lk ? (1 << 30) : Var::kKeyHi ? Var::query_first(p.var, p.mod, key) - m0 - 2 * t4 : -(1 << 30);
+      last[h] = Var::query_last(p.var, p.mod, key) - m0 - 2 * t4;   // used only where kKeyLo
     }
 
-    // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
-    wgmma_wait<1>();
-    fence_regs(s);
-    Var::transform_tile(p.var, s);
+    unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
+    unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
+    if constexpr (!kPairwise) {
+      // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
+      wgmma_wait<1>();
+      fence_regs(s);
+      Var::transform_tile(p.var, s);
 #pragma unroll
-    for (int t = 0; t < Tr::kNTilesS; ++t) {
-      const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
+      for (int t = 0; t < Tr::kNTilesS; ++t) {
+        const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
+        for (int e = 0; e < 4; ++e) {
+          s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
+        }
+      }
+      if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+
+      // -- 14: dS_ij = P_ij o (dP_ij - D_i)  (0 where P was selected to 0: dP - D can be NaN
+      //        there, from a NaN in a dO row that does not see the key)
+      wgmma_wait<0>();
+      fence_regs(dp);
+#pragma unroll
+      for (int t = 0; t < Tr::kNTilesS; ++t) {
+        const float2 di = *reinterpret_cast<const float2*>(sDi + 8 * t + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
+      }
+      if (need_mask) select_visible<Var::kKeyLo>(dp, first, last);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
+    } else {
+      // -- 11, 14 with the modifiers (bwd_io.cuh: p_ds_pair, the element bwd_sm80 computes
+      //    too): both products first, since the chain rule of softcap / score_mod needs the
+      //    raw S_ij^T next to dP_ij^T (P cannot start while dP^T is in the tensor cores: a
+      //    third tile of registers is not there). 16 query columns at a time, each turned
+      //    into the A fragments of dV and dK at once (their S^T, dP^T registers free again).
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kQSteps; ++kk) {   // 16 query columns, then their A fragments
+#pragma unroll
+        for (int t = 2 * kk; t < 2 * kk + 2; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            // (L_i, D_i of this element's row read here, not as float2 pairs per tile: ptxas
+            // then hoists fewer loads ahead, and softcap, ALiBi at d = 128 do not spill)
+            const float l2s = sL2[8 * t + 2 * t4 + (e & 1)], dis = sDi[8 * t + 2 * t4 + (e & 1)];
+            const float2 l2 = make_float2(l2s, l2s), di = make_float2(dis, dis);
+            const int qi = m0 + 8 * t + 2 * t4 + (e & 1), kj = kw0 + g + 8 * (e >> 1);
+            bwd_io::p_ds_pair<Var>(p, item, b, scale, sl2, l2, di, t, e, qi, kj, need_mask, first, last,
+                                   pair_tile, s[t][e], dp[t][e]);
+          }
+        }
+        p_fragment<T>(pa[kk], s, kk);
+        p_fragment<T>(dsa[kk], dp, kk);
       }
     }
-    if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
-    unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
-#pragma unroll
-    for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
-
-    // -- 14: dS_ij = P_ij o (dP_ij - D_i)  (0 where P was selected to 0: dP - D can be NaN
-    //        there, from a NaN in a dO row that does not see the key)
-    wgmma_wait<0>();
-    fence_regs(dp);
-#pragma unroll
-    for (int t = 0; t < Tr::kNTilesS; ++t) {
-      const float2 di = *reinterpret_cast<const float2*>(sDi + 8 * t + 2 * t4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
-    }
-    if (need_mask) select_visible<Var::kKeyLo>(dp, first, last);
-    unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
-#pragma unroll
-    for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
 
     // dS^T to shared memory for line 15: this thread's keys g, g + 8 of warp `warp`, query
     // columns 16 kk + 2 t4 (+1) and 16 kk + 8 + 2 t4 (+1), the same rounded values as dsa

@@ -23,7 +23,7 @@
 // The sliding window (keys i + diag - left .. i + diag + right visible to query i, bounds in
 // Params::mod) is in the (v, m, ...) overloads below: kKeyLo / kKeyHi are set for it, and the
 // kernels start their key-tile loops at key_begin (forward) and end their query-tile loops at
-// query_end (bwd_sm80) only where kKeyLo holds, so the loops of plain attention keep their
+// query_end (bwd_sm80, bwd_sm90) only where kKeyLo holds, so the loops of plain attention keep their
 // constant start and their parameter bound (a constant 0 start through these functions, or a
 // register copy of Lq, changed the register allocation of fwd_sm80 and bwd_sm80: checked with
 // tools/sass_identity.py).

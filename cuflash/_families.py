@@ -315,6 +315,11 @@ def _bwd_tc_select(fam, shape, dev):
     step = 64 if fam.name == "bwd_sm90" else 32     # wgmma: 64-column blocks; mma.sync: 32
     bucket = max(32, -(-shape.dmax // step) * step)
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
+    if fam.name == "bwd_sm90":
+        missing = shape.variant.features - {"causal"} - _traits.BWD_SM90_MODIFIERS[bucket]
+        if missing:
+            return (f"does not implement {', '.join(sorted(missing))} at head-dim bucket {bucket} "
+                    f"(registers: _traits.BWD_SM90_MODIFIERS)")
     t = _table_traits(fam, key, bucket)
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
@@ -370,6 +375,8 @@ REGISTRY: tuple[Family, ...] = (
            "cuflash::sm90::bwd_sm90<{T}, {head_dim}, {block_m}, {warpgroups}, {min_blocks}, "
            "{variant}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 128), tensor_core_rows=True,
+           # (per head-dim bucket: _traits.BWD_SM90_MODIFIERS, which select checks)
+           features=frozenset({"causal"}).union(*_traits.BWD_SM90_MODIFIERS.values()),
            smem_expr="cuflash::sm90::BwdSm90Traits<{T}, {head_dim}, {block_m}, {warpgroups}, "
                      "{min_blocks}>::kSmemBytes",
            select=_bwd_tc_select, instances=_bwd_sm90_instances,

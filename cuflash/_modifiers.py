@@ -328,10 +328,11 @@ GPU_FEATURES: dict[str, frozenset[str]] = {
     # user functions traced into the Variant; a block_mask runs its mask_mod (its tiles are
     # not skipped on the GPU yet)
     "attention": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
-    # bwd_sm80 only (float16 / bfloat16, head dims <= 128): see BACKWARD_DTYPES
+    # bwd_sm80 and, on Hopper, bwd_sm90 for what _traits.BWD_SM90_MODIFIERS lists (float16 /
+    # bfloat16, head dims <= 128): see BACKWARD_DTYPES
     "attention_backward": _BUILT_INS | {"score_mod", "mask_mod", "block_mask"},
 }
-#: dtypes whose GPU backward runs the modifiers (bwd_sm80; bwd_simt and bwd_sm90 not yet)
+#: dtypes whose GPU backward runs the modifiers (bwd_sm80, bwd_sm90; bwd_simt not yet)
 BACKWARD_DTYPES = frozenset({"float16", "bfloat16"})
 
 

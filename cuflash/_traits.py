@@ -274,6 +274,21 @@ BWD_SM90 = {
     (128, False): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
     (128, True): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
 }
+#: The modifiers bwd_sm90 runs, per head-dim bucket (a Variant with any other runs bwd_sm80):
+#: those whose specialisations compile with 0 spills, alone and in every combination (the
+#: session 6 sweep, bench/NOTES.md "bwd_sm90 modifiers"). A Variant with a score transform or
+#: an element mask takes 64-row query tiles (``_variant.modifier_tiles``): at d = 64 S^T, dP^T,
+#: dK_j and dV_j are then 128 registers a thread and the built-in transforms and a mask_mod
+#: (with or without a block mask) fit; at d = 128 they are 192 and the window (no per-element
+#: code), the sink (none in the backward: it is in L_i) and softcap fit. What spills (4 to 120
+#: bytes) stays on bwd_sm80: the arrays read pair by pair (a bias, 24 bytes with a window at
+#: d = 64; a bool mask array, 8; their 64-bit addresses per query row of the transposed tile),
+#: a score_mod (the one reading a captured table: 12-68 bytes), at d = 128 ALiBi with a window
+#: and a mask_mod.
+BWD_SM90_MODIFIERS = {
+    64: frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"}),
+    128: frozenset({"window", "softcap", "sink"}),
+}
 
 # ---------------------------------------------------------------------------------------------
 # bwd_sm80 (cuda_src/bwd_sm80.cu), keyed by head-dim bucket (multiples of 32, at most 128:

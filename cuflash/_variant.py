@@ -159,7 +159,8 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
     thread); fwd_sm90 at most 2 warpgroups; a ``heavy`` one 32-key tiles (fwd_sm80, fwd_sm90);
-    bwd_sm80 query chunks of at most 32 rows. The table's choices spill with them (the compile
+    bwd_sm80 query chunks of at most 32 rows; bwd_sm90 query tiles of 64 rows where the
+    per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone). The table's choices spill with them (the compile
     table of docs/modifiers.md). Appends the reason to ``why``."""
     if not variant.score_path:
         return t
@@ -172,7 +173,12 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
         named["block_n"] = 32
     if family == "bwd_sm80" and t["sub_m"] > 32:
         named["sub_m"] = 32
-    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80") or not named:
+    # (bwd_sm90's per-element path; a sink alone does not take it: the backward sees it in L_i)
+    if family == "bwd_sm90" and t.block_m > 64 and (
+            variant.softcap or variant.alibi_slopes or variant.bias or variant.mask
+            or variant.score_mod or variant.mask_mod):
+        named["block_m"] = 64
+    if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90") or not named:
         return t
     new = dataclasses.replace(t.replace(**named), allow_even=t.allow_even)
     why.append(f"modifiers ({variant.describe()}): " + ", ".join(

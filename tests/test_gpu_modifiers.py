@@ -4,11 +4,16 @@ device; written without one, run on the H200 next).
 
 Every call writes into an output buffer poisoned with NaN first. Each test runs with the
 dispatcher's choice and again with each other forward family forced (``CUFLASH_FWD``), so the
-one Variant is checked in fwd_sm90, fwd_sm80 and fwd_simt. Modifier arrays are handed over
-with their broadcast (stride-0) dimensions kept, as users pass them.
+one Variant is checked in fwd_sm90, fwd_sm80 and fwd_simt. The gradient tests run with the
+dispatcher's backward (on Hopper bwd_sm90 for the modifiers _traits.BWD_SM90_MODIFIERS lists,
+bwd_sm80 for the others) and again with bwd_sm80 forced (``CUFLASH_BWD=sm80``), so the one
+Variant is checked in both tensor-core backwards. Modifier arrays are handed over with their
+broadcast (stride-0) dimensions kept, as users pass them.
 """
 
 from __future__ import annotations
+
+import os
 
 import ml_dtypes
 import numpy
@@ -29,15 +34,44 @@ BUILT_INS = ("window", "softcap", "alibi_slopes", "sink", "bias", "mask")
 @pytest.fixture(params=["default", "sm80", "simt"])
 def family(request, monkeypatch):
     """The dispatcher's family, then fwd_sm80 and fwd_simt forced (on Hopper the default is
-    fwd_sm90; elsewhere "sm80" repeats the default and is skipped)."""
+    fwd_sm90; elsewhere "sm80" repeats the default and is skipped). "sm80" forces bwd_sm80 for
+    the backward too (CUFLASH_BWD=sm80); the others leave the backward to the dispatcher."""
     import cupy
     if request.param == "sm80" and cupy.cuda.Device().compute_capability != "90":
         pytest.skip("CUFLASH_FWD=sm80 changes nothing off Hopper")
     if request.param != "default":
         monkeypatch.setenv("CUFLASH_FWD", request.param)
+    if request.param == "sm80":
+        monkeypatch.setenv("CUFLASH_BWD", "sm80")
     from cuflash import _api
     _api.clear_plans()
     yield request.param
+    _api.clear_plans()
+
+
+@pytest.fixture(params=["default", "sm80"])
+def bwd_family(request, monkeypatch):
+    """The dispatcher's backward (on Hopper bwd_sm90 where it runs the modifiers), then bwd_sm80
+    forced (CUFLASH_BWD=sm80; off Hopper that is the default and is skipped). Yields the list
+    of the backward kernel sources the plans built in the test chose."""
+    import cupy
+    from cuflash import _api, _families
+    if request.param == "sm80" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("CUFLASH_BWD=sm80 changes nothing off Hopper")
+    monkeypatch.delenv("CUFLASH_BWD", raising=False)
+    if request.param == "sm80":
+        monkeypatch.setenv("CUFLASH_BWD", "sm80")
+    seen, choose = [], _families.choose
+
+    def spy(kind, *args, **kwargs):
+        choice = choose(kind, *args, **kwargs)
+        if kind == "bwd":
+            seen.append(choice.family.source)
+        return choice
+
+    monkeypatch.setattr(_families, "choose", spy)
+    _api.clear_plans()
+    yield seen
     _api.clear_plans()
 
 
@@ -211,19 +245,20 @@ def run_gpu_backward(q, k, v, causal, kw, deterministic=False, seed=1):
     return cupy.asnumpy(o), cupy.asnumpy(lse), do, tuple(cupy.asnumpy(g) for g in grads)
 
 
-@settings(deadline=None)
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(builtin_case(dtypes=(F16, BF16)), st.booleans())
-def test_builtin_modifier_gradients_match_the_reference(case, deterministic):
+def test_builtin_modifier_gradients_match_the_reference(bwd_family, case, deterministic):
     """dq, dk, dv, then dbias and dsink (DESIGN.md's order, the shapes and dtypes of bias and
-    sink, summed over their broadcast dims) of bwd_sm80's Variant code (the backward family
-    that runs the modifiers; on Hopper too)."""
+    sink, summed over their broadcast dims) of the tensor-core backwards' Variant code: the
+    dispatcher's (on Hopper bwd_sm90 for d = 64, 72, 128 with the modifiers it runs and
+    deterministic=False) and bwd_sm80 forced."""
     q, k, v, causal, kw = case
     o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw, deterministic)
     naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
 
 
 @pytest.mark.parametrize("how", ["window", "bias", "mask", "window+sink"])
-def test_gradients_of_rows_with_no_visible_key_are_zero(how):
+def test_gradients_of_rows_with_no_visible_key_are_zero(bwd_family, how):
     """A row that a masking modifier empties contributes nothing: its dq is exactly 0 (and
     with a sink, dsink gets exp(sink - lse) D = 0 from it: D = dO . O = 0)."""
     q, k, v = _case(BF16)
@@ -245,6 +280,46 @@ def test_gradients_of_rows_with_no_visible_key_are_zero(how):
     o, lse, do, grads = run_gpu_backward(q, k, v, False, kw)
     assert (grads[0][empty] == 0).all()
     naive.check_gradients(grads, q, k, v, o, lse, do, False, kw)
+
+
+#: (keywords, head dim, causal) that the dispatcher gives bwd_sm90 on Hopper: the benchmarks'
+#: softcap (not causal) and sliding window (causal) at d = 128, a sink with the window, ALiBi,
+#: both causal alignments and none
+def _bwd_sm90_cases():
+    rng = numpy.random.default_rng(4)
+    slopes = rng.uniform(0, 0.2, (3,)).astype(numpy.float32)
+    return {
+        "softcap-128": (dict(softcap=20.0), 128, False),
+        "softcap-small-64": (dict(softcap=0.5), 64, True),
+        "window-128": (dict(window=(100, 0)), 128, True),
+        "window-both-64": (dict(window=(40, 30)), 64, False),
+        "window+sink-128": (dict(window=(64, 0), sink=rng.standard_normal((3,)).astype(numpy.float32)),
+                            128, True),
+        "softcap+window+sink-72": (dict(softcap=5.0, window=(90, 10),
+                                        sink=rng.standard_normal((2, 3)).astype(numpy.float32)),
+                                   72, "top_left"),
+        "alibi-64": (dict(alibi_slopes=slopes), 64, True),
+        "alibi+window+softcap-64": (dict(alibi_slopes=slopes, window=(50, None), softcap=10.0), 64, False),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bwd_sm90_cases()))
+def test_modifier_gradients_on_bwd_sm90(bwd_family, name):
+    """The modifiers bwd_sm90 runs (_traits.BWD_SM90_MODIFIERS), bf16, over lengths across its
+    tile edges (Lq = 300, Lk = 230: rows without keys under the window and the bottom-right
+    causal mask): the gradients match the reference, and the kernel is bwd_sm90 on Hopper
+    (bwd_sm80 where it is forced). float16 runs in the Hypothesis test above."""
+    import cupy
+    kw, d, causal = _bwd_sm90_cases()[name]
+    rng = numpy.random.default_rng(d)
+    q = rng.standard_normal((2, 3, 300, d)).astype(BF16)
+    k = rng.standard_normal((2, 3, 230, d)).astype(BF16)
+    v = rng.standard_normal((2, 3, 230, d)).astype(BF16)
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    forced = os.environ.get("CUFLASH_BWD") == "sm80"
+    assert bwd_family == ["bwd_sm90.cu" if hopper and not forced else "bwd_sm80.cu"]
 
 
 def test_deterministic_gradients_are_bitwise_reproducible():

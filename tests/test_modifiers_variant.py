@@ -388,6 +388,32 @@ def test_every_builtin_modifier_at_once_compiles_without_spills(family, arch, dt
     assert report.ok, report
 
 
+@pytest.mark.slow
+def test_bwd_sm90_compiles_every_built_in_combination_it_claims_without_spills():
+    """_traits.BWD_SM90_MODIFIERS is what the dispatcher sends to bwd_sm90 on Hopper: every
+    combination of its built-ins (causal, bf16, the dispatcher's tiles at L = 4096) compiles
+    with 0 spills and no stack for sm_90a (the user functions depend on the user's code:
+    bench/NOTES.md has the sweep with sample ones)."""
+    import itertools
+    from cuflash import _families, _traits
+    from cuflash._variant import Variant
+    fam, dev = _families.FAMILIES["bwd_sm90"], _families.PROFILES["h200"]
+    exprs = {}
+    for bucket, feats in _traits.BWD_SM90_MODIFIERS.items():
+        built = sorted(feats - {"score_mod", "mask_mod"})
+        for n in range(1, len(built) + 1):
+            for combo in itertools.combinations(built, n):
+                shape = _families.Shape("bfloat16", 16, 4096, 4096, bucket, bucket,
+                                        Variant(causal=True, **{f: True for f in combo}))
+                choice = _families.choose("bwd", shape, dev)
+                assert choice.family is fam, (combo, choice.reasons)
+                exprs[choice.expr] = (bucket, combo)
+    reports = _jit.compile_offline(fam.source, list(exprs), "sm_90a", sass=False)
+    bad = [(exprs[r.expr], r.error or (r.registers, r.spill_stores, r.spill_loads, r.stack))
+           for r in reports if not r.ok]
+    assert not bad, bad
+
+
 def test_the_plans_pack_and_patch_the_modifiers_as_the_emulation_does():
     """_plan's modifier packing (the GPU path, which CI cannot launch) gives the Params.mod the
     emulated kernels were checked with, and its patch words land on the pointer fields."""
