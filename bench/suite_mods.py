@@ -21,8 +21,8 @@ each modifier, as the cuflash keywords and as the FlexAttention ``score_mod`` / 
 (plain Python operators, so the same functions run on NumPy in the CPU test of this file's
 logic, tests/test_modifiers_bench.py). cuflash runs the document and prefix masks from a dense
 ``mask=`` array, and again (``impl = "cuflash_block_mask"``, forward) from the same mask_mod
-through ``cuflash.block_mask`` (traced into the kernel; its empty tiles are not skipped on the
-GPU yet). A point an implementation cannot run is a row with ``tflops = None`` and the reason
+through ``cuflash.block_mask`` (traced into the kernel; the tiles its map calls empty are neither
+loaded nor computed). A point an implementation cannot run is a row with ``tflops = None`` and the reason
 (the modifiers' backward runs on bwd_sm80; SDPA cannot express softcap).
 
 Method (as bench/suite_decode.py): ``ms`` = median CUDA-event time of one call through the
