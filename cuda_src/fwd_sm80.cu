@@ -167,7 +167,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   for (int j = j0; j < n_blocks; j = after(j), advance(j)) {
     const int n0 = j * BLOCK_N;
     const unsigned stage_off = Var::kBlockMask ? (visit & 1) * kStageBytes : (j & 1) * kStageBytes;
-    if (Var::kBlockMask ? visit > 0 : j > j0) {
+    if (j > j0) {
       cp_async_wait<0>();   // K_j and V_j have landed ...
       __syncthreads();      // ... for every thread, and every warp is done with the other stage
     }

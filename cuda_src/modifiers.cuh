@@ -234,14 +234,29 @@ struct ModVariant {
       // kinds[r * block_tk + c]: a step along the walk, a step across it
       const long long step_along = kKeys ? 1 : m.block_tk, step_across = kKeys ? m.block_tk : 1;
       const signed char* const first = it.kinds + f0 * step_across;
-      for (; t < end; ++t) {
-        const int e0 = t * size, e1 = e0 + size < len ? e0 + size : len;
-        if (e1 <= e0) return end;                    // past the last row (key)
-        for (int w = e0 / along; w <= (e1 - 1) / along; ++w) {
-          const signed char* k = first + w * step_along;
-          for (int f = f0; f <= f1; ++f, k += step_across)
-            if (*k != kTileEmpty) return t;
+      // The map's blocks along the walk, from the one holding tile t's first row (key) to the
+      // last one a tile before `end` reaches, 4 at a time (independent loads: one latency for
+      // four, where one at a time the walk over a long empty stretch costs ~40 cycles a block).
+      // The first non-empty block w makes the tile holding its first element the answer (or t,
+      // if that is t's own block): every tile before it lies in empty blocks.
+      const int stop = (long long)end * size < len ? end * size : len;
+      const int w_end = (stop - 1) / along + 1;
+      for (int w = t * size / along; w < w_end; w += 4) {
+        bool hit[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          hit[u] = false;
+          if (w + u < w_end) {
+            const signed char* k = first + (w + u) * step_along;
+            for (int f = f0; f <= f1; ++f, k += step_across) hit[u] |= *k != kTileEmpty;
+          }
         }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (hit[u]) {
+            const int tw = (w + u) * along / size;
+            return tw > t ? tw : t;
+          }
       }
       return end;
     } else {
