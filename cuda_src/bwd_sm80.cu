@@ -130,7 +130,10 @@ struct BwdSm80Traits {
 // non-decreasing in n, so every key tile n' < n visits each tile key tile n visits, and each
 // visit increments the counter once. So every element of dQ receives its contributions in
 // key-tile order 0, 1, 2, ..., each a fixed sequence of float operations: bitwise the same
-// dQ on every run. No deadlock: the block waited on (key tile n - 1 of the same batch item)
+// dQ on every run. Under a block mask a key tile's walk passes over the query tiles the map
+// calls empty for it, so the block waits for the count of the key tiles before it that do
+// visit Q_i (the same map read along Q_i's rows, Mod::next_tile: the same question of the
+// same rectangles), still in key-tile order. No deadlock: the block waited on (key tile n - 1 of the same batch item)
 // has the lower block index, and blocks are dispatched in index order, so it is resident or
 // done before block n starts; by induction on the block index, the lowest unfinished block
 // never waits. Memory stays O(nbatch * Lq * d) (one dQ buffer, no per-key-tile partials).
@@ -176,6 +179,20 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
   // parameter itself, and the machine code of plain attention is unchanged)
   const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
+  // Within that range a block mask leaves out the query tiles it calls empty for every key of
+  // K_j (Mod::next_tile, the forward's map read the other way): their Q_i, dO_i, L_i, D_i are
+  // never loaded and nothing of them is computed. The walk visits m_start, then the next
+  // non-empty tile after it, and so on: after(m0), the tile after m0, is found once a tile, at
+  // the prefetch (m_walk). Without a block mask the walk is m_first, m_first + BLOCK_M, ...
+  // (spelled m0 + BLOCK_M where it was: a named copy of it changed the machine code).
+  const int k_last = min(n0 + kBlockN, p.Lk);
+  auto walk = [&](int m) {   // m: a multiple of BLOCK_M
+    return BLOCK_M * Var::Mod::template next_tile<false>(p.mod, item, n0, k_last, m / BLOCK_M,
+                                                         (m_end + BLOCK_M - 1) / BLOCK_M, BLOCK_M, p.Lq);
+  };
+  const int m_start = Var::kBlockMask ? walk(m_first) : m_first;
+  int m_walk = m_start;
+  auto after = [&](int m0) { return Var::kBlockMask ? m_walk : m0 + BLOCK_M; };
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
@@ -194,7 +211,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       d_next = __ldg(gD + m0 + tid);
     }
   };
-  if (m_first < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_first, 0);
+  if (m_start < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_start, 0);
   cp_async_commit();
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (registers, mma C layout: rows = this warp's
@@ -230,7 +247,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   int stage = 0;
-  for (int m0 = m_first; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 += BLOCK_M, stage ^= 1) {
+  for (int m0 = m_start; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 = after(m0), stage ^= 1) {
     const unsigned stage_off = stage * Tr::kStageBytes;
     float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
     float* const sDi = sL2 + BLOCK_M;                    // D_i
@@ -246,8 +263,9 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       bwd_io::zero_dead_rows<QTile, BLOCK_M, kThreads>(sQ + stage_off, sQ + stage_off + kDOOff, sL2, m0, p.Lq);
       __syncthreads();
     }
-    // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
-    if (m0 + BLOCK_M < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} (the next tile visited) into the other stage.
+    if constexpr (Var::kBlockMask) m_walk = walk(m0 + BLOCK_M);
+    if (after(m0) < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(after(m0), stage ^ 1);
     cp_async_commit();
 
     // Keys of K_j that some row of Q_i sees: those < key_end. Warps past them have P = dS = 0
@@ -424,7 +442,16 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
         // (the key tiles before K_j that visit Q_i: all of them, or under a window's left
         // bound those from the one holding Q_i's first visible key on)
         const int n_lo = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / kBlockN : 0;
-        while (ld_acquire_gpu(sem) != n_block - n_lo) {
+        // (under a block mask only those whose walk does not pass over Q_i: the key tiles of
+        // [n_lo, n_block) that the map, read along Q_i's rows, does not call empty)
+        int n_wait = n_block - n_lo;
+        if constexpr (Var::kBlockMask) {
+          const int r_last = min(m0 + BLOCK_M, p.Lq);
+          n_wait = 0;
+          for (int t = n_lo; (t = Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, t, n_block, kBlockN, p.Lk)) < n_block; ++t)
+            ++n_wait;
+        }
+        while (ld_acquire_gpu(sem) != n_wait) {
         }
       }
       __syncthreads();   // ... (and the staged tile is complete)

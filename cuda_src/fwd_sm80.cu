@@ -92,6 +92,27 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int n_end = Var::key_end(p.var, p.mod, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int j_first = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
+  // Within that range a block mask leaves out the key tiles it calls empty for every row of
+  // the block (Mod::next_tile): they are never loaded nor computed. The loop visits j0, then
+  // the next non-empty tile after it, and so on: after(j), the tile visited after j, is
+  // prefetched during j, so the walk finds it one iteration ahead (j_walk), in the loop's
+  // increment, where S and P are dead (in the body it made ptxas spill). `visit` counts the
+  // visits and picks the K/V stage, so the tile being loaded never shares the stage being
+  // computed on. Without a block mask the walk is j_first, j_first + 1, ... and the stage is
+  // j's parity, spelled as they were (j + 1 through a lambda changed the machine code).
+  const int r_last = min(m0 + kBlockM, p.Lq);
+  auto next_tile = [&](int j) {
+    return Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, j, n_blocks, BLOCK_N, p.Lk);
+  };
+  const int j0 = Var::kBlockMask ? next_tile(j_first) : j_first;
+  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0;
+  auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
+  auto advance = [&](int j) {   // j: the tile just reached
+    if constexpr (Var::kBlockMask) {
+      j_walk = next_tile(j + 1);
+      ++visit;
+    }
+  };
 
   // K_j and V_j into stage `stage`
   auto load_kv = [&](int n0, int stage) {
@@ -102,7 +123,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   load_tile<QTile, kBlockM, kThreads, EVEN>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > j_first) load_kv(j_first * BLOCK_N, j_first & 1);
+  if (n_blocks > j0) load_kv(j0 * BLOCK_N, Var::kBlockMask ? 0 : j0 & 1);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -143,15 +164,17 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int col_in_tile = 2 * (lane % 4);
 
   // -- 6: for 1 <= j <= T_c (the key tiles this Q tile can see):
-  for (int j = j_first; j < n_blocks; ++j) {
+  for (int j = j0; j < n_blocks; j = after(j), advance(j)) {
     const int n0 = j * BLOCK_N;
-    const unsigned stage_off = (j & 1) * kStageBytes;
-    if (j > j_first) {
+    const unsigned stage_off = Var::kBlockMask ? (visit & 1) * kStageBytes : (j & 1) * kStageBytes;
+    if (j > j0) {
       cp_async_wait<0>();   // K_j and V_j have landed ...
-      __syncthreads();      // ... for every thread, and every warp is done with stage (j+1)&1
+      __syncthreads();      // ... for every thread, and every warp is done with the other stage
     }
-    // -- 7: Load K_{j+1} and V_{j+1} into the other stage (overlaps all of this iteration)
-    if (j + 1 < n_blocks) load_kv(n0 + BLOCK_N, (j + 1) & 1);
+    // -- 7: Load K_{j+1} and V_{j+1} (the next tile visited) into the other stage (overlaps all
+    //       of this iteration)
+    if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
+      load_kv(Var::kBlockMask ? j_walk * BLOCK_N : n0 + BLOCK_N, Var::kBlockMask ? (visit + 1) & 1 : (j + 1) & 1);
     cp_async_commit();
     // A tile with no visible pair for this warp's rows (causal: wholly past the diagonal of its
     // last row) changes nothing for them (every score masked: alpha = 1, P = 0), so the warp

@@ -97,9 +97,30 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int j_first_wg = Var::kKeyLo ? Var::key_begin(p.var, p.mod, wg_row_first) / BLOCK_N : 0;
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
+  // Within [j_first, n_blocks) a block mask leaves out the key tiles it calls empty for every
+  // row of the block (the union over its warpgroups, which share the loads; Mod::next_tile):
+  // they are never loaded nor computed. The loop visits j0, then the next non-empty tile after
+  // it, and so on: after(j), the tile visited after j, is prefetched during j, so the walk finds
+  // it one iteration ahead (j_walk), in the loop's increment (as fwd_sm80). `visit` counts the
+  // visits and picks the K/V stage (slot % kStages), so the tile being loaded never shares the
+  // stage being computed on. Without a block mask the walk is j_first, j_first + 1, ... and the
+  // slot is j, spelled as they were (through a lambda they changed the machine code).
+  const int r_last = min(m0 + kBlockM, p.Lq);
+  auto next_tile = [&](int j) {
+    return Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, j, n_blocks, BLOCK_N, p.Lk);
+  };
+  const int j0 = Var::kBlockMask ? next_tile(j_first) : j_first;
+  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0;
+  auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
+  auto advance = [&](int j) {   // j: the tile just reached
+    if constexpr (Var::kBlockMask) {
+      j_walk = next_tile(j + 1);
+      ++visit;
+    }
+  };
 
-  auto load_kv = [&](int j) {   // K_j and V_j into stage j % Tr::kStages
-    const unsigned sK = sKV + (j % Tr::kStages) * Tr::kStageBytes;
+  auto load_kv = [&](int j, int slot) {   // K_j and V_j into stage slot % Tr::kStages
+    const unsigned sK = sKV + (slot % Tr::kStages) * Tr::kStageBytes;
     load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
     load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
   };
@@ -109,23 +130,23 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const unsigned long long desc_q = make_desc(sQ + wg * 64 * 128, 16, 1024);
   const unsigned long long desc_k = make_desc(sKV, 16, 1024);
   const unsigned long long desc_v = make_desc(sKV + KVTile::kBytes, KVTile::kBlockBytes, 1024);
-  auto stage_of = [](int j) { return static_cast<unsigned long long>(((j % Tr::kStages) * Tr::kStageBytes) >> 4); };
+  auto stage_of = [](int slot) { return static_cast<unsigned long long>(((slot % Tr::kStages) * Tr::kStageBytes) >> 4); };
 
   // -- S = Q_i K_j^T: issue (and commit) the wgmma's; the caller waits
-  auto issue_s = [&](float (&s)[Tr::kNTilesS][4], int j) {
+  auto issue_s = [&](float (&s)[Tr::kNTilesS][4], int slot) {
 #pragma unroll
     for (int ks = 0; ks < Tr::kKSteps; ++ks) {
       const unsigned long long kq = ((ks / 4) * QTile::kBlockBytes + (ks % 4) * 32) >> 4;
       const unsigned long long kk = ((ks / 4) * KVTile::kBlockBytes + (ks % 4) * 32) >> 4;
-      Wgmma<T, BLOCK_N>::ss(s, desc_q + kq, desc_k + stage_of(j) + kk, ks > 0);
+      Wgmma<T, BLOCK_N>::ss(s, desc_q + kq, desc_k + stage_of(slot) + kk, ks > 0);
     }
     wgmma_commit();
   };
   // -- O_i += P V_j, P (registers) as the A operand; the caller waits
-  auto issue_pv = [&](float (&o)[Tr::kNTilesO][4], const unsigned (&pa)[Tr::kPVSteps][4], int j) {
+  auto issue_pv = [&](float (&o)[Tr::kNTilesO][4], const unsigned (&pa)[Tr::kPVSteps][4], int slot) {
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk)
-      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(j) + ((kk * 16 * 128) >> 4), 1);
+      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(slot) + ((kk * 16 * 128) >> 4), 1);
     wgmma_commit();
   };
 
@@ -160,7 +181,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
   load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > j_first) load_kv(j_first);
+  if (n_blocks > j0) load_kv(j0, Var::kBlockMask ? 0 : j0);
   cp_async_commit();
 
   // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf
@@ -173,11 +194,12 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 6: for 1 <= j <= T_c: S_ij (8), the softmax (9), P~_ij V_j (10), one after the other;
   //       K_{j+1}, V_{j+1} load meanwhile (7)
-  for (int j = j_first; j < n_blocks; ++j) {
-    cp_async_wait<0>();    // K_j and V_j (and at j = 0, Q_i) have landed ...
+  for (int j = j0; j < n_blocks; j = after(j), advance(j)) {
+    cp_async_wait<0>();    // K_j and V_j (and at the first tile, Q_i) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
-    __syncthreads();       // ... for every thread, and every warpgroup is done with stage (j+1)%2
-    if (j + 1 < n_blocks) load_kv(j + 1);
+    __syncthreads();       // ... for every thread, and every warpgroup is done with the other stage
+    if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
+      load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 : j + 1);
     cp_async_commit();
     if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) continue;
     // A block mask: a tile its mask_mod hides from all of this warpgroup's rows changes
@@ -192,7 +214,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
 
     wgmma_fence();
-    issue_s(s, j);
+    issue_s(s, Var::kBlockMask ? visit : j);
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];
@@ -203,7 +225,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
     fence_regs(o);
     wgmma_fence();
-    issue_pv(o, pa, j);
+    issue_pv(o, pa, Var::kBlockMask ? visit : j);
     wgmma_wait<0>();
     fence_regs(o);
   }

@@ -1,5 +1,5 @@
 // The score pipeline of DESIGN.md "Modifiers" for the kernels: one template, ModVariant, whose
-// seven hooks every kernel family calls (docs/modifiers.md shows where). It computes what
+// hooks every kernel family calls (docs/modifiers.md shows where). It computes what
 // cuflash/_pipeline.py computes on NumPy blocks, element by element; tests/test_modifiers_variant.py
 // compiles this header for the host with g++ and checks it against that module, and compiles
 // it with NVRTC for sm_80 and sm_90a.
@@ -208,6 +208,60 @@ struct ModVariant {
       }
     }
     return empty ? kTileEmpty : (full ? kTileFull : kTilePartial);
+  }
+
+  // (3b) The block mask's walk over the tiles of one axis, for a fixed range of the other:
+  //      kKeys, the key tiles t (keys [t size, (t + 1) size) clipped to len = Lk) of the
+  //      query rows [a0, a1) (the forward's loop); otherwise the query tiles t (rows, clipped
+  //      to len = Lq) of the keys [a0, a1) (the backward's). Returns the first tile t' >= t,
+  //      t' < end, that covers some block the mask does not call empty, or end if there is
+  //      none (t itself where t >= end). A tile it passes over has every block under it empty:
+  //      no pair of it is visible, so the kernel neither loads nor computes it ("empty tiles
+  //      are never loaded"). Without a block mask it returns t: every tile of the analytic
+  //      (causal / window) range is visited, as before. The same map and the same question
+  //      (some non-empty block in the rectangle) serve both directions, so the forward and
+  //      the backward skip exactly the same (query tile, key tile) pairs of a given tiling.
+  template <bool kKeys, class It>
+  __device__ __forceinline__ static int next_tile(const ModifierParams& m, const It& it,
+                                                  int a0, int a1, int t, int end, int size,
+                                                  int len) {
+    if constexpr (kBlockMask) {
+      if (t >= end) return t;
+      if (a1 <= a0) return end;                      // no row (key) at all: nothing visible
+      const int across = kKeys ? m.block_m : m.block_n;   // block size across the walk
+      const int along = kKeys ? m.block_n : m.block_m;    // and along it
+      const int f0 = a0 / across, f1 = (a1 - 1) / across;
+      // kinds[r * block_tk + c]: a step along the walk, a step across it
+      const long long step_along = kKeys ? 1 : m.block_tk, step_across = kKeys ? m.block_tk : 1;
+      const signed char* const first = it.kinds + f0 * step_across;
+      // The map's blocks along the walk, from the one holding tile t's first row (key) to the
+      // last one a tile before `end` reaches, 4 at a time (independent loads: one latency for
+      // four, where one at a time the walk over a long empty stretch costs ~40 cycles a block).
+      // The first non-empty block w makes the tile holding its first element the answer (or t,
+      // if that is t's own block): every tile before it lies in empty blocks.
+      const int stop = (long long)end * size < len ? end * size : len;
+      const int w_end = (stop - 1) / along + 1;
+      for (int w = t * size / along; w < w_end; w += 4) {
+        bool hit[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          hit[u] = false;
+          if (w + u < w_end) {
+            const signed char* k = first + (w + u) * step_along;
+            for (int f = f0; f <= f1; ++f, k += step_across) hit[u] |= *k != kTileEmpty;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (hit[u]) {
+            const int tw = (w + u) * along / size;
+            return tw > t ? tw : t;
+          }
+      }
+      return end;
+    } else {
+      return t;
+    }
   }
 
   // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (the

@@ -138,7 +138,7 @@ def variant_of(prob, mods=None) -> Variant:
 def traces_of(mods) -> tuple:
     """The traces of ``mods.score_mod`` and ``mods.mask_mod`` (None where absent), reused
     while nothing the functions read changes (``_trace.cached_trace``). A ``block_mask``
-    contributes its mask_mod (its tiles are not skipped on the GPU yet)."""
+    contributes its mask_mod (the kernels read its map too: empty tiles are never loaded)."""
     from . import _trace
     return tuple(None if fn is None else _trace.cached_trace(fn, role)
                  for fn, role in ((mods.score_mod, "score_mod"), (mods.mask_mod, "mask_mod")))

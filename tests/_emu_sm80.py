@@ -180,6 +180,13 @@ extern "C" void emu_readable(const void* lo, unsigned long long n) {
   ::emu::st().readable.push_back({static_cast<const char*>(lo), static_cast<const char*>(lo) + n});
 }
 extern "C" void emu_clear_readable() { ::emu::st().readable.clear(); }
+extern "C" void emu_watch(const void* lo, unsigned long long n, int eager) {
+  ::emu::st().watched.clear();
+  if (n) ::emu::st().watched.push_back({static_cast<const char*>(lo), static_cast<const char*>(lo) + n});
+  ::emu::st().watched_copies = 0;
+  ::emu::st().eager = eager != 0;
+}
+extern "C" long emu_watched() { return ::emu::st().watched_copies; }
 """ % "\n".join(cases)
 
 
@@ -192,16 +199,26 @@ class Library:
                                         ctypes.c_uint]
         self.lib.emu_message.restype = ctypes.c_char_p
         self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+        self.lib.emu_watch.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int]
+        self.lib.emu_watched.restype = ctypes.c_long
         self.index = {k: i for i, k in enumerate(kernels)}
+        #: the launches' cp.async copies of data from the array ``watch`` (16 bytes each)
+        self.watched_copies = 0
 
     def launch(self, kind: str, expr: str, params: numpy.ndarray, grid: int, threads: int,
-               smem_bytes: int, readable=()) -> None:
+               smem_bytes: int, readable=(), watch=None, eager=False) -> None:
+        """Run the grid. ``watch``: an array whose cp.async copies are counted (into
+        ``watched_copies``); ``eager``: copies land when issued, not at their wait."""
         self.lib.emu_clear_readable()
         for a in readable:
             lo, hi = _span(a)
             self.lib.emu_readable(lo, hi - lo)
+        lo, hi = _span(watch) if watch is not None else (0, 0)
+        self.lib.emu_watch(lo, hi - lo, int(eager))
         buf = numpy.ascontiguousarray(params).view(numpy.uint8)
         rc = self.lib.emu_launch(self.index[(kind, expr)], buf.ctypes.data, grid, threads, smem_bytes)
+        self.watched_copies = self.lib.emu_watched()
+        self.lib.emu_watch(0, 0, 0)
         if rc:
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
 
@@ -318,12 +335,13 @@ def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
 
 def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
              deterministic=False, tiles: Traits | None = None, expr: str | None = None,
-             **modifiers):
+             eager=False, **modifiers):
     """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
     dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
     them (then dbias, dsink with those modifiers, as the GPU plan finishes them). ``o`` and
     ``lse`` are the forward's (any source); ``expr`` / ``tiles`` the specialisation (the
-    registry's choice on an A100 by default)."""
+    registry's choice on an A100 by default). ``eager``: cp.async copies land when issued;
+    ``lib.watched_copies`` counts the copies of Q's data the kernel made."""
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     mods = modifiers_of(prob, **modifiers)
     shapes = (q.shape, k.shape, v.shape)
@@ -356,9 +374,14 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     if dbias_acc is not None:
         p["mod"]["dbias"] = dbias_acc.ctypes.data
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
-               readable=(q, k, v, do))
+               readable=(q, k, v, do), watch=q, eager=eager)
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
-        visits = numpy.zeros(num_m_blocks, numpy.int32)
+        visits = numpy.zeros((nbatch, num_m_blocks), numpy.int32)
+        # (a block mask: only the (query tile, key tile) pairs its map does not call empty)
+        seen = numpy.ones((nbatch, num_m_blocks, num_n_blocks), bool)
+        if mods is not None and mods.block_mask is not None:
+            seen = numpy.broadcast_to(mods.block_mask.tile_kinds(tiles.block_m, tiles.block_n) != 0,
+                                      prob.batch_shape + seen.shape[1:]).reshape(seen.shape)
         window = mods.window if mods is not None else None
         diag = Lk - Lq
         for n in range(num_n_blocks):
@@ -371,7 +394,7 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
                 hi = min(hi, max(0, n1 - diag + window[0]))
             first = lo // tiles.block_m
             last = -(-hi // tiles.block_m)
-            visits[first:last] += 1
+            visits[:, first:last] += seen[:, first:last, n]
         counts = semaphore.reshape(nbatch, num_m_blocks)
         assert (counts == visits).all(), (counts, visits)
     grads = tuple(_problem.sum_to_shape(x, shape, prob.dtype)
@@ -403,9 +426,11 @@ def modifiers_of(prob, **modifiers):
 
 
 def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
-             causal=False, **modifiers):
+             causal=False, eager=False, **modifiers):
     """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0), with
-    any built-in modifier keywords (``expr`` must be compiled for them)."""
+    any built-in modifier keywords (``expr`` must be compiled for them). ``eager``: cp.async
+    copies land when issued; ``lib.watched_copies`` counts the copies of K's data the kernel
+    made."""
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
@@ -413,5 +438,5 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
                             num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers))
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
-               readable=(prob.q, prob.k, prob.v))
+               readable=(prob.q, prob.k, prob.v), watch=prob.k, eager=eager)
     return o, lse

@@ -58,6 +58,9 @@ CONFIGS = {
     "blockmask": ("false, false, true, false, double, false, SM2, MM2, true, false",
                   dict(softcap=0.5, bias=numpy.float64, score_mod=score_mod2,
                        block_mask=mask_mod2), False),
+    # documents of 5 (and the first keys): most tiles of the map empty, walked over
+    "blockdoc": ("false, false, false, false, void, false, cuflash::NoScoreMod, MM1, true, false",
+                 dict(block_mask=mask_mod), False),
     "bands": ("true, true, false, false, void, false, cuflash::NoScoreMod, "
               "cuflash::NoMaskMod, false, true",
               dict(window=(None, 3), sink=True), True),
@@ -122,6 +125,24 @@ void tiles_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems,
   for (int c = 0; c < Tk; ++c)
     V::query_range(*m, off, Lq, c * bn, (c + 1) * bn < Lk ? (c + 1) * bn : Lk, qrange[2 * c], qrange[2 * c + 1]);
 }
+// next_tile from every start: the key walk of each query tile (knext, item x Tq x (Tk + 1)) and
+// the query walk of each key tile (qnext, item x Tk x (Tq + 1))
+template <class V>
+void walks_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, int Lq, int Lk,
+                int bm, int bn, int* knext, int* qnext) {
+  const int Tq = (Lq + bm - 1) / bm, Tk = (Lk + bn - 1) / bn;
+  for (int n = 0; n < nitems; ++n) {
+    typename V::Item it = V::item(*m, bshape, n);
+    for (int a = 0; a < Tq; ++a)
+      for (int t = 0; t <= Tk; ++t)
+        knext[((long long)n * Tq + a) * (Tk + 1) + t] = V::template next_tile<true>(
+            *m, it, a * bm, (a + 1) * bm < Lq ? (a + 1) * bm : Lq, t, Tk, bn, Lk);
+    for (int c = 0; c < Tk; ++c)
+      for (int t = 0; t <= Tq; ++t)
+        qnext[((long long)n * Tk + c) * (Tq + 1) + t] = V::template next_tile<false>(
+            *m, it, c * bn, (c + 1) * bn < Lk ? (c + 1) * bn : Lk, t, Tq, bm, Lq);
+  }
+}
 """
 
 
@@ -136,7 +157,10 @@ def _entry_points() -> str:
             f" s, ds, sc, vis, g, db, rs); }}\n"
             f'extern "C" void tiles_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
             f" int Lq, int Lk, int off, int bm, int bn, int* k, int* kr, int* qr) {{"
-            f" tiles_impl<{v}>(m, bs, n, Lq, Lk, off, bm, bn, k, kr, qr); }}")
+            f" tiles_impl<{v}>(m, bs, n, Lq, Lk, off, bm, bn, k, kr, qr); }}\n"
+            f'extern "C" void walks_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
+            f" int Lq, int Lk, int bm, int bn, int* kn, int* qn) {{"
+            f" walks_impl<{v}>(m, bs, n, Lq, Lk, bm, bn, kn, qn); }}")
     return "\n".join(out)
 
 
@@ -280,6 +304,54 @@ def test_tile_kinds_and_ranges_never_hide_a_visible_pair(name, bm, bn):
         assert (kinds == 0).any() and (kinds == 1).any()
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("bm, bn", [(8, 4), (5, 7), (16, 16), (3, 64)])
+def test_next_tile_walks_exactly_the_tiles_the_block_mask_does_not_call_empty(name, bm, bn):
+    """Mod::next_tile (the kernels' walk over key tiles in the forward, query tiles in the
+    backward): from every start, the first tile at or after it whose rectangle holds a block the
+    map does not call empty (tiles of other sizes than the map's blocks: across and inside
+    them), the end if none; without a block mask, the start itself. A tile it passes over has no
+    visible pair."""
+    lib = _library()
+    mods, pipe, causal = _problem(name)
+    params, keep = _pack(mods)
+    Tq, Tk = -(-LQ // bm), -(-LK // bn)
+    kn = numpy.full((B * H, Tq, Tk + 1), -7, numpy.int32)
+    qn = numpy.full((B * H, Tk, Tq + 1), -7, numpy.int32)
+    bshape = numpy.array([1, 1, B, H], numpy.int32)
+    getattr(lib, f"walks_{name}")(*(x.ctypes.data_as(ctypes.c_void_p) for x in (params, bshape)),
+                                  B * H, LQ, LK, bm, bn,
+                                  *(x.ctypes.data_as(ctypes.c_void_p) for x in (kn, qn)))
+    if mods.block_mask is None:
+        seen = numpy.ones((B * H, Tq, Tk), bool)
+    else:
+        seen = numpy.broadcast_to(mods.block_mask.tile_kinds(bm, bn) != 0,
+                                  (B, H, Tq, Tk)).reshape(B * H, Tq, Tk)
+    vis = pipe.visible(0, LQ, 0, LK)
+    vis = numpy.ones((B, H, LQ, LK), bool) if vis is None else numpy.broadcast_to(
+        vis, (B, H, LQ, LK))
+    vis = vis.reshape(B * H, LQ, LK)
+
+    def first(row, t, end):   # the first True of row at or after t, else end
+        hits = numpy.flatnonzero(row[t:])
+        return t + int(hits[0]) if hits.size else end
+
+    for n in range(B * H):
+        for a in range(Tq):
+            for t in range(Tk + 1):
+                assert kn[n, a, t] == first(seen[n, a], t, Tk), (n, a, t)
+                skipped = slice(t * bn, kn[n, a, t] * bn)
+                assert not vis[n, a * bm:(a + 1) * bm, skipped].any(), (n, a, t)
+        for c in range(Tk):
+            for t in range(Tq + 1):
+                assert qn[n, c, t] == first(seen[n, :, c], t, Tq), (n, c, t)
+                skipped = slice(t * bm, qn[n, c, t] * bm)
+                assert not vis[n, skipped, c * bn:(c + 1) * bn].any(), (n, c, t)
+    if name == "blockdoc" and (bm, bn) == (8, 4):   # the walks skip something
+        assert (kn[:, :, :-1] > numpy.arange(Tk)).any() and (qn[:, :, :-1] > numpy.arange(Tq)).any()
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_the_instantiations_compile_with_nvrtc(arch):
     try:
@@ -299,7 +371,9 @@ def test_the_instantiations_compile_with_nvrtc(arch):
             f"  float s = V::score(m, it, out[i], i, j);\n"
             f"  if (V::tile_kind(m, it, 0, 0, 16, lo, hi) == cuflash::kTilePartial && "
             f"!V::visible(m, it, 0, i, j)) s = mx;\n"
-            f"  out[i] = s + l + V::grad(m, it, s, out[j], i, j, db) + db;\n}}")
+            f"  out[i] = s + l + V::grad(m, it, s, out[j], i, j, db) + db"
+            f" + V::template next_tile<true>(m, it, 0, 16, lo, hi, 8, 64)"
+            f" + V::template next_tile<false>(m, it, 0, 16, lo, hi, 8, 64);\n}}")
     src = _source(host=False) + "\n" + "\n".join(kernels)
     log, lowered, _ = nvrtc.compile(src, "variant_probe.cu",
                                     [f"probe_{n}" for n in CONFIGS], _jit._options(arch))

@@ -9,7 +9,8 @@
 // order. Shared memory starts filled with 0xFF bytes (NaN as float16, bfloat16 and float32).
 // A round in which no fiber reaches a barrier or finishes is a deadlock and aborts, and so
 // does every out-of-bounds shared-memory access, a misaligned cp.async / ldmatrix address,
-// and a cp.async source outside the arrays registered as readable.
+// and a cp.async source outside the arrays registered as readable. cp.async copies land at the
+// wait that retires them, or (State::eager) when issued.
 //
 // The warp-level operations follow the PTX ISA's fragment tables (mma.m16n8k16, ldmatrix
 // .m8n8 with and without .trans); they live in mma_sm80_host.cuh. What is *not* emulated:
@@ -80,6 +81,14 @@ struct State {
   uint32_t xchg[2][kMaxThreads][8];
   // readable global ranges for cp.async sources
   std::vector<std::pair<const char*, const char*>> readable;
+  // cp.async copies (of data, not zero fills) whose source lies in `watched`: what a kernel
+  // loads of one array (a test of the tiles a block mask skips)
+  std::vector<std::pair<const char*, const char*>> watched;
+  long watched_copies = 0;
+  // cp.async copies land when issued (true) or at the wait that retires them (false): both are
+  // what the GPU may do, so a kernel must be right under each; landing early catches a copy
+  // into a buffer that is still being read
+  bool eager = false;
   std::mt19937 rng{12345};
   // cp.async: per thread, the committed groups not yet waited for and the open group
   struct Copy { unsigned dst; const void* src; int bytes; };
@@ -152,6 +161,15 @@ inline const uint32_t* lane_xchg(int parity, int lane) {
 
 inline void check_smem(unsigned addr, unsigned bytes) {
   if (size_t(addr) + bytes > st().dyn_smem) fail("shared-memory access past the dynamic allocation");
+}
+
+inline void count_watched(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (auto& r : st().watched)
+    if (c >= r.first && c < r.second) {
+      ++st().watched_copies;
+      return;
+    }
 }
 
 inline void check_readable(const void* p, size_t bytes) {

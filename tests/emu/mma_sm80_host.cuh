@@ -71,8 +71,10 @@ inline void cp_async_16(unsigned dst, const void* src, int src_bytes) {
   if (src_bytes) {
     if (reinterpret_cast<uintptr_t>(src) % 16) ::emu::fail("cp.async source not 16-byte aligned");
     ::emu::check_readable(src, 16);
+    ::emu::count_watched(src);
   }
-  ::emu::st().open[::emu::st().cur].push_back({dst, src, src_bytes});
+  if (::emu::st().eager) emu_detail::land({dst, src, src_bytes});
+  else ::emu::st().open[::emu::st().cur].push_back({dst, src, src_bytes});
 }
 inline void cp_async_commit() {
   ::emu::State& s = ::emu::st();
