@@ -212,17 +212,9 @@ def test_extra_memory_does_not_grow_with_l_squared(dtype):
 def launched(monkeypatch):
     """The source of the main kernel of every backward plan built (the dispatcher's pick; the
     plan cache is cleared first, so every call of the test builds its plan)."""
-    from cuflash import _api, _families
-    seen = []
-    choose = _families.choose
-
-    def spy(kind, *args, **kwargs):
-        choice = choose(kind, *args, **kwargs)
-        if kind == "bwd":
-            seen.append(choice.family.source)
-        return choice
-
-    monkeypatch.setattr(_families, "choose", spy)
+    from cuflash import _api
+    from _spy import backward_sources
+    seen = backward_sources(monkeypatch)
     for name in ("CUFLASH_BWD", "CUFLASH_TILES", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(name, raising=False)
     _api.clear_plans()

@@ -55,21 +55,14 @@ def bwd_family(request, monkeypatch):
     forced (CUFLASH_BWD=sm80; off Hopper that is the default and is skipped). Yields the list
     of the backward kernel sources the plans built in the test chose."""
     import cupy
-    from cuflash import _api, _families
+    from cuflash import _api
+    from _spy import backward_sources
     if request.param == "sm80" and cupy.cuda.Device().compute_capability != "90":
         pytest.skip("CUFLASH_BWD=sm80 changes nothing off Hopper")
     monkeypatch.delenv("CUFLASH_BWD", raising=False)
     if request.param == "sm80":
         monkeypatch.setenv("CUFLASH_BWD", "sm80")
-    seen, choose = [], _families.choose
-
-    def spy(kind, *args, **kwargs):
-        choice = choose(kind, *args, **kwargs)
-        if kind == "bwd":
-            seen.append(choice.family.source)
-        return choice
-
-    monkeypatch.setattr(_families, "choose", spy)
+    seen = backward_sources(monkeypatch)
     _api.clear_plans()
     yield seen
     _api.clear_plans()
