@@ -6,7 +6,9 @@
 # Parts (each prints its summary lines and appends them to $OUT/summary.txt):
 #   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}, spread over
 #             $TESTS_WORKERS processes, default 15, with pytest-xdist) -> tests.log
-#             ~4-5 min (413 tests in 269 s on 15 processes, session 4)
+#             ~4-5 min (413 tests in 269 s on 15 processes, session 4); --dist load, not
+#             setup.cfg's loadfile, which sends a whole file (test_gpu_modifiers.py: 100+ tests
+#             of compile-heavy variants) to one worker
 #   gate      the whole compile gate, every specialisation of every arch (python -m cuflash
 #             check; CI compiles only its covering set, cuflash/_gate.py) -> gate.log
 #             ~1 min on 16 cores
@@ -53,7 +55,7 @@ part_tests() {
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
   # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures
   HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} timeout -s INT "${TESTS_TIMEOUT:-560}" \
-    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" -p no:cacheprovider -q --tb=short -rfE --durations=40 \
+    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider -q --tb=short -rfE --durations=40 \
     >> "$log" 2>&1
   local rc=$?
   note "tests: exit $rc: $(grep -E '[0-9]+ (passed|failed|error)' "$log" | tail -n 1)"
