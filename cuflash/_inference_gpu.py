@@ -13,8 +13,8 @@ A call runs up to three kernels on CuPy's current stream, in order:
 
 All three take one ``cuflash::decode::DecodeParams`` block (``cuda_src/decode_params.cuh``),
 mirrored here by :data:`DECODE_PARAMS`. The split count (``num_splits=None``): enough blocks
-to fill ``num_sms x min_blocks`` resident slots (``min_blocks`` from the traits table; one
-block an SM for decode_sm80, as measured on the H200, see ``DecodePlan``'s choice), chosen
+to fill ``num_sms x min_blocks`` resident slots (``min_blocks`` from the traits table, or
+its ``split_wave`` where set: one block an SM for decode_sm80, as measured on the H200), chosen
 as the smallest count whose last wave is at least 85% as full as the best count's, with at
 least 4 key iterations a split (fewer keys make the combine cost more than the split saves).
 The heuristic sees the cache capacity, not the device-side lengths: each block divides its
@@ -318,15 +318,10 @@ def spec_or_reason(c, dev=None):
     tiles = -(-(G * c.Lq) // t.block_m)
     keys_per_iter = t.block_n // (2 if c.dtype.itemsize == 4 else 1)
     if c.num_splits is None:
-        # DecodeTraits::kMinBlocks: one block fewer for float32 (two loads a lane and key)
-        resident = t.min_blocks - (1 if c.dtype.itemsize == 4 and t.block_m < 8 else 0)
-        # decode_sm80 fills one block an SM, not its resident slots: measured on the H200
-        # (bench/probes/decode_splits.py, session 6; bf16, d 128, Hq 32 / Hkv 8), the best
-        # split counts were B=1 Lk=128k 12-16 (3.85 TB/s; 29 filling two blocks an SM: 3.45),
-        # B=1 Lk=8k 12 (1.07; 29: 1.01), B=8 Lk=8k 2 (3.60; 4: 3.50), B=64 1 (4.44). The
-        # generic decode_split keeps its resident-slot target until it is measured.
-        if choice.family.name == "decode_sm80":
-            resident = 1
+        # the wave the traits ask for (decode_sm80: one block an SM), else the resident
+        # blocks: DecodeTraits::kMinBlocks, one fewer for float32 (two loads a lane and key)
+        resident = t.split_wave or (
+            t.min_blocks - (1 if c.dtype.itemsize == 4 and t.block_m < 8 else 0))
         splits = num_splits_heuristic(c.B * Hkv * tiles, c.capacity, keys_per_iter,
                                       dev.num_sms, resident)
         why = (f"num_splits={splits} (heuristic: {c.B * Hkv * tiles} blocks a split, "

@@ -28,6 +28,7 @@ class Traits:
     threads: int
     smem_bytes: int                      # dynamic shared memory of one block
     min_blocks: int = 1                  # blocks an SM the registers must allow
+    split_wave: int = 0                  # decode: blocks an SM its split heuristic fills (0: min_blocks)
     allow_even: bool = True              # fwd_sm80: False where the EVEN build spills
     acc: int = 4                         # bytes of the accumulation type (simt families)
     reason: str = dataclasses.field(default="", compare=False)
@@ -140,11 +141,16 @@ def decode(head_dim, rows, min_blocks=1, reason=""):
 def decode_sm80(head_dim, min_blocks=1, reason=""):
     """DecodeMmaTraits (cuda_src/decode_mma.cu, helper "inference"): 4 warps, 16 packed query
     rows (the MMA's M), 16 keys a warp tile, 64 keys a block iteration; shared memory: the Q
-    tile and each warp's 3 stages of (K, V) tiles of 16 x head_dim b16 elements."""
+    tile and each warp's 3 stages of (K, V) tiles of 16 x head_dim b16 elements. Its split
+    heuristic fills one block an SM (``split_wave``), not the resident ``min_blocks``: one
+    block keeps enough bytes in flight to saturate HBM, and more splits only add partials to
+    combine (H200, bench/probes/decode_splits.py, session 6: B=1 Lk=128k, 12-16 splits 3.85
+    TB/s where the resident-slot count of 29 gave 3.45; B=8 Lk=8k, 2 splits 3.60 against 4's
+    3.50; B=64, 1 split 4.44)."""
     tile = 16 * head_dim * 2
     return _traits("decode_sm80", ("head_dim",), locals(), head_dim=head_dim, block_m=16,
                    block_n=64, threads=128, smem_bytes=tile + 4 * 3 * 2 * tile,
-                   min_blocks=min_blocks, reason=reason)
+                   min_blocks=min_blocks, split_wave=1, reason=reason)
 
 
 MAKE: dict[str, Callable[..., Traits]] = {
