@@ -54,6 +54,22 @@ def _load(path: str) -> dict[str, dict]:
 PRIORITY = ("bwd_sm90.cu", "bwd_sm80.cu", "fwd_sm90.cu", "fwd_sm80.cu", "bwd_prep.cu", "bwd_simt.cu", "fwd_simt.cu")
 
 
+def fingerprint(section: str, name: str) -> dict:
+    """SHA-256 and instruction count of one function's SASS (``name``: its mangled name):
+    instruction lines only, addresses dropped, branch labels numbered per function, its own
+    name replaced."""
+    text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
+    # branch labels are numbered across the whole cubin, in the order of its functions (which
+    # follows their mangled names): number them per function
+    labels: dict[str, str] = {}
+    text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
+    text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
+    lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
+    body = "\n".join(lines)
+    return {"sha": hashlib.sha256(body.encode()).hexdigest(),
+            "instructions": sum(1 for x in lines if "NOP" not in x)}
+
+
 def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str = "",
                  path: str | None = None) -> dict[str, dict | None]:
     """Fingerprint the selected specialisations; with ``path``, resume from what that JSON file
@@ -85,18 +101,7 @@ def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str =
         raw = _jit.sass_sections(cubin)
         if raw is None:
             raise SystemExit("nvdisasm is needed (pip install nvidia-cuda-nvdisasm)")
-        sections = {}
-        for name, section in raw.items():
-            text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
-            # branch labels are numbered across the whole cubin, in the order of its
-            # functions (which follows their mangled names): number them per function
-            labels: dict[str, str] = {}
-            text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
-            text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
-            lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
-            body = "\n".join(lines)
-            sections[name] = {"sha": hashlib.sha256(body.encode()).hexdigest(),
-                              "instructions": sum(1 for x in lines if "NOP" not in x)}
+        sections = {name: fingerprint(section, name) for name, section in raw.items()}
         for expr in exprs:
             rec = sections.get(lowered[expr])
             if rec is not None:

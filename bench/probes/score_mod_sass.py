@@ -5,16 +5,18 @@ change the machine code of the kernels that use them? No GPU needed.
 Compiles, for every score_mod of the testing kit's library (cuflash._testing_modifiers), the
 forward specialisations the dispatcher picks for a bf16 d=128 causal call on sm_90a (fwd_sm90)
 and sm_80 (fwd_sm80), a float32 one on fwd_simt and the bf16 backward (bwd_sm80), with the
-trace's struct as the prelude, and prints a SHA-256 per (score_mod, family) of the SASS with
-addresses and the function's own name removed (as tools/sass_identity.py normalises it).
+trace's struct as the prelude, and prints a SHA-256 per (score_mod, family) of its SASS,
+normalised by tools/sass_identity.py's ``fingerprint``.
 
     PYTHONPATH=<tree> python bench/probes/score_mod_sass.py > a.txt   # before and after; diff
 """
 from __future__ import annotations
 
-import hashlib
-import re
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+from sass_identity import fingerprint  # noqa: E402  (tools/: its normalisation of SASS)
 
 from cuflash import _families, _jit, _trace, _trace_cuda
 from cuflash._testing_modifiers import SCORE_MODS
@@ -22,18 +24,6 @@ from cuflash._variant import Variant
 
 TARGETS = [("fwd_sm90", "sm_90a", "bfloat16"), ("fwd_sm80", "sm_80", "bfloat16"),
            ("fwd_simt", "sm_80", "float32"), ("bwd_sm80", "sm_80", "bfloat16")]
-
-
-def _fingerprint(section: str, mangled: str) -> str:
-    """Instruction lines only (tools/sass_identity.py's normalisation: addresses dropped, branch
-    labels numbered per function, the function's own name replaced; the file-level data after
-    the instructions names the source's hash and differs with any change of the text)."""
-    text = re.sub(r"/\*[0-9a-f]{4,}\*/", "", section)
-    labels: dict = {}
-    text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
-    text = text.replace(mangled, "SELF")
-    lines = [line.strip() for line in text.splitlines() if line.rstrip().endswith(";")]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def main() -> int:
@@ -54,8 +44,8 @@ def main() -> int:
                 continue
             sections = _jit.sass_sections(cubin) or {}
             mangled = lowered[expr]
-            print(f"{name:14} {fam_name:9} {_fingerprint(sections.get(mangled, ''), mangled)}",
-                  flush=True)
+            sha = fingerprint(sections.get(mangled, ""), mangled)["sha"][:16]
+            print(f"{name:14} {fam_name:9} {sha}", flush=True)
     return 0
 
 
