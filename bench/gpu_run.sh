@@ -27,6 +27,8 @@
 #             ~9.5 min: alone in one device call
 #   correctness  tests, a 10,000-example fuzz campaign (5 processes) and the sanitizer at once,
 #             in ~8 min (part_correctness says how)  -> tests.log fuzz.json fuzz.log sanitize/
+#   fuzz      the fuzz campaign alone (part_fuzz: FUZZ_SHARDS, FUZZ_EXAMPLES, FUZZ_SECONDS,
+#             FUZZ_SEED0)                            -> fuzz.json fuzz.log fuzz_shards.tar.gz
 #
 # Suggested device calls (each under 10 minutes; the device tool returns at most 8 files):
 #   bash bench/gpu_run.sh gate tests
@@ -117,19 +119,35 @@ part_correctness() {
     SANITIZE_BUDGET_RACECHECK=$((b * 40 / 100)) SANITIZE_BUDGET_SYNCCHECK=$((b * 20 / 100)) \
     part_sanitize > "$OUT/sanitize.out" 2>&1 &
   local san_pid=$!
-  local pids=() i
-  for i in $(seq 1 "$shards"); do
+  fuzz_campaign $((secs - 90)) "$shards" "$n" 1
+  wait "$tests_pid" "$san_pid"
+  cat "$OUT/sanitize.out"
+}
+
+# fuzz_campaign SECONDS SHARDS EXAMPLES FIRST_SEED: SHARDS processes of python -m cuflash fuzz
+# (seeds FIRST_SEED.., every feature), together EXAMPLES examples, each stopped after SECONDS;
+# merged by bench/fuzz_merge.py -> fuzz.json fuzz.log
+fuzz_campaign() {
+  local secs=$1 shards=$2 n=$3 seed0=$4 pids=() i dir="$OUT/fuzz_shards"
+  mkdir -p "$dir"
+  for i in $(seq "$seed0" $((seed0 + shards - 1))); do
     "$PY" -m cuflash fuzz --examples $(( (n + shards - 1) / shards )) --device gpu --seed "$i" \
-      --quiet --time-limit $((secs - 90)) --report "$OUT/fuzz_shard$i.json" \
-      > "$OUT/fuzz_shard$i.log" 2>&1 &
+      --quiet --time-limit "$secs" --report "$dir/fuzz_shard$i.json" \
+      > "$dir/fuzz_shard$i.log" 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"
-  cat "$OUT"/fuzz_shard*.log > "$OUT/fuzz.log"
-  "$PY" bench/fuzz_merge.py "$OUT/fuzz.json" "$OUT"/fuzz_shard*.json >> "$OUT/fuzz.log" 2>&1
+  cat "$dir"/fuzz_shard*.log > "$OUT/fuzz.log"
+  "$PY" bench/fuzz_merge.py "$OUT/fuzz.json" "$dir"/fuzz_shard*.json >> "$OUT/fuzz.log" 2>&1
   note "fuzz: exit $? ($(tail -n 1 "$OUT/fuzz.log"))"
-  wait "$tests_pid" "$san_pid"
-  cat "$OUT/sanitize.out"
+  # the device tool brings back few files: the shards' reports travel as one archive
+  tar -czf "$OUT/fuzz_shards.tar.gz" -C "$OUT" fuzz_shards && rm -rf "$dir"
+}
+
+part_fuzz() {
+  # the campaign alone on the machine: $FUZZ_SHARDS (15) processes, $FUZZ_EXAMPLES (10008)
+  # examples, each process stopped after $FUZZ_SECONDS (500) s, seeds from $FUZZ_SEED0 (1)
+  fuzz_campaign "${FUZZ_SECONDS:-500}" "${FUZZ_SHARDS:-15}" "${FUZZ_EXAMPLES:-10008}" "${FUZZ_SEED0:-1}"
 }
 
 part_sanitize() {
@@ -142,8 +160,8 @@ part_sanitize() {
 [ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for part in "$@"; do
   case $part in
-    tests|gate|bench|isolated|overhead|sanitize|correctness) "part_$part" ;;
-    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize, correctness)" >&2
+    tests|gate|bench|isolated|overhead|sanitize|correctness|fuzz) "part_$part" ;;
+    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize, correctness, fuzz)" >&2
        exit 2 ;;
   esac
 done

@@ -20,6 +20,10 @@
 #                          as files (6 files in all otherwise: the device tool returns few)
 # and prints one line per tool. Exit status 0 when every tool is `clean`.
 #
+# SANITIZE_PARALLEL=1 runs the three tools at once after the warm-up (which compiles on
+# $SANITIZE_WARMUP_WORKERS processes, 12), e.g. for one call:
+#   SANITIZE_PARALLEL=1 SANITIZE_BUDGET_WARMUP=100 SANITIZE_BUDGET_MEMCHECK=440 \
+#     SANITIZE_BUDGET_RACECHECK=440 SANITIZE_BUDGET_SYNCCHECK=440 bash bench/sanitize.sh
 # Budgets (seconds; SANITIZE_BUDGET_<TOOL> overrides), sized for an H200 in one 10-minute call:
 #   warmup 90, memcheck 120, racecheck 230, synccheck 90  (530 s, + ~25 s of start-up and
 #   reports: under the device tool's 600 s). More racecheck time in a call of its own:
@@ -72,6 +76,10 @@ fi
 # -n 0: one process (setup.cfg's addopts spread tests over pytest-xdist workers; the sanitizer
 # then watches one application, and its records are in test order)
 PYTEST=("$PY" -m pytest -m gpu -n 0 -v -p sanitize_plugin -p no:cacheprovider --tb=short -rfE)
+# the warm-up has no sanitizer to watch it: its compilations spread over
+# $SANITIZE_WARMUP_WORKERS processes (12; 0: one process, the old way)
+WARM=("$PY" -m pytest -m gpu -n "${SANITIZE_WARMUP_WORKERS:-12}" --dist load -p sanitize_plugin
+      -p no:cacheprovider -v --tb=short -rfE)
 
 # one run: name, budget, then the command; writes <name>.json
 run() {
@@ -90,22 +98,35 @@ run() {
 mapfile -t ALL_IDS < <(for t in "${TOOLS[@]}"; do tests_for "$t"; done | awk '!seen[$0]++')
 TOOL_FOR_REPORT=none        # the warm-up has no sanitizer: its summary counts the tests only
 : > "$DIR/warmup.sanitizer.log"
-run warmup "$(budget warmup)" "${PYTEST[@]}" "${ALL_IDS[@]}"
+run warmup "$(budget warmup)" "${WARM[@]}" "${ALL_IDS[@]}"
 
-verdict=0
-for TOOL in "${TOOLS[@]}"; do
+one_tool() {   # TOOL: its tests under compute-sanitizer; exit status 0 when clean
   TOOL_FOR_REPORT=$TOOL
+  local IDS
   mapfile -t IDS < <(tests_for "$TOOL")
   rm -f "$DIR/$TOOL.sanitizer.log"
   if [ -z "$SANITIZER" ]; then
     : > "$DIR/$TOOL.console.log"; : > "$DIR/$TOOL.sanitizer.log"
     "$PY" bench/sanitize_report.py --tool "$TOOL" --sanitizer-log /dev/null --console-log /dev/null \
       --rc 127 --seconds 0 --command "compute-sanitizer (not found)" --missing --out "$DIR/$TOOL.json"
-    verdict=1; continue
+    return 1
   fi
   run "$TOOL" "$(budget "$TOOL")" "$SANITIZER" --tool "$TOOL" --error-exitcode 9 \
-    --print-limit 200 --log-file "$DIR/$TOOL.sanitizer.log" "${PYTEST[@]}" "${IDS[@]}" || verdict=1
-done
+    --print-limit 200 --log-file "$DIR/$TOOL.sanitizer.log" "${PYTEST[@]}" "${IDS[@]}"
+}
+
+# SANITIZE_PARALLEL=1: the tools at once, each a process of its own with its whole budget (the
+# GPU time-slices between them; each is mostly waiting on its instrumented kernels and its own
+# core), so three budgets of ~450 s fit one 10-minute call
+verdict=0
+if [ -n "${SANITIZE_PARALLEL:-}" ]; then
+  pids=()
+  for TOOL in "${TOOLS[@]}"; do one_tool > "$DIR/$TOOL.line" 2>&1 & pids+=($!); done
+  for pid in "${pids[@]}"; do wait "$pid" || verdict=1; done
+  for TOOL in "${TOOLS[@]}"; do cat "$DIR/$TOOL.line"; rm -f "$DIR/$TOOL.line"; done
+else
+  for TOOL in "${TOOLS[@]}"; do one_tool || verdict=1; done
+fi
 # the device tool brings back few files: the logs travel as one archive
 if [ -z "${SANITIZE_KEEP_LOGS:-}" ]; then
   (cd "$DIR" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
