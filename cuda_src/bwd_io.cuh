@@ -191,6 +191,70 @@ __device__ __forceinline__ void store_dk_dv(const Params& p, int b, int key0, in
   }
 }
 
+// -- dQ's finishing in the main kernel (Params::out_flags & kBwdDqOut; the launcher sets it for
+// the families whose record says fuses_dq_finish, where dq is the result itself, C-contiguous
+// batch x Lq x d): instead of a third launch (bwd_finish_dq, bwd_prep.cu: host time per call),
+// the block whose arrival completes a query tile's dQ rounds that tile to T.
+//   Every block of batch item b arrives once at each of the item's num_m_blocks counters
+// (p.dq_sem: nbatch x num_m_blocks ints, zeroed by bwd_dot_do_o) after all its additions to
+// dQ. All of b's key tiles add into every query tile that sees them, so the block whose
+// arrival brings a counter to num_n_blocks (b's key tiles) holds the last addition to that
+// tile: it reads dq_acc (already scaled by tau) and writes dq = round(dq_acc), in T.
+//   Why at the block's end and not per query tile: the fence before an arrival waits until the
+// thread's atomics have landed in L2 (~1 us); per tile that wait would stand in the walk of
+// every block. At the end it costs once, and the tile is rounded by whichever block of its
+// item ends last, which under the tile-major causal order (the lightest key tiles last) is
+// spread over the grid's later blocks rather than laid on one.
+//   Memory order: each thread fences its own atomics (release), the barrier then orders every
+// thread's fence before any arrival; the thread that sees the count complete fences again
+// (acquire) before the barrier after which the block reads the tile, through L2 (ld.cg: the
+// atomics never went through this SM's L1).
+//   `sflag`: THREADS ints of shared memory the block no longer needs.
+//   Not inlined, and with scalar arguments: the main kernel's register allocation (at the
+// 255 limit) then stays as it is without this epilogue; the call costs nothing at the end.
+template <typename T, int BLOCK_M, int THREADS>
+__device__ __noinline__ void finish_dq_tiles(int* count, const float* acc, T* out, int* sflag,
+                                             int num_m_blocks, int num_n_blocks, int Lq, int d) {
+  __threadfence();
+  __syncthreads();
+  const int tid = int(threadIdx.x);
+  for (int m_base = 0; m_base < num_m_blocks; m_base += THREADS) {
+    const int m = m_base + tid;
+    int last = 0;
+    if (m < num_m_blocks) last = atomicAdd(count + m, 1) == num_n_blocks - 1;
+    if (last) __threadfence();
+    sflag[tid] = last;
+    __syncthreads();
+    const int n = min(THREADS, num_m_blocks - m_base);
+    for (int t = 0; t < n; ++t) {
+      if (!sflag[t]) continue;   // the same for the whole block (shared memory)
+      const int r0 = (m_base + t) * BLOCK_M, r1 = min(r0 + BLOCK_M, Lq);
+      const long long e0 = (long long)r0 * d, e1 = (long long)r1 * d;
+      if ((d & 3) == 0) {        // 16-byte loads of 4 floats (rows start 16-byte aligned)
+        for (long long e = e0 + 4 * tid; e < e1; e += 4 * THREADS) {
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + e));
+          out[e] = from_acc<T, float>(x.x);
+          out[e + 1] = from_acc<T, float>(x.y);
+          out[e + 2] = from_acc<T, float>(x.z);
+          out[e + 3] = from_acc<T, float>(x.w);
+        }
+      } else {
+        for (long long e = e0 + tid; e < e1; e += THREADS) out[e] = from_acc<T, float>(__ldcg(acc + e));
+      }
+    }
+    __syncthreads();   // sflag is written again
+  }
+}
+
+template <typename T, int BLOCK_M, int THREADS>
+__device__ __forceinline__ void finish_dq_at_end(const Params& p, int b, int* sflag) {
+  const long long item = (long long)b * p.Lq * p.d;
+  finish_dq_tiles<T, BLOCK_M, THREADS>(reinterpret_cast<int*>(p.dq_sem) + (long long)b * p.num_m_blocks,
+                                       reinterpret_cast<const float*>(p.dq_acc) + item,
+                                       reinterpret_cast<T*>(p.dq) + item, sflag, p.num_m_blocks,
+                                       p.num_n_blocks, p.Lq, p.d);
+}
+
 }  // namespace bwd_io
 
 }  // namespace cuflash

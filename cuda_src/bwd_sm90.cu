@@ -146,7 +146,12 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
 // Lines 5-19 of Algorithm 2. grid.x = nbatch * num_n_blocks, one block per (batch item b, key
 // tile n_block) in p.grid_order's order (common.cuh: bwd_block_tile; the launcher picks
 // tile-major under a causal mask).
-template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var>
+//   FUSE_DQ: the build that can round dQ itself at the end (where the launcher also sets
+// kBwdDqOut; bwd_io::finish_dq_at_end): its fence makes ptxas track every dQ atomic (ATOMG for
+// REDG), so the launcher picks it only where a call is short (cuflash/_families.py,
+// fuse_dq_wanted) and the other build keeps the machine code it had.
+template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var,
+          bool FUSE_DQ = false>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
@@ -436,6 +441,14 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 18: Write dK_j = tau dK_j and dV_j to HBM (bwd_io.cuh)
   bwd_io::store_dk_dv<T>(p, b, kw0 + g, t4, scale, acc_dk, acc_dv);
+
+  // dQ rounded here by the block that adds last to a query tile, where the launcher asks
+  // (bwd_io.cuh: no bwd_finish_dq launch then); the statistics' shared memory is free
+  static_assert(Tr::kStages * Tr::kStatStage >= kThreads, "an int a thread in the statistics' shared memory");
+  if constexpr (FUSE_DQ) {
+    if (p.out_flags & kBwdDqOut)
+      bwd_io::finish_dq_at_end<T, BLOCK_M, kThreads>(p, b, reinterpret_cast<int*>(sStats));
+  }
 }
 
 }  // namespace sm90

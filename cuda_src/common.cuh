@@ -25,8 +25,9 @@ struct Params {
   //    dpsum = D = rowsum(dO o O) and the accumulation-dtype gradient buffers (C-contiguous:
   //    dq_acc batch x Lq x d (times num_n_blocks for bwd_simt's deterministic mode), dk_acc
   //    batch x Lk x d, dv_acc batch x Lk x dv, or dk, dv themselves in T: see out_flags; lse
-  //    and dpsum batch x Lq); dq_sem: bwd_sm80's deterministic-mode semaphores (nbatch x
-  //    ceil(Lq / BLOCK_M) zeroed ints), else 0. The forward leaves the backward's fields 0.
+  //    and dpsum batch x Lq); dq_sem: bwd_sm80's deterministic-mode semaphores, or the arrival
+  //    counters of dQ's fused finishing (kBwdDqOut) (nbatch x ceil(Lq / BLOCK_M) zeroed ints),
+  //    else 0. The forward leaves the backward's fields 0.
   unsigned long long q, k, v, o, lse, dout, dpsum, dq_acc, dk_acc, dv_acc, dq_sem;
   // -- element strides of each batch dimension (0 where a tensor is broadcast)
   long long q_batch_stride[kMaxBatchDims], k_batch_stride[kMaxBatchDims], v_batch_stride[kMaxBatchDims],
@@ -56,8 +57,12 @@ struct Params {
   //    never read them). The varlen fields and these come last, so that the fields above keep
   //    their offsets.
   ModifierParams mod;
+  // -- dq, the result itself (C-contiguous batch x Lq x d, in T) where out_flags has kBwdDqOut:
+  //    the main kernel rounds dQ into it (bwd_io::finish_dq_at_end); else 0. Last, as the
+  //    fields above it.
+  unsigned long long dq;
 };
-constexpr int kBwdDkOut = 1, kBwdDvOut = 2;
+constexpr int kBwdDkOut = 1, kBwdDvOut = 2, kBwdDqOut = 4;
 
 // Block i of nbatch * ntiles as (batch item, tile index), for the forward (block_tile, below)
 // and the backward (bwd_block_tile):

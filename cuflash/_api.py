@@ -10,6 +10,7 @@ the outcome of validation and dispatch.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -70,10 +71,11 @@ class _FastBackward:
     """A cached backward: the plan and the shapes of the gradients. Where the plan needs no
     broadcast sum (``plan.direct``) and lse is contiguous, dq, dk and dv share one allocation (256-byte aligned
     parts) whose arrays are made after the launches."""
-    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes")
+    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes", "shared")
 
     def __init__(self, plan, dq, dk, dv):
         self.plan, self.device_id = plan, plan.device_id
+        self.shared = plan.direct and plan.lse_contiguous
         self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
         self.offsets, total = [], 0
         for x in (dq, dk, dv):
@@ -84,7 +86,7 @@ class _FastBackward:
     def __call__(self, do, q, k, v, o, lse):
         cupy = sys.modules["cupy"]
         sq, sk, sv = self.shapes
-        if not (self.plan.direct and self.plan.lse_contiguous):
+        if not self.shared:
             dq, dk, dv = (cupy.empty(s, self.dtype) for s in self.shapes)
             self.plan(do, q, k, v, o, lse, dq, dk, dv)
             return dq, dk, dv
@@ -490,4 +492,10 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             f"{'causal ' + ('bottom-right' if prob.causal_offset == prob.Lk - prob.Lq else 'top-left') if prob.causal else 'not causal'}"
             f"{', deterministic' if deterministic and backward else ''}; on {dev.name or dev.arch} "
             f"(sm_{dev.cc}, {dev.num_sms} SMs)")
-    return head + "\n" + explain_choice(choice, blocks)
+    text = head + "\n" + explain_choice(choice, blocks)
+    if backward:    # dq is the result itself unless q is broadcast (its gradient then summed)
+        q_whole = math.prod(prob.batch_shape) * prob.Lq * prob.d == math.prod(q.shape)
+        fused = _families.fuse_dq_finish(choice, q_whole, 1)
+        text += ("\ndQ rounded by the main kernel (no bwd_finish_dq launch)" if fused
+                 else "\ndQ rounded by bwd_finish_dq")
+    return text

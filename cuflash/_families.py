@@ -208,6 +208,28 @@ class Choice:
 _FAMILY_ENV = {"fwd": "CUFLASH_FWD", "bwd": "CUFLASH_BWD"}
 
 
+def fuse_dq_wanted(blocks: int, dev: "DeviceInfo") -> bool:
+    """bwd_sm90's ``fuse_dq`` flag: compile in the rounding of dQ by the main kernel
+    (bwd_io::finish_dq_at_end), which spares the call bwd_finish_dq's launch, where the whole
+    backward is one wave of ``blocks`` (at most one a SM): there the GPU work is short and the
+    host's launches are what a call costs. Above, the kernel without it runs: the fence that the
+    fused rounding needs makes ptxas track the completion of every dQ atomic of the main loop
+    (ATOMG instead of REDG), a cost the separate launch does not have. ``CUFLASH_FUSE_DQ``:
+    ``0`` never, ``1`` (tests, A/B runs) always, unset: by the rule."""
+    value = os.environ.get("CUFLASH_FUSE_DQ", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_FUSE_DQ={value!r}: expected 0 or 1")
+    return blocks <= dev.num_sms if value == "" else value == "1"
+
+
+def fuse_dq_finish(choice: "Choice", dq_direct: bool, launches: int) -> bool:
+    """Whether a backward plan drops bwd_finish_dq's launch: its kernel was compiled with the
+    rounding (the ``fuse_dq`` flag), dq is the result itself (no broadcast dimension to sum
+    over) and one launch covers the batch (the counters are per batch item of a launch). A
+    kernel with the flag and a plan that cannot use it still runs right (with the launch)."""
+    return bool(choice.flag.get("fuse_dq")) and dq_direct and launches == 1
+
+
 def family_override(kind: str) -> str:
     if kind not in _FAMILY_ENV:     # e.g. "decode": one family, nothing to override
         return "auto"
@@ -325,12 +347,21 @@ def _bwd_tc_select(fam, shape, dev):
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
-    return modifier_tiles(fam.name, t, shape.variant, why), flags, why
+    t = modifier_tiles(fam.name, t, shape.variant, why)
+    if fam.name == "bwd_sm90":
+        # plain attention only (the modifiers' variants are compiled once, without it)
+        flags["fuse_dq"] = not (shape.variant.features - {"causal"}) and fuse_dq_wanted(
+            shape.nbatch * -(-shape.Lk // t.block_n), dev)
+        if flags["fuse_dq"]:
+            why.append("one wave of blocks: dQ rounded by the main kernel (no bwd_finish_dq "
+                       "launch: host time)")
+    return t, flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
     for (bucket, causal), t in _traits.TABLES[fam.name].items():
-        yield t, {}, causal
+        for fuse in (False, True):
+            yield t, {"fuse_dq": fuse}, causal
 
 
 def _bwd_sm80_instances(fam, arch):
@@ -373,7 +404,7 @@ REGISTRY: tuple[Family, ...] = (
     # -- backward, best first
     Family("bwd_sm90", "bwd", "bwd_sm90.cu",
            "cuflash::sm90::bwd_sm90<{T}, {head_dim}, {block_m}, {warpgroups}, {min_blocks}, "
-           "{variant}>",
+           "{variant}, {fuse_dq}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 128), tensor_core_rows=True,
            # (per head-dim bucket: _traits.BWD_SM90_MODIFIERS, which select checks)
            features=frozenset({"causal"}).union(*_traits.BWD_SM90_MODIFIERS.values()),

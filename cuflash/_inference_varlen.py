@@ -107,6 +107,8 @@ def choose(prob, dev, choice=None):
     flags = dict(choice.flags)
     if "even" in flags:
         flags["even"] = False          # per-sequence bounds: never the EVEN build
+    if "fuse_dq" in flags:
+        flags["fuse_dq"] = False       # its counters are per batch item, not per sequence
     expr = choice.family.expr(prob.dtype.name, t, Shape.of(prob).variant, **flags)
     return choice.family, t, expr, tuple(reasons)
 

@@ -21,7 +21,9 @@ neither ``q @ k.T`` nor the first ``dv`` columns of ``p @ v``. Nothing else is e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import struct
 import threading
 
 import numpy
@@ -36,8 +38,9 @@ MAX_BATCH_DIMS = 4
 TENSORS = ("q", "k", "v", "o", "dout")
 #: the device pointers of Params, in its order (the first words of the struct)
 POINTERS = ("q", "k", "v", "o", "lse", "dout", "dpsum", "dq_acc", "dk_acc", "dv_acc", "dq_sem")
-#: Params::out_flags (kBwdDkOut, kBwdDvOut): dk_acc / dv_acc is the gradient itself, in T
-DK_OUT, DV_OUT = 1, 2
+#: Params::out_flags (kBwdDkOut, kBwdDvOut): dk_acc / dv_acc is the gradient itself, in T;
+#: (kBwdDqOut) the main kernel rounds dQ into Params::dq itself (bwd_sm90's fuse_dq builds)
+DK_OUT, DV_OUT, DQ_OUT = 1, 2, 4
 
 _B = MAX_BATCH_DIMS
 #: ``cuflash::Params``, field for field (8-byte fields first, then the Variant's, then 4-byte,
@@ -51,7 +54,9 @@ PARAMS = numpy.dtype(
                                   "num_n_blocks", "grid_order", "out_flags")]
     # varlen builds (cuflash/_inference_varlen.py), then the modifiers' run-time values (0 for
     # plain attention): last, so that nothing above moves
-    + [("varlen_items", "<i4"), ("varlen", "<u8"), ("mod", MODIFIER_PARAMS)],
+    + [("varlen_items", "<i4"), ("varlen", "<u8"), ("mod", MODIFIER_PARAMS)]
+    # dq itself where out_flags has DQ_OUT (the main kernel rounds dQ: no bwd_finish_dq launch)
+    + [("dq", "<u8")],
     align=True)
 _POINTER_WORD = {name: i for i, name in enumerate(POINTERS)}
 
@@ -193,7 +198,8 @@ class Launch:
     for every family; one per argument for the helper kernels with plain arguments.
     """
 
-    __slots__ = ("name", "kernels", "buf", "_argv", "argv_ptr", "lock", "_launch_kernel")
+    __slots__ = ("name", "kernels", "buf", "_bytes", "_argv", "argv_ptr", "lock",
+                 "_launch_kernel")
 
     def __init__(self, k, grid: int, block: int, smem: int, block_args: numpy.ndarray,
                  offsets=(0,), name: str = ""):
@@ -204,6 +210,7 @@ class Launch:
         self.buf = numpy.zeros(-(-block_args.nbytes // 8), numpy.uint64)
         self.buf.view(numpy.uint8)[:block_args.nbytes] = numpy.frombuffer(
             block_args.tobytes(), numpy.uint8)
+        self._bytes = memoryview(self.buf).cast("B")   # what _patch writes into
         base = self.buf.ctypes.data
         self._argv = numpy.array([base + o for o in offsets], numpy.uint64)
         self.argv_ptr = self._argv.ctypes.data
@@ -224,11 +231,18 @@ class Launch:
         launch."""
         launch = self._launch_kernel
         with self.lock:
-            self.buf[:len(words)] = words
+            _patch(len(words)).pack_into(self._bytes, 0, *words)
             for i, w in extra:
                 self.buf[i] = w
             for fn, grid, block, smem in self.kernels:
                 launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _patch(n: int) -> struct.Struct:
+    """n little-endian 8-byte words (a struct pack is ~3x cheaper than a NumPy slice store of
+    a Python list: host time per call)."""
+    return struct.Struct(f"<{n}Q")
 
 
 def word(name: str) -> int:

@@ -19,7 +19,7 @@ import numpy
 
 from . import _families, _launch
 from ._families import FAMILIES, Shape
-from ._launch import DK_OUT, DV_OUT, Launch, batch_layout, pack
+from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -57,9 +57,17 @@ class Dims:
         return cls(prob.batch_shape, prob.Lq, prob.Lk, prob.d, prob.dv, prob.dtype)
 
 
-def _stream() -> int:
+def _cupy():
     import cupy
-    return cupy.cuda.get_current_stream().ptr
+    return cupy
+
+
+def _stream() -> int:
+    return _cupy().cuda.get_current_stream().ptr
+
+
+#: the 8-byte word of Params::dq in the parameter block (patched where the main kernel rounds dQ)
+_DQ_WORD = _launch.PARAMS.fields["dq"][1] // 8
 
 
 def _run(launch: Launch, offsets, stream: int, bases: list[int]) -> None:
@@ -266,10 +274,15 @@ class BackwardPlan:
         self.dk_direct = self.tc and dk.size == nbatch * Lk * d
         self.dv_direct = self.tc and dv.size == nbatch * Lk * d_v
         self.dq_direct = dq.size == nbatch * Lq * d
+        # dQ rounded by the main kernel itself (one launch fewer: _families.fuse_dq_finish)
+        outer = batch_layout(prob.batch_shape, [prob.q, prob.k, prob.v, o, do] + (
+            self.mods.arrays(mods) if self.mods is not None else [])).outer
+        self.fused_dq = _families.fuse_dq_finish(self.choice, self.dq_direct, len(outer))
         a = self.acc.itemsize
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
-                 "dq_sem": 4 * nbatch * self.num_m_blocks if (deterministic and
-                                                              fam.name == "bwd_sm80") else 0,
+                 # bwd_sm80's deterministic semaphores, or the fused finishing's counters
+                 "dq_sem": 4 * nbatch * self.num_m_blocks if (
+                     (deterministic and fam.name == "bwd_sm80") or self.fused_dq) else 0,
                  # dL/dbias of every (item, i, j), float32, zeroed (pairs no tile visits)
                  "dbias": 4 * nbatch * Lq * Lk if (mods is not None and mods.bias is not None)
                  else 0,
@@ -292,19 +305,26 @@ class BackwardPlan:
         self._order = grid_order(self.choice, prob.causal)
         self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
                                     shape.variant.prelude)
-        dot, fin = FAMILIES["bwd_dot"], FAMILIES["bwd_finish_dq"]
+        dot = FAMILIES["bwd_dot"]
         self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
-        n = nbatch * Lq * d
-        args = numpy.zeros((), FINISH_ARGS)
-        args["n"], args["parts"] = n, self.parts
-        grid = max(1, min(-(-n // AUX_THREADS), 8 * dev.num_sms))
-        out = "T" if self.dq_direct else "Acc"     # the result itself, or a buffer to sum
-        self.finish = Launch(_launch.kernel(fin.source, fin.expr(prob.dtype, out=out),
-                                            prob.device_id, 0),
-                             grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS,
-                             name="bwd_finish_dq")
+        self.finish = None if self.fused_dq else self._finish_launch(prob, nbatch * Lq * d,
+                                                                     dev.num_sms)
         self.num_sms = dev.num_sms
         self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do, mods)
+        # run()'s shortcut: one launch at offset 0, dq, dk, dv written directly
+        self._one_launch = (len(self.offsets) == 1 and not any(self.offsets[0])
+                            and self.direct and self.mods is None)
+        self._ws_words = tuple(self.ws_offsets[n] for n in ("dpsum", "dq_acc", "dq_sem"))
+
+    def _finish_launch(self, prob, n: int, num_sms: int) -> Launch:
+        """bwd_finish_dq over the n elements of dQ: into dq itself, or into a buffer to sum."""
+        fin = FAMILIES["bwd_finish_dq"]
+        args = numpy.zeros((), FINISH_ARGS)
+        args["n"], args["parts"] = n, self.parts
+        grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
+        out = "T" if self.dq_direct else "Acc"
+        return Launch(_launch.kernel(fin.source, fin.expr(prob.dtype, out=out), prob.device_id, 0),
+                      grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_finish_dq")
 
     def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
@@ -313,7 +333,8 @@ class BackwardPlan:
         tensors = {"q": q, "k": k, "v": v, "o": o, "dout": do}
         extra = self.mods.arrays(mods) if self.mods is not None else []
         layout = batch_layout(prob.batch_shape, list(tensors.values()) + extra)
-        flags = (DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
+        flags = ((DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
+                 | (DQ_OUT if self.fused_dq else 0))
         n = layout.inner_n
         p = pack(prob, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
@@ -369,29 +390,45 @@ class BackwardPlan:
             dk: int, dv: int) -> None:
         """Launch with raw device pointers (the fast path of ``_api``: plans whose gradients
         need no broadcast sum and whose inputs need no copy)."""
-        self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
+        if not self._one_launch:
+            self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv)
+            return
+        # (_run's steps for one launch and gradients written directly, with the workspace
+        # offsets looked up once: host time per call)
+        ws = _cupy().cuda.alloc(self.workspace)
+        base = ws.ptr
+        dpsum, dq_acc, dq_sem = self._ws_words
+        words = (q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv, base + dq_sem)
+        if self.fused_dq:
+            self.launch(stream, words, extra=((_DQ_WORD, dq),))
+        else:
+            self.launch(stream, words)
+            self.finish(stream, (base + dq_acc, dq))
 
     def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
-        import cupy
-        ws = cupy.cuda.alloc(self.workspace)
+        ws = _cupy().cuda.alloc(self.workspace)
         base = ws.ptr    # its first self.zeroed bytes are zeroed by bwd_dot_do_o ...
         if len(launches[1]) > 1 and self.zeroed:   # ... or here, before an outer loop
-            cupy.cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
+            _cupy().cuda.runtime.memsetAsync(base, 0, self.zeroed, stream)
         off = self.ws_offsets
         words = [
             q, k, v, o, lse, do, base + off["dpsum"], base + off["dq_acc"],
             dk if self.dk_direct else base + off["dk_acc"],
             dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]]
-        if keep is None:
+        extra = [(_DQ_WORD, dq)] if self.fused_dq else []   # the main kernel rounds dQ into it
+        if keep is None and not extra:
             _run(*launches, stream, words)
-        else:
-            extra = self.mods.words(keep, mods)
-            if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
-                extra.append((self.mods.dbias_word, base + off["dbias"]))
+        else:   # (fused_dq: one launch, _families.fuse_dq_finish; modifiers: one, pack_into)
+            if keep is not None:
+                extra += self.mods.words(keep, mods)
+                if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
+                    extra.append((self.mods.dbias_word, base + off["dbias"]))
             launches[0](stream, words, extra=extra)
-        # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
-        # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
-        self.finish(stream, [base + off["dq_acc"], dq if self.dq_direct else base + off["dq_sum"]])
+        if not self.fused_dq:
+            # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
+            # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
+            self.finish(stream, [base + off["dq_acc"],
+                                 dq if self.dq_direct else base + off["dq_sum"]])
         return ws
 
     def _sum_broadcast(self, ws, dq, dk, dv) -> None:
@@ -432,7 +469,9 @@ class BackwardPlan:
             _sum_into(grads["dsink"], -(w * D).sum(axis=-1))
 
     def explain(self) -> str:
-        return explain_choice(self.choice, self.launch.grid)
+        dq = ("dQ rounded by the main kernel (no bwd_finish_dq launch)" if self.fused_dq
+              else "dQ rounded by bwd_finish_dq")
+        return explain_choice(self.choice, self.launch.grid) + "\n" + dq
 
 
 def _sum_into(out, acc) -> None:

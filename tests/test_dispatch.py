@@ -153,12 +153,43 @@ def test_family_overrides(monkeypatch):
 def test_tile_override(monkeypatch):
     monkeypatch.setenv("CUFLASH_TILES", "bwd_sm90:64=64:1:2; fwd_sm80:128=64:4:1:1")
     assert bwd(d=50).expr == ("cuflash::sm90::bwd_sm90<__nv_bfloat16, 64, 64, 1, 2, "
-                              "cuflash::Variant<false>>")
+                              "cuflash::Variant<false>, false>")
     assert bwd(d=128).traits == _traits.BWD_SM90[(128, False)]
     assert fwd(dev=A100).traits["warps"] == 4
     monkeypatch.setenv("CUFLASH_TILES", "fwd_sm80:128=64:4")
     with pytest.raises(ValueError, match="needs 4 values"):
         fwd(dev=A100)
+
+
+def test_dq_finishing_fused_in_one_wave_backwards(monkeypatch):
+    """bwd_sm90's fuse_dq build (dQ rounded by the main kernel, no bwd_finish_dq launch) for
+    plain attention whose backward is one wave of blocks; the kernel without it above (and for
+    the modifiers, and on the other families); CUFLASH_FUSE_DQ=0/1 forces it, anything else is
+    an error naming it. A plan drops the launch only where dq is the result itself."""
+    import cuflash
+    from cuflash._families import fuse_dq_finish
+    monkeypatch.delenv("CUFLASH_FUSE_DQ", raising=False)
+    small, large = bwd(d=128, nbatch=16), bwd(d=128, nbatch=32)     # 128 and 256 key-tile blocks
+    assert small.flag["fuse_dq"] and small.expr.endswith("cuflash::Variant<false>, true>")
+    assert not large.flag["fuse_dq"] and large.expr.endswith("cuflash::Variant<false>, false>")
+    assert "one wave of blocks: dQ rounded by the main kernel" in "\n".join(small.reasons)
+    assert fuse_dq_finish(small, True, 1)
+    assert not fuse_dq_finish(small, False, 1) and not fuse_dq_finish(small, True, 2)
+    assert not fuse_dq_finish(large, True, 1)
+    assert "fuse_dq" not in bwd(d=128, Lq=64, det=True).flag              # bwd_sm80
+    windowed = Shape(BF16, 1, 64, 64, 64, 64, Variant(False, window=True))
+    assert not _families.choose("bwd", windowed, H200).flag["fuse_dq"]
+    q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (1, 4, 256, 128))
+    assert "dQ rounded by the main kernel" in cuflash.explain(q, q, q, backward=True)
+    k = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (2, 4, 256, 128))
+    assert cuflash.explain(q, k, k, backward=True).endswith("dQ rounded by bwd_finish_dq")
+    monkeypatch.setenv("CUFLASH_FUSE_DQ", "0")
+    assert not bwd(d=128, Lq=64).flag["fuse_dq"]
+    monkeypatch.setenv("CUFLASH_FUSE_DQ", "1")
+    assert bwd(d=128, nbatch=64).flag["fuse_dq"]
+    monkeypatch.setenv("CUFLASH_FUSE_DQ", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FUSE_DQ='yes': expected 0 or 1"):
+        bwd(d=128)
 
 
 def test_grid_order_override(monkeypatch):

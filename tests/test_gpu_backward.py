@@ -409,3 +409,32 @@ def test_hopper_key_tiles_without_query_tiles(launched, monkeypatch, tiles):
     run_and_check(k, q, q, causal=True)
     run_and_check(q, k, v, causal=False)
     assert launched == ["bwd_sm90.cu"] * 3
+
+
+@pytest.mark.parametrize("fuse", ["1", "0"])
+def test_hopper_dq_rounded_by_the_main_kernel_or_after_it(launched, monkeypatch, fuse):
+    """CUFLASH_FUSE_DQ=1 (the default): bwd_sm90 rounds dQ itself, the block of a batch item
+    that arrives last at a query tile's counter converting it; 0: bwd_finish_dq does. Both
+    against the reference: more query tiles than key tiles and the other way round, causal
+    both alignments (query tiles that no key tile sees keep dQ = 0), an odd head dim (the
+    element-wise conversion), 5 x 7 batch items (counters per item), and a broadcast q (its
+    gradient is summed: never fused)."""
+    _hopper_or_skip()
+    from cuflash import _api
+    setenv(monkeypatch, "CUFLASH_FUSE_DQ", fuse)
+    rng = numpy.random.default_rng(23)
+    for (Lq, Lk, d, causal) in [(700, 90, 64, "top_left"), (90, 700, 128, True),
+                                (333, 333, 111, False), (257, 129, 72, True)]:
+        q = make_array(rng, (5, 7, Lq, d), BF16)
+        k, v = (make_array(rng, (5, 7, Lk, d), BF16) for _ in range(2))
+        run_and_check(q, k, v, causal=causal)
+    plans = [p for p in _api._BWD_PLANS._d.values() if hasattr(p, "fused_dq")]
+    assert plans and all(p.fused_dq == (fuse == "1") for p in plans)
+    assert all((p.finish is None) == p.fused_dq for p in plans)
+    _api.clear_plans()
+    q = make_array(rng, (1, 7, 200, 64), BF16)         # q broadcast over the first dim
+    k, v = (make_array(rng, (5, 7, 300, 64), BF16) for _ in range(2))
+    run_and_check(q, k, v, causal=True)
+    plans = [p for p in _api._BWD_PLANS._d.values() if hasattr(p, "fused_dq")]
+    assert plans and not any(p.fused_dq for p in plans)
+    assert launched == ["bwd_sm90.cu"] * 5

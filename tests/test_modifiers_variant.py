@@ -425,10 +425,11 @@ __global__ void probe_{n}(const cuflash::ModifierParams m, const int* bs, float*
 
 
 def test_params_ends_with_the_modifier_params():
-    """_launch.PARAMS carries ModifierParams as its last field ``mod``, both mirrored."""
+    """_launch.PARAMS carries ModifierParams as ``mod``, after every field plain attention
+    reads, then only the fused dQ finishing's pointer ``dq``; both mirrored."""
     from cuflash import _launch
     from _layout import assert_struct_matches
-    assert _launch.PARAMS.names[-1] == "mod"
+    assert _launch.PARAMS.names[-2:] == ("mod", "dq")
     assert_struct_matches("common.cuh", "cuflash", "Params", _launch.PARAMS,
                           nested={"var": "VariantParams", "mod": "ModifierParams"})
 
