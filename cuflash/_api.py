@@ -158,8 +158,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         ``(..., Hkv, G)``, so ``h`` is the query head and per-head arrays are given as
         ``(..., Hkv, G)``). User functions are written with operators and NumPy functions;
         arrays they read are wrapped with :func:`cuflash.captured`. NumPy inputs run every
-        modifier on the CPU path; on CuPy inputs the GPU kernels do not implement them yet
-        and raise NotImplementedError naming them.
+        modifier on the CPU path, CuPy inputs on the GPU kernels (every forward family;
+        ``attention_backward`` for float16 / bfloat16 with head dims up to 128, anything else
+        raises NotImplementedError naming the modifiers before any GPU work).
 
     Returns
     -------

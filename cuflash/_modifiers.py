@@ -360,9 +360,11 @@ def check_gpu_support(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> 
     missing = gpu_missing(mods, what, dtype, dmax)
     if missing:
         raise NotImplementedError(
-            f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet (the "
-            f"GPU kernels gain the modifiers in issue 10); the same call on NumPy arrays runs "
-            f"them on the CPU path, and cuflash.reference.{what} computes them in float64")
+            f"cuflash.{what} on CuPy arrays does not implement {', '.join(missing)} yet for "
+            f"{numpy.dtype(dtype).name if dtype is not None else 'these inputs'} with head dim "
+            f"{dmax} (the GPU backward runs the modifiers for float16 / bfloat16 with head dims "
+            f"up to 128); the same call on NumPy arrays runs them on the CPU path, and "
+            f"cuflash.reference.{what} computes them in float64")
 
 
 def explain(mods: Modifiers, what: str) -> str:
