@@ -20,6 +20,7 @@ import numpy
 from . import _families, _launch
 from ._families import FAMILIES, Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
+from ._plan_mods import ModifierPatch
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -94,7 +95,7 @@ class ForwardPlan:
     def __init__(self, prob, o, lse, mods=None):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
-        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, mods=mods)
         self.choice = _families.choose("fwd", shape, dev)
         fam, t = self.choice.family, self.choice.traits
@@ -151,81 +152,6 @@ class ForwardPlan:
         return explain_choice(self.choice, self.launch.grid)
 
 
-class _ModifierPatch:
-    """The modifiers of a plan (none of their arrays: a cached plan must not keep them alive):
-    which arrays there are, ``Params.mod`` packing, and the pointer words patched on every
-    call (bias, mask, slopes, sink)."""
-
-    def __init__(self, prob, mods):
-        from . import _modifier_params as mp
-        mp.check_gpu_layout(mods)
-        self.acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
-        self.names = [n for n in mp.POINTER_FIELDS if getattr(mods, n) is not None]
-        base = _launch.PARAMS.fields["mod"][1]
-        self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
-        self.has_bias = mods.bias is not None
-        self.block_mask = mods.block_mask is not None
-        self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_kind"][1]) // 8
-        self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
-        # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
-        cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
-        self.captured_words = [(cap + k * mp.MODIFIER_PARAMS["captured"].base.itemsize) // 8
-                               for k in range(4)]
-
-    def arrays(self, mods) -> list:
-        """The call's modifier arrays (broadcast views), in ``names`` order, then the block
-        mask's kinds on the device: their batch strides join the batch layout's."""
-        out = [getattr(mods, n) for n in self.names]
-        if self.block_mask:
-            from ._block_mask import device_kind
-            out.append(device_kind(mods.block_mask, mods.batch_shape))
-        return out
-
-    def pack_into(self, p, layout, first: int, mods) -> None:
-        """Fill ``p["mod"]`` for ``layout`` (whose strides after the ``first`` tensors' are
-        this plan's arrays', in ``names`` order); pointers stay 0 until a call."""
-        from . import _modifier_params as mp
-        if len(layout.outer) > 1:
-            raise NotImplementedError(
-                "modifiers on the GPU with more than 4 batch dimensions that cannot be merged "
-                "(an outer loop of launches) are not implemented; reshape the batch dims")
-        arrays = self.arrays(mods)
-        strides = {id(x): st for x, st in zip(arrays, layout.strides[first:])}
-        from ._variant import traces_of
-        score, mask = traces_of(mods)
-        p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)],
-                           score_trace=score, mask_trace=mask,
-                           block_kinds=arrays[-1] if self.block_mask else None)
-
-    def pointer_arrays(self, mods) -> list:
-        """The arrays whose pointers a call patches, slopes and sinks in the accumulation
-        type (converted when needed: one value per un-broadcast item)."""
-        from ._modifier_params import per_item_acc
-        import cupy
-        out = []
-        for n in self.names:
-            x = getattr(mods, n)
-            out.append(per_item_acc(x, self.acc, cupy) if n in ("alibi_slopes", "sink") else x)
-        return out
-
-    def words(self, arrays, mods=None) -> list[tuple[int, int]]:
-        """(word, pointer) of the arrays, then of the captured arrays the user functions of
-        ``mods`` read."""
-        out = [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
-        if self.block_mask and mods is not None:
-            from ._block_mask import device_kind
-            out.append((self.block_word, device_kind(mods.block_mask, mods.batch_shape).data.ptr))
-        if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
-            from ._variant import traces_of
-            caps = [c for t in traces_of(mods) if t is not None for c in t.captures]
-            for w, c in zip(self.captured_words, caps):
-                if not hasattr(c.array, "data") or not hasattr(c.array.data, "ptr"):
-                    raise TypeError(f"{c!r} is read by a function on the GPU: capture a "
-                                    f"cupy.ndarray on the inputs' device")
-                out.append((w, c.array.data.ptr))
-        return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +181,7 @@ class BackwardPlan:
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
-        self.mods = _ModifierPatch(prob, mods) if mods is not None and mods.features else None
+        self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, deterministic, mods)
         self.choice = _families.choose("bwd", shape, dev)
         lse_contiguous = lse.flags.c_contiguous

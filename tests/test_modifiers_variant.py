@@ -506,7 +506,7 @@ def test_the_plans_pack_and_patch_the_modifiers_as_the_emulation_does():
     prob = _problem.make_problem(q, k, k, scale=None, causal=True)
     mods = emu.modifiers_of(prob, **kw)
     o = numpy.empty((2, 3, 40, 16), numpy.float16)
-    ours = _plan._ModifierPatch(prob, mods)
+    ours = _plan.ModifierPatch(prob, mods)
     tensors = {"q": prob.q, "k": prob.k, "v": prob.v, "o": o}
     layout = _launch.batch_layout(prob.batch_shape, list(tensors.values()) + ours.arrays(mods))
     p = _launch.pack(prob, tensors, layout, emu.variant_params(prob))
