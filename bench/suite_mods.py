@@ -24,8 +24,8 @@ logic, tests/test_modifiers_bench.py). cuflash runs the document and prefix mask
 through ``cuflash.block_mask`` (traced into the kernel; the tiles its map calls empty are neither
 loaded nor computed in fwd_sm80 / fwd_sm90 / bwd_sm80). A point an implementation cannot run is a
 row with ``tflops = None`` and the reason (SDPA cannot express softcap). The modifiers' backward
-runs on bwd_sm90 on Hopper where ``_traits.BWD_SM90_MODIFIERS`` lists them (softcap, window, sink;
-ALiBi and mask_mod at d <= 64), else on bwd_sm80; ``CUFLASH_BWD=sm80`` keeps every row on bwd_sm80.
+runs on bwd_sm90 on Hopper where ``_traits.BWD_SM90_MODIFIERS`` lists them (softcap, window, sink,
+ALiBi; mask_mod at d <= 64), else on bwd_sm80; ``CUFLASH_BWD=sm80`` keeps every row on bwd_sm80.
 
 Method (as bench/suite_decode.py): ``ms`` = median CUDA-event time of one call through the
 public function on CuPy's current stream (torch on the same stream through DLPack views, no

@@ -30,11 +30,15 @@
 // The modifiers (DESIGN.md "Modifiers"; the Variant's hooks, as in bwd_sm80): causal and the
 // window bound the walk over the query tiles (query_begin / query_end) and the mask of the
 // tiles that cross their diagonals (the plain code path; the sink is in L_i already and needs
-// nothing here). A score transform (softcap, ALiBi, bias, score_mod) or an element mask (bool
-// array, mask_mod) takes the path of bwd_io::p_ds_pair, the element of P and dS that bwd_sm80
-// computes too, with the chain rule of softcap / score_mod and dL/dbias; a block mask skips the
-// query tiles it calls empty and the mask_mod of those it calls full. Which modifiers run here
-// at which head dim (registers): cuflash/_traits.py, BWD_SM90_MODIFIERS.
+// nothing here). ALiBi keeps the plain path too: it is a constant added to the scaled score
+// (no gradient), so it changes only P's exponent, by -slope log2(e) |i + diag - j| (one FFMA
+// an element, Mod::alibi_exp2), and dS = P o (dP - D) and everything after are as plain. A
+// score transform that needs the chain rule or writes a gradient (softcap, bias, score_mod) or
+// an element mask (bool array, mask_mod) takes the path of bwd_io::p_ds_pair, the element of P
+// and dS that bwd_sm80 computes too, with the chain rule of softcap / score_mod and dL/dbias
+// (ALiBi with them: inside Mod::score there); a block mask skips the query tiles it calls
+// empty and the mask_mod of those it calls full. Which modifiers run here at which head dim
+// (registers): cuflash/_traits.py, BWD_SM90_MODIFIERS.
 //
 // Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
 // dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
@@ -43,7 +47,10 @@
 // Numerics: exactly bwd_sm80's (dead rows get L = +inf, D = 0 and zeroed Q, dO rows; keys past
 // Lk and masked pairs get P = dS = 0 by selection; exp2 is ex2.approx.ftz; the modifiers'
 // element is the same function, bwd_io::p_ds_pair), and the same float32 accumulation of every
-// product.
+// product. ALiBi on the plain path adds its term in base-2 units (slope log2(e) rounded once
+// to float32) where bwd_sm80 adds it in natural units before multiplying by log2(e): the same
+// exponent to float32 rounding; a dead row's exponent stays -inf (-inf minus a finite term),
+// so P = 0 there as without it.
 #include "common.cuh"
 #include "mma_sm80.cuh"
 #include "sm80_ops.cuh"
@@ -178,15 +185,21 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int n0 = n_block * kBlockN;
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);   // K_j, V_j's (q, dout: see load_q_tile)
-  // The modifiers that change P or dS element by element (a score transform, a bool mask or
-  // mask_mod) take the path of bwd_io::p_ds_pair below; causal, the window and the sink do not
-  // (the sink is in L_i already; dsink is the launcher's, from D and L) and keep the plain one.
-  constexpr bool kPairwise = Var::Mod::kTransforms || Var::kPairMask;
+  // The modifiers that need the chain rule in dS (softcap, score_mod), write dL/dbias (a
+  // bias) or mask element by element (a bool mask, mask_mod) take the path of
+  // bwd_io::p_ds_pair below; causal, the window, the sink and ALiBi keep the plain one (the
+  // sink is in L_i already, dsink is the launcher's, from D and L; ALiBi is a constant added
+  // to the scaled score, so it changes only the exponent of P: Mod::alibi_exp2).
+  constexpr bool kPairwise = Var::kGrad || Var::kPairMask;
+  static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi,
+                "the plain path's only score transform is ALiBi");
   // tau * log2(e); log2(e) where the modifiers give natural-unit scores (p_ds_pair)
   const float sl2 = (kPairwise && Var::kNatural) ? 1.4426950408889634f : float(p.var.scale_log2);
   const float scale = float(p.var.scale);      // tau
   // the modifiers' state of this batch item (slopes, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);
+  // ALiBi on the plain path: slope log2(e), the base-2 units of its exponent
+  [[maybe_unused]] const float slope_l2 = Var::Mod::alibi_slope_log2(item);
 
   // The query tiles that can see K_j: from the one holding the first query that sees a key of
   // K_j (causal: row n0 - causal_offset; a window's right bound), up to the last query that
@@ -333,16 +346,24 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
     if constexpr (!kPairwise) {
-      // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e))
+      // -- 11: P_ij = exp(tau S_ij - L_i) = exp2(S_ij tau log2(e) - L_i log2(e)); with ALiBi
+      //        exp(tau S_ij - slope |i + diag - j| - L_i), its term added in the exponent
+      //        (Mod::alibi_exp2; dist0: the distance of this thread's element (t, e) = (0, 0),
+      //        query m0 + 2 t4, key kw0 + g; the others add compile-time constants)
       wgmma_wait<1>();
       fence_regs(s);
       Var::transform_tile(p.var, s);
+      [[maybe_unused]] float dist0 = 0.f;
+      if constexpr (Var::Mod::kHasAlibi) dist0 = float(m0 + 2 * t4 + p.mod.diag - kw0 - g);
 #pragma unroll
       for (int t = 0; t < Tr::kNTilesS; ++t) {
         const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[t][e] = ex2_approx(fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x)));
+          float x = fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x));
+          if constexpr (Var::Mod::kHasAlibi)   // (a dead row's x = -inf stays -inf: P = 0)
+            x = Var::Mod::alibi_exp2(x, slope_l2, dist0 + float(8 * t + (e & 1) - 8 * (e >> 1)));
+          s[t][e] = ex2_approx(x);
         }
       }
       if (need_mask) select_visible<Var::kKeyLo>(s, first, last);

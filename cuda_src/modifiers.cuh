@@ -98,6 +98,7 @@ struct ModVariant {
   static constexpr bool kHasBias = !mod_detail::same<BiasT, void>::value;
   static constexpr bool kHasScoreMod = !mod_detail::same<ScoreMod, NoScoreMod>::value;
   static constexpr bool kHasMaskMod = !mod_detail::same<MaskMod, NoMaskMod>::value;
+  static constexpr bool kHasAlibi = kAlibi;
   static_assert(!kBlockMask || kHasMaskMod, "a block mask classifies a mask_mod's tiles");
   // false: the kernel keeps folding scale * log2(e) into its exp2 (today's fast path)
   static constexpr bool kTransforms = kSoftcap || kAlibi || kHasBias || kHasScoreMod;
@@ -291,6 +292,22 @@ struct ModVariant {
     if (kHasBias) s += mod_detail::load_as<Acc>(it.bias + j * static_cast<int>(m.bias_col));
     if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
     return s;
+  }
+
+  // (4b) ALiBi as a term of a base-2 exponent, for a kernel that keeps the scale folded into
+  //      its exp2 (bwd_sm90's plain path: ALiBi the only score transform). The bias is added
+  //      to the scaled score and nothing non-linear follows before the exponential, so
+  //        exp(tau S - slope |dist| - L) = exp2(S tau log2(e) - slope log2(e) |dist| - L log2(e)),
+  //      dist = i + diag - j: x = S tau log2(e) - L log2(e) in, x - slope log2(e) |dist| out
+  //      (one FFMA; |dist| is an operand modifier). dist is a float holding an integer, exact
+  //      below 2^24. x = -inf (a dead row: L = +inf) stays -inf, so P = 0 there as before; a
+  //      masked pair's x may be anything, the kernel selects its P and dS to 0 afterwards.
+  template <class It>
+  __device__ __forceinline__ static float alibi_slope_log2(const It& it) {
+    return kAlibi ? static_cast<float>(it.slope) * 1.4426950408889634f : 0.f;
+  }
+  __device__ __forceinline__ static float alibi_exp2(float x, float slope_log2, float dist) {
+    return fmaf(fabsf(dist), -slope_log2, x);
   }
 
   // (5) Step 6 for one pair of a partial tile.

@@ -338,9 +338,13 @@ def _bwd_tc_select(fam, shape, dev):
     bucket = max(32, -(-shape.dmax // step) * step)
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
     if fam.name == "bwd_sm90":
-        missing = shape.variant.features - {"causal"} - _traits.BWD_SM90_MODIFIERS[bucket]
-        if missing:
-            return (f"does not implement {', '.join(sorted(missing))} at head-dim bucket {bucket} "
+        # its modifiers all in one of the bucket's sets (the plain path's, the per-element one's)
+        feats, sets = shape.variant.features - {"causal"}, _traits.BWD_SM90_MODIFIERS[bucket]
+        if not any(feats <= s for s in sets):
+            missing = feats - frozenset().union(*sets)
+            what = (f"does not implement {', '.join(sorted(missing))}" if missing else
+                    f"does not run {', '.join(sorted(feats))} together")
+            return (f"{what} at head-dim bucket {bucket} "
                     f"(registers: _traits.BWD_SM90_MODIFIERS)")
     t = _table_traits(fam, key, bucket)
     if t.smem_bytes > dev.smem_optin:
@@ -407,7 +411,8 @@ REGISTRY: tuple[Family, ...] = (
            "{variant}, {fuse_dq}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 128), tensor_core_rows=True,
            # (per head-dim bucket: _traits.BWD_SM90_MODIFIERS, which select checks)
-           features=frozenset({"causal"}).union(*_traits.BWD_SM90_MODIFIERS.values()),
+           features=frozenset({"causal"}).union(
+               *(s for sets in _traits.BWD_SM90_MODIFIERS.values() for s in sets)),
            smem_expr="cuflash::sm90::BwdSm90Traits<{T}, {head_dim}, {block_m}, {warpgroups}, "
                      "{min_blocks}>::kSmemBytes",
            select=_bwd_tc_select, instances=_bwd_sm90_instances,

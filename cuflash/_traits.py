@@ -280,20 +280,27 @@ BWD_SM90 = {
     (128, False): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
     (128, True): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
 }
-#: The modifiers bwd_sm90 runs, per head-dim bucket (a Variant with any other runs bwd_sm80):
-#: those whose specialisations compile with 0 spills, alone and in every combination (the
-#: session 6 sweep, bench/NOTES.md "bwd_sm90 modifiers"). A Variant with a score transform or
-#: an element mask takes 64-row query tiles (``_variant.modifier_tiles``): at d = 64 S^T, dP^T,
-#: dK_j and dV_j are then 128 registers a thread and the built-in transforms and a mask_mod
-#: (with or without a block mask) fit; at d = 128 they are 192 and the window (no per-element
-#: code), the sink (none in the backward: it is in L_i) and softcap fit. What spills (4 to 120
-#: bytes) stays on bwd_sm80: the arrays read pair by pair (a bias, 24 bytes with a window at
-#: d = 64; a bool mask array, 8; their 64-bit addresses per query row of the transposed tile),
-#: a score_mod (the one reading a captured table: 12-68 bytes), at d = 128 ALiBi with a window
-#: and a mask_mod.
+#: The modifiers bwd_sm90 runs, per head-dim bucket: a Variant runs there when its modifiers
+#: (besides causal) all lie in one of the bucket's sets, each of which compiles with 0 spills in
+#: every combination (bench/NOTES.md "bwd_sm90 modifiers", session 6, and "bwd_sm90 ALiBi at
+#: d=128", session 7); any other runs bwd_sm80. Two sets a bucket, one per code path:
+#: * the plain path (``_BWD90_PLAIN``), every bucket at the plain table's tiles: the window
+#:   (bounds of the query-tile walk and the selection mask), the sink (in L_i already) and
+#:   ALiBi (a constant added to the scaled score: one FFMA in P's exponent, no gradient; d = 64
+#:   at B_r = 128: 254-255 registers, d = 128: 254-255, 0 spills);
+#: * the per-element path (bwd_io::p_ds_pair, 64-row query tiles, ``_variant.modifier_tiles``)
+#:   of softcap's chain rule and mask_mod: at d = 64 S^T, dP^T, dK_j and dV_j are 128
+#:   registers a thread and the built-in transforms and a mask_mod (with or without a block
+#:   mask) fit; at d = 128 they are 192 and softcap (with the window and the sink) fits, with
+#:   ALiBi it spills (8-44 bytes), so softcap with ALiBi at d = 128 stays on bwd_sm80. What
+#:   spills (4 to 120 bytes) stays on bwd_sm80 everywhere: the arrays read pair by pair (a bias,
+#:   24 bytes with a window at d = 64; a bool mask array, 8; their 64-bit addresses per query
+#:   row of the transposed tile), a score_mod (the one reading a captured table: 12-68 bytes),
+#:   at d = 128 a mask_mod.
+_BWD90_PLAIN = frozenset({"window", "sink", "alibi_slopes"})
 BWD_SM90_MODIFIERS = {
-    64: frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"}),
-    128: frozenset({"window", "softcap", "sink"}),
+    64: (_BWD90_PLAIN, frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"})),
+    128: (_BWD90_PLAIN, frozenset({"window", "softcap", "sink"})),
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -173,10 +173,12 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
         named["block_n"] = 32
     if family == "bwd_sm80" and t["sub_m"] > 32:
         named["sub_m"] = 32
-    # (bwd_sm90's per-element path; a sink alone does not take it: the backward sees it in L_i)
+    # (bwd_sm90's per-element path, bwd_io::p_ds_pair; a sink or ALiBi without those does not
+    # take it: the backward sees the sink in L_i, and ALiBi is a term of P's exponent on the
+    # plain path)
     if family == "bwd_sm90" and t.block_m > 64 and (
-            variant.softcap or variant.alibi_slopes or variant.bias or variant.mask
-            or variant.score_mod or variant.mask_mod):
+            variant.softcap or variant.bias or variant.mask or variant.score_mod
+            or variant.mask_mod):
         named["block_m"] = 64
     if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90") or not named:
         return t

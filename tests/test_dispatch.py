@@ -114,25 +114,37 @@ def _bwd_mods(d, causal=True, **mods):
 @pytest.mark.parametrize("d, bucket", [(64, 64), (128, 128)])
 def test_backward_modifiers_on_hopper_take_wgmma_where_they_fit(d, bucket):
     """bwd_sm90 takes the modifiers _traits.BWD_SM90_MODIFIERS lists for the head-dim bucket
-    (64-row query tiles where the per-element code runs), bwd_sm80 the others; the window
-    alone keeps the plain tiles."""
-    for feats in _traits.BWD_SM90_MODIFIERS[bucket]:
+    (64-row query tiles where the per-element code runs), bwd_sm80 the others; the window,
+    the sink and ALiBi (the plain path) keep the plain tiles."""
+    for feats in frozenset().union(*_traits.BWD_SM90_MODIFIERS[bucket]):
         kw = {"bias": "__nv_bfloat16"} if feats == "bias" else (
             {"score_mod": "cuflash::user::S"} if feats == "score_mod" else (
                 {"mask_mod": "cuflash::user::M"} if feats == "mask_mod" else {feats: True}))
         c = _bwd_mods(d, **kw)
         assert c.family.name == "bwd_sm90", (feats, c.reasons)
         assert c.traits.block_m == (_traits.BWD_SM90[(bucket, True)].block_m
-                                    if feats in ("window", "sink") else 64)
+                                    if feats in ("window", "sink", "alibi_slopes") else 64)
     assert _bwd_mods(d, window=True).traits == _traits.BWD_SM90[(bucket, True)]
     c = _bwd_mods(d, mask=True)                      # a bool mask array: bwd_sm80 everywhere
     assert c.family.name == "bwd_sm80"
     assert any("bwd_sm90: not used, does not implement mask" in r for r in c.reasons)
     for kw in ({"bias": "float"}, {"score_mod": "cuflash::user::S"}):
         assert _bwd_mods(d, **kw).family.name == "bwd_sm80"
+    # ALiBi on the plain path, with everything that path combines, at every bucket and both
+    # causal settings: the plain table's tiles
+    for causal in (False, True):
+        c = _bwd_mods(d, causal, alibi_slopes=True, window=True, sink=True)
+        assert c.family.name == "bwd_sm90", c.reasons
+        assert c.traits == _traits.BWD_SM90[(bucket, causal)]
     if bucket == 128:
-        for kw in ({"alibi_slopes": True}, {"mask_mod": "cuflash::user::M"}):
-            assert _bwd_mods(d, **kw).family.name == "bwd_sm80"
+        assert _bwd_mods(d, mask_mod="cuflash::user::M").family.name == "bwd_sm80"
+        # softcap with ALiBi needs the per-element path, which spills with ALiBi at d = 128
+        c = _bwd_mods(d, alibi_slopes=True, softcap=True)
+        assert c.family.name == "bwd_sm80"
+        assert any("bwd_sm90: not used, does not run alibi_slopes, softcap together" in r
+                   for r in c.reasons), c.reasons
+    else:
+        assert _bwd_mods(d, alibi_slopes=True, softcap=True).family.name == "bwd_sm90"
     assert _bwd_mods(d, window=True, softcap=True, sink=True).family.name == "bwd_sm90"
 
 

@@ -293,6 +293,17 @@ def _bwd_sm90_cases():
                                    72, "top_left"),
         "alibi-64": (dict(alibi_slopes=slopes), 64, True),
         "alibi+window+softcap-64": (dict(alibi_slopes=slopes, window=(50, None), softcap=10.0), 64, False),
+        # ALiBi on the plain path (session 7): every head-dim bucket, with causal (both
+        # alignments), a window reaching past the diagonal (|i + diag - j| on both sides) and
+        # the sink
+        "alibi-128": (dict(alibi_slopes=slopes), 128, True),
+        "alibi-top-left-128": (dict(alibi_slopes=slopes), 128, "top_left"),
+        "alibi-not-causal-128": (dict(alibi_slopes=slopes), 128, False),
+        "alibi+window-128": (dict(alibi_slopes=slopes, window=(100, 20)), 128, False),
+        "alibi+window+sink-128": (dict(alibi_slopes=slopes, window=(64, 0),
+                                       sink=rng.standard_normal((3,)).astype(numpy.float32)),
+                                  128, True),
+        "alibi+window-72": (dict(alibi_slopes=slopes, window=(40, None)), 72, True),
     }
 
 
@@ -308,6 +319,31 @@ def test_modifier_gradients_on_bwd_sm90(bwd_family, name):
     q = rng.standard_normal((2, 3, 300, d)).astype(BF16)
     k = rng.standard_normal((2, 3, 230, d)).astype(BF16)
     v = rng.standard_normal((2, 3, 230, d)).astype(BF16)
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    forced = os.environ.get("CUFLASH_BWD") == "sm80"
+    assert bwd_family == ["bwd_sm90.cu" if hopper and not forced else "bwd_sm80.cu"]
+
+
+@pytest.mark.parametrize("slopes, causal, window", [
+    ((2, 3), True, None),          # one slope a query head (hkv, g)
+    ((2, 1), True, (80, 0)),       # one a KV head, broadcast over its group (stride 0)
+    ((3,), False, (60, 30)),       # one a group index, broadcast over B and the KV heads
+], ids=["per-query-head", "per-kv-head+window", "per-group+window"])
+def test_alibi_gradients_on_bwd_sm90_with_gqa(bwd_family, slopes, causal, window):
+    """ALiBi at d = 128 on bwd_sm90's plain path with GQA: q (B, Hkv, G, L, d), k and v
+    broadcast over the group axis (dk, dv summed over it), slopes broadcast against the batch
+    shape in three ways, rows without keys (Lq > Lk, bottom-right causal). The gradients match
+    the reference by the kit's rule; the kernel is bwd_sm90 on Hopper."""
+    import cupy
+    rng = numpy.random.default_rng(11)
+    q = rng.standard_normal((2, 2, 3, 300, 128)).astype(BF16)
+    k = rng.standard_normal((2, 2, 1, 230, 128)).astype(BF16)
+    v = rng.standard_normal((2, 2, 1, 230, 128)).astype(BF16)
+    kw = dict(alibi_slopes=rng.uniform(0.01, 0.5, slopes).astype(numpy.float32))
+    if window is not None:
+        kw["window"] = window
     o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
     naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
     hopper = cupy.cuda.Device().compute_capability == "90"
