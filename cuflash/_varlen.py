@@ -33,6 +33,7 @@ from typing import Any
 import numpy
 
 from . import _problem
+from ._api import _layout     # what a plan depends on in one array (shape, strides, dtype, ...)
 
 _KEYWORDS = ("scale", "causal", "return_lse")
 #: the one-launch plans: forward (_FastVarlen) and backward (_inference_varlen.BackwardLaunch)
@@ -150,16 +151,17 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sc
     return prob, cu_q, cu_k
 
 
+_ENABLED = None
+
+
 def _enabled() -> bool:
     """CUFLASH_VARLEN_KERNEL is read on every call (A/B runs switch it between calls): a
     cached one-launch plan serves a call only while the one-launch path is on."""
-    from ._inference_varlen import enabled
-    return enabled()
-
-
-def _layout(x) -> tuple:
-    from ._api import _layout
-    return _layout(x)
+    global _ENABLED
+    if _ENABLED is None:      # _inference_varlen imports the registry: not at import time
+        from ._inference_varlen import enabled
+        _ENABLED = enabled
+    return _ENABLED()
 
 
 class _FastVarlen:
