@@ -280,6 +280,8 @@ def attention_varlen_vjp(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     _problem.check_deterministic(deterministic)
     o, lse, host = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             {"scale": scale, "causal": causal, "return_lse": True})
+    if host is not None:     # the lengths of this forward, whatever becomes of NumPy arrays
+        host = (host[0].copy(), host[1].copy())
 
     def pullback(do: Any):
         cupy = sys.modules.get("cupy")
