@@ -6,8 +6,14 @@ real pairs.
 query heads (MHA, and GQA 32/8), causal and not. In one process and one run:
 
 - ``cuflash_varlen``: ``cuflash.attention_varlen``, the one-launch varlen build
-  (cuflash/_inference_varlen.py), called as a user calls it (validation, the read-back of
-  ``cu_seqlens`` and the work list included);
+  (cuflash/_inference_varlen.py), called as a user calls it with CuPy ``cu_seqlens``: since
+  session 7 one read-back of both (a device sync inside the events), then the cached plan
+  (``_varlen``: validation, work list and upload done by the first call only);
+- ``cuflash_varlen_host``: the same call with NumPy ``cu_seqlens`` (no read-back, no sync: the
+  host queues ahead of the GPU, as dense ``attention()`` does);
+- ``cuflash_varlen_kernel``: the kernel alone, its launch replayed between the events
+  (``kernel_alone_ms`` of bench/probes/mask_varlen_cost.py; ``max_diff_vs_call`` its output
+  against the call's);
 - ``cuflash_varlen_loop``: the same call with ``CUFLASH_VARLEN_KERNEL=0``: one
   ``cuflash.attention`` per sequence (the path before the varlen build);
 - ``cuflash_padded``: ``cuflash.attention`` on the padded batch (n_seq, H, Lmax, d): the work a
@@ -40,6 +46,7 @@ import pathlib as _pathlib
 
 sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
 from suite_common import compile_flex, finish, median_event_ms  # noqa: E402  (bench/, beside this file)
+sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent / "probes"))
 
 TOTAL = 16384
 D = 128
@@ -161,6 +168,9 @@ def run_varlen_suite(*, heads=HEADS, causals=CAUSALS, mix_names=None, peers=True
 
                 def varlen():
                     return _varlen.attention_varlen(q, k, v, cu, cu, causal=causal)
+
+                def varlen_host():
+                    return _varlen.attention_varlen(q, k, v, cu_host, cu_host, causal=causal)
                 o1 = varlen()
                 with _Env("CUFLASH_VARLEN_KERNEL", "0"):
                     o0 = varlen()
@@ -174,6 +184,13 @@ def run_varlen_suite(*, heads=HEADS, causals=CAUSALS, mix_names=None, peers=True
                 rows.append(_row("cuflash_varlen", name, lengths, Hq, Hkv, causal,
                                  _time(varlen), real, max_diff_vs_loop=diff,
                                  kernel=" | ".join(x.strip() for x in how.splitlines())))
+                rows.append(_row("cuflash_varlen_host", name, lengths, Hq, Hkv, causal,
+                                 _time(varlen_host), real, note="NumPy cu_seqlens: no read-back"))
+                from mask_varlen_cost import kernel_alone_ms
+                ms_kernel, why = kernel_alone_ms(q, k, v, cu_host, causal)
+                rows.append(_row("cuflash_varlen_kernel", name, lengths, Hq, Hkv, causal,
+                                 ms_kernel, real, note="the launch alone, replayed",
+                                 **({"max_diff_vs_call": why} if ms_kernel else {"why": why})))
                 rows.append(_row("cuflash_varlen_loop", name, lengths, Hq, Hkv, causal,
                                  ms_loop, real))
                 # -- the padded batch (n, Hkv, G, Lmax, d), and a dense batch at the mean length

@@ -86,7 +86,10 @@ struct BlockTile { int b, m_block; };
 // (cuflash.attention_varlen) run as ONE launch of a forward family compiled with
 // CUFLASH_VARLEN defined (cuflash/_inference_varlen.py prefixes the source with it; the plain
 // builds never see it, so their preprocessed text, hence their machine code, is unchanged).
-// Grid: nbatch x varlen_items blocks, batch-major; the host-made work list holds one item per
+// Grid: nbatch x varlen_items blocks, item-major: block bid runs work item bid / nbatch for
+// batch item (head) bid % nbatch, so the whole grid runs in the list's order, heaviest first
+// (longest-processing-time-first over every head, not within one: the last wave holds the
+// lightest tiles of all heads). The host-made work list holds one item per
 // (sequence, tile): where the sequence's queries and keys start in the packed arrays, its
 // lengths, the tile (the forward's Q tile, the backward's key tile) and the causal offset of
 // that sequence. A kernel's prologue turns its Params into the view of its block's sequence
@@ -96,8 +99,12 @@ struct BlockTile { int b, m_block; };
 struct VarlenItem { int q0, Lq, k0, Lk, tile, causal_offset; };
 
 #ifdef CUFLASH_VARLEN
+// item-major: the batch item of block bid, and its work item (the list's row)
+__device__ __forceinline__ unsigned varlen_batch(const Params& p, unsigned bid) {
+  return bid % unsigned(p.nbatch);
+}
 __device__ __forceinline__ VarlenItem varlen_item(const Params& p, unsigned bid) {
-  const uint4* w = reinterpret_cast<const uint4*>(p.varlen) + 2 * (bid % unsigned(p.varlen_items));
+  const uint4* w = reinterpret_cast<const uint4*>(p.varlen) + 2 * (bid / unsigned(p.nbatch));
   const uint4 a = __ldg(w), c = __ldg(w + 1);
   return {int(a.x), int(a.y), int(a.z), int(a.w), int(c.x), int(c.y)};
 }
@@ -105,7 +112,7 @@ __device__ __forceinline__ VarlenItem varlen_item(const Params& p, unsigned bid)
 
 __device__ __forceinline__ BlockTile block_tile(const Params& p, unsigned bid = blockIdx.x) {
 #ifdef CUFLASH_VARLEN
-  return {static_cast<int>(bid / unsigned(p.varlen_items)), varlen_item(p, bid).tile};
+  return {static_cast<int>(varlen_batch(p, bid)), varlen_item(p, bid).tile};
 #else
   const GridTile t = grid_tile(bid, p.nbatch, p.num_m_blocks, p.grid_order);
   return {t.b, p.num_m_blocks - 1 - t.tile};   // the last Q tile (the heaviest) first
@@ -118,7 +125,7 @@ struct BwdBlockTile { int b, n_block; };
 
 __device__ __forceinline__ BwdBlockTile bwd_block_tile(const Params& p) {
 #ifdef CUFLASH_VARLEN
-  return {static_cast<int>(blockIdx.x / unsigned(p.varlen_items)), varlen_item(p, blockIdx.x).tile};
+  return {static_cast<int>(varlen_batch(p, blockIdx.x)), varlen_item(p, blockIdx.x).tile};
 #else
   const GridTile t = grid_tile(blockIdx.x, p.nbatch, p.num_n_blocks, p.grid_order);
   return {t.b, t.tile};
@@ -175,9 +182,12 @@ template <typename T, typename Acc>
 __device__ __forceinline__ Params varlen_view(const Params& in, unsigned bid) {
   using u64 = unsigned long long;
   const VarlenItem it = varlen_item(in, bid);
-  const u64 b = bid / unsigned(in.varlen_items);
-  const u64 qrow = b * static_cast<u64>(in.Lq - it.Lq) + it.q0;   // packed row of row 0
-  const u64 krow = b * static_cast<u64>(in.Lk - it.Lk) + it.k0;
+  // packed row of row 0: b * packed length + q0 - b * sequence length. The differences are >= 0
+  // (a sequence is part of the packed length): 32-bit unsigned factors, a 64 x 32-bit product
+  // (as 64 x 64 bits, item-major's b spilled fwd_sm90 d 64 causal and bwd_simt float64 d 256)
+  const u64 b = varlen_batch(in, bid);
+  const u64 qrow = b * static_cast<unsigned>(in.Lq - it.Lq) + it.q0;
+  const u64 krow = b * static_cast<unsigned>(in.Lk - it.Lk) + it.k0;
   Params p = in;
   p.q += sizeof(T) * static_cast<u64>(it.q0 * in.q_row_stride);
   p.k += sizeof(T) * static_cast<u64>(it.k0 * in.k_row_stride);

@@ -43,6 +43,8 @@ def clear_plans() -> None:
     for name, cache in (("cuflash._inference", "_FAST"), ("cuflash._inference_gpu", "_PLANS")):
         if name in sys.modules:
             getattr(sys.modules[name], cache).clear()
+    if "cuflash._varlen" in sys.modules:      # attention_varlen's one-launch plans
+        sys.modules["cuflash._varlen"].clear_plans()
 
 
 def _layout(x) -> tuple:

@@ -8,12 +8,15 @@ work item from a host-made list (``cuda_src/common.cuh``: ``VarlenItem``, ``varl
 ``block_tile``): where its sequence's queries and keys start in the packed arrays, the
 sequence's lengths, its Q tile and the causal offset of that sequence; the kernel then runs as
 for one sequence (EVEN = false: per-sequence bounds). The list is made on the host because
-``attention_varlen`` reads ``cu_seqlens`` back anyway (it validates them); it costs one small
-upload a call. Items are ordered heaviest first (visible keys), so a grid's last wave holds the
-short tiles.
+``attention_varlen`` has ``cu_seqlens`` on the host anyway (it validates them); it is uploaded
+once per plan (:func:`forward_plan`, :func:`backward_plan`: ``_varlen`` caches them by the
+``cu_seqlens`` contents, so a repeated call neither builds nor uploads it). Items are ordered
+heaviest first (visible keys).
 
-Grid: ``nbatch x items`` blocks (``nbatch``: the merged head dims), batch-major. The parameter
-block is ``cuflash::Params`` of the packed problem (``Lq``, ``Lk`` the packed totals) with
+Grid: ``nbatch x items`` blocks (``nbatch``: the merged head dims), item-major (block ``bid``
+runs item ``bid / nbatch`` for batch item ``bid % nbatch``): the whole grid runs heaviest
+first, so its last wave holds the lightest tiles of every head. The parameter block is
+``cuflash::Params`` of the packed problem (``Lq``, ``Lk`` the packed totals) with
 ``varlen_items`` and the ``varlen`` pointer set.
 
 When not: CPU arrays, more than 4 merged batch dims, inputs the tensor-core families cannot
@@ -156,9 +159,23 @@ def params(prob, tensors: dict, items: int):
     return p, layout
 
 
-def forward(prob, cu_q, cu_k, causal, o, lse) -> str | None:
-    """Run the packed forward into ``o`` / ``lse`` (CuPy) in one launch; returns None, or the
-    reason it did not run (then nothing was launched)."""
+class ForwardLaunch:
+    """A built one-launch varlen forward: the ``Launch`` (Params packed, the work list's device
+    pointer in it) and the work list on the device, alive as long as this object (a cached
+    plan keeps it; the kernel only reads it)."""
+    __slots__ = ("launch", "work", "device_id")
+
+    def __init__(self, launch, work, device_id: int):
+        self.launch, self.work, self.device_id = launch, work, device_id
+
+    def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+        """Launch on ``stream`` with these device pointers (arrays laid out as at planning)."""
+        self.launch(stream, [q, k, v, o, lse])
+
+
+def forward_plan(prob, cu_q, cu_k, causal, o, lse):
+    """The :class:`ForwardLaunch` of the packed forward of ``prob`` into ``o`` / ``lse``
+    (CuPy; ``cu_q``, ``cu_k`` on the host), or the reason it cannot run (nothing uploaded)."""
     why = why_not(prob)
     if why:
         return why
@@ -180,10 +197,20 @@ def forward(prob, cu_q, cu_k, causal, o, lse) -> str | None:
     kernel = _kernel(fam.source, expr, prob.device_id, t.smem_bytes)
     launch = _launch.Launch(kernel, layout.inner_n * wl.shape[0], t.threads, t.smem_bytes, p,
                             name=expr + " (varlen)")
-    launch(cupy.cuda.get_current_stream().ptr,
-           [prob.q.data.ptr, prob.k.data.ptr, prob.v.data.ptr, o.data.ptr, lse.data.ptr])
-    # the list must outlive the kernel: CuPy frees into its pool, reused only by later work on
-    # this stream, which runs after the kernel
+    return ForwardLaunch(launch, wl_dev, prob.device_id)
+
+
+def forward(prob, cu_q, cu_k, causal, o, lse) -> str | None:
+    """Run the packed forward into ``o`` / ``lse`` (CuPy) in one launch; returns None, or the
+    reason it did not run (then nothing was launched)."""
+    plan = forward_plan(prob, cu_q, cu_k, causal, o, lse)
+    if isinstance(plan, str):
+        return plan
+    import cupy
+    plan(cupy.cuda.get_current_stream().ptr, prob.q.data.ptr, prob.k.data.ptr,
+         prob.v.data.ptr, o.data.ptr, lse.data.ptr)
+    # the list must outlive the kernel: CuPy frees it into its pool, reused only by later
+    # work on this stream, which runs after the kernel
     return None
 
 
@@ -195,11 +222,26 @@ def _set_varlen(launch, items: int, ptr: int) -> None:
     raw[p_at:p_at + 8] = numpy.frombuffer(numpy.uint64(ptr).tobytes(), numpy.uint8)
 
 
-def backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic) -> str | None:
-    """dq, dk, dv of the packed problem (CuPy) with ONE launch of the backward family's varlen
-    build over every (sequence, key tile); D = rowsum(dO o O), the dQ finish and the sums over
-    broadcast dims are the plain plan's (``_plan.BackwardPlan`` of the packed problem, whose
-    main launch is swapped for the varlen build). Returns None, or why it did not run."""
+class BackwardLaunch:
+    """A built one-launch varlen backward: the packed problem's ``_plan.BackwardPlan`` with
+    its main launch swapped for the backward family's varlen build, and the work list on the
+    device (alive as long as this object)."""
+    __slots__ = ("plan", "work", "device_id")
+
+    def __init__(self, plan, work, device_id: int):
+        self.plan, self.work, self.device_id = plan, work, device_id
+
+    def __call__(self, do, q, k, v, o, lse, dq, dk, dv) -> None:
+        """Gradients into ``dq``, ``dk``, ``dv`` (arrays laid out as at planning; q, k, v as
+        given or their broadcast views, which have the same pointers)."""
+        self.plan(do, q, k, v, o, lse, dq, dk, dv)
+
+
+def backward_plan(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic):
+    """The :class:`BackwardLaunch` of the packed problem (CuPy; ``cu_q``, ``cu_k`` on the
+    host): D = rowsum(dO o O), the dQ finish and the sums over broadcast dims are the plain
+    plan's (``_plan.BackwardPlan`` of the packed problem), its main launch the backward
+    family's varlen build over every (sequence, key tile). Or the reason it cannot run."""
     why = why_not(prob)
     if why:
         return why
@@ -211,6 +253,10 @@ def backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic) ->
     plan = _plan.BackwardPlan(prob, do, o, lse, dq, dk, dv, False)
     if plan.copies or len(plan.offsets) > 1:
         return "inputs the plan copies, or more than 4 merged batch dims"
+    if getattr(plan, "fused_dq", False):
+        # (main's bwd_sm90 one-wave plans round dQ in the main kernel, with counters per batch
+        # item and Q tile, and launch no bwd_finish_dq: the varlen build cannot take its place)
+        return "the plain plan rounds dQ in its main kernel (fused_dq)"
     dev = _families.device_info(prob.device_id)
     fam, t, expr, _ = choose(prob, dev, plan.choice)
     wl = work_list(cu_q, cu_k, t.block_n, causal, keys=True)
@@ -221,6 +267,15 @@ def backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic) ->
     nbatch = int(numpy.prod(prob.batch_shape))
     plan.launch.kernels[1] = (kernel.kernel.ptr, nbatch * wl.shape[0], t.threads, t.smem_bytes)
     _set_varlen(plan.launch, wl.shape[0], wl_dev.data.ptr)
+    return BackwardLaunch(plan, wl_dev, prob.device_id)
+
+
+def backward(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic) -> str | None:
+    """dq, dk, dv of the packed problem (CuPy) with ONE launch of the backward family's varlen
+    build (:func:`backward_plan`, built and run once). Returns None, or why it did not run."""
+    plan = backward_plan(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministic)
+    if isinstance(plan, str):
+        return plan
     plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv)
     return None
 

@@ -291,3 +291,128 @@ def test_varlen_backward_one_launch_matches_the_per_sequence_loop(dtype, causal,
             assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
                                                       g[2][..., sk, :]), ref,
                                    (args[0].shape, args[1].shape, args[2].shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_varlen's plan cache and host cu_seqlens (session 7)
+# ---------------------------------------------------------------------------------------------
+
+def _varlen_case(lq, lk, dtype=BF16, seed=12):
+    rng = numpy.random.default_rng(seed)
+    cu_q = numpy.concatenate([[0], numpy.cumsum(lq)]).astype(numpy.int32)
+    cu_k = numpy.concatenate([[0], numpy.cumsum(lk)]).astype(numpy.int32)
+    q = rng.standard_normal((2, 2, cu_q[-1], 64)).astype(dtype)
+    k = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    v = rng.standard_normal((2, 1, cu_k[-1], 64)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, o, lse, causal):
+    """o, lse (NumPy) of a varlen call against the float64 reference, sequence by sequence."""
+    for s in range(len(cu_q) - 1):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if cu_q[s] == cu_q[s + 1]:
+            continue
+        if cu_k[s] == cu_k[s + 1]:
+            assert (o[..., sq, :] == 0).all() and (lse[..., sq] == -numpy.inf).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        p = _problem.make_problem(*args, scale=None, causal=causal)
+        ro, rl = reference.attention(*args, causal=causal, return_lse=True)
+        assert_attention_close(p, o[..., sq, :], lse[..., sq], ro, rl)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_plan_cache_hit_is_the_miss_and_host_cu_seqlens_run_on_the_gpu(causal):
+    """A repeated call (device cu_seqlens, then NumPy ones: no read-back) hits the cached plan
+    and returns bitwise what the first call (the full path) returned; the forward is
+    deterministic, so any difference is the plan's."""
+    import cupy
+
+    from cuflash._api import clear_plans
+    q, k, v, cu_q, cu_k = _varlen_case([70, 0, 200, 1, 129], [64, 5, 300, 0, 129])
+    dq, dk, dv = (cupy.asarray(x) for x in (q, k, v))
+    clear_plans()
+    o0, l0 = _varlen.attention_varlen(dq, dk, dv, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                      causal=causal, return_lse=True)        # miss: builds
+    assert len(_varlen._FWD) == 1
+    hits = _varlen._FWD.hits
+    o1, l1 = _varlen.attention_varlen(dq, dk, dv, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                      causal=causal, return_lse=True)        # hit (device cu)
+    o2, l2 = _varlen.attention_varlen(dq, dk, dv, cu_q, cu_k, causal=causal,
+                                      return_lse=True)                       # hit (host cu)
+    o3 = _varlen.attention_varlen(dq, dk, dv, cu_q, cu_k, causal=causal)     # hit, o only
+    assert _varlen._FWD.hits == hits + 3 and len(_varlen._FWD) == 1
+    o0, l0 = cupy.asnumpy(o0), cupy.asnumpy(l0)
+    for o, lse in ((o1, l1), (o2, l2), (o3, l1)):
+        assert numpy.array_equal(cupy.asnumpy(o).view(numpy.uint16), o0.view(numpy.uint16))
+        assert numpy.array_equal(cupy.asnumpy(lse), l0)
+    _check_varlen(q, k, v, cu_q, cu_k, o0, l0, causal)
+    # NumPy cu_seqlens on a cold cache: the full path, no read-back, the same result
+    clear_plans()
+    o4, l4 = _varlen.attention_varlen(dq, dk, dv, cu_q, cu_k, causal=causal, return_lse=True)
+    assert numpy.array_equal(cupy.asnumpy(o4).view(numpy.uint16), o0.view(numpy.uint16))
+
+
+def test_varlen_changed_cu_seqlens_never_hit_a_stale_plan():
+    """Same shapes, other lengths: another plan (a miss), whose result is the new lengths'; bad
+    contents after a cached call raise the full path's errors."""
+    import cupy
+    lq, lk = [100, 50, 106], [80, 120, 56]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk)
+    dq, dk, dv = (cupy.asarray(x) for x in (q, k, v))
+    _varlen.attention_varlen(dq, dk, dv, cupy.asarray(cu_q), cupy.asarray(cu_k), causal=True)
+    n = len(_varlen._FWD)
+    cu_q2 = numpy.array([0, 10, 200, 256], numpy.int32)     # same totals and n_seq
+    cu_k2 = numpy.array([0, 200, 201, 256], numpy.int32)
+    for cq, ck in ((cu_q2, cu_k2), (cupy.asarray(cu_q2), cupy.asarray(cu_k2))):
+        o, lse = _varlen.attention_varlen(dq, dk, dv, cq, ck, causal=True, return_lse=True)
+        _check_varlen(q, k, v, cu_q2, cu_k2, cupy.asnumpy(o), cupy.asnumpy(lse), True)
+    assert len(_varlen._FWD) == n + 1           # one new plan, hit by the device call
+    bad = cupy.asarray(numpy.array([0, 10, 5, 256], numpy.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[1\]=10 > cu_seqlens_q\[2\]=5"):
+        _varlen.attention_varlen(dq, dk, dv, bad, cupy.asarray(cu_k), causal=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\]=255 must equal the packed length"):
+        _varlen.attention_varlen(dq, dk, dv, cu_q, numpy.array([0, 1, 2, 255], numpy.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        _varlen.attention_varlen(dq, dk, dv, cupy.asarray(cu_q).astype(cupy.int64), cu_k)
+    with pytest.raises(ValueError, match="max_seqlen_q=99 is below the longest sequence"):
+        _varlen.attention_varlen(dq, dk, dv, cu_q, cu_k, causal=True, max_seqlen_q=99)
+    with pytest.raises(TypeError, match="must be a numpy array like q, got cupy"):
+        _varlen.attention_varlen(q, k, v, cupy.asarray(cu_q), cu_k)
+
+
+def test_varlen_backward_plan_cache_hit_matches_the_reference():
+    """The pullback twice on one vjp and once on a second vjp with NumPy cu_seqlens: the first
+    builds the backward plan, the others hit it; each against the float64 reference."""
+    import cupy
+
+    from _tolerance_bwd import assert_gradients_close
+    from cuflash._api import clear_plans
+    lq, lk = [90, 0, 130, 7], [100, 40, 0, 90]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, seed=13)
+    do = numpy.random.default_rng(14).standard_normal(q.shape).astype(q.dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v)]
+    clear_plans()
+    _, pull = _varlen.attention_varlen_vjp(*dev, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                           causal=True)
+    _, pull2 = _varlen.attention_varlen_vjp(*dev, cu_q, cu_k, causal=True)
+    grads = [pull(cupy.asarray(do))]
+    assert len(_varlen._BWD) == 1
+    hits = _varlen._BWD.hits
+    grads += [pull(cupy.asarray(do)), pull2(cupy.asarray(do))]
+    assert _varlen._BWD.hits == hits + 2
+    grads = [[cupy.asnumpy(g) for g in gs] for gs in grads]
+    for s in range(len(lq)):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lq[s] == 0 or lk[s] == 0:
+            for g in grads:
+                assert (g[0][..., sq, :] == 0).all() and (g[1][..., sk, :] == 0).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        ref = reference.attention_backward(do[..., sq, :], *args, causal=True)
+        p = _problem.make_problem(*args, scale=None, causal=True)
+        for g in grads:
+            assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
+                                                      g[2][..., sk, :]), ref,
+                                   (args[0].shape, args[1].shape, args[2].shape))

@@ -334,6 +334,48 @@ def test_varlen_rejects_bad_cu_seqlens():
         run(good_q.reshape(3, 1), good_k)
 
 
+def test_varlen_read_host_keeps_numpy_cu_seqlens_and_declines_what_validation_rejects():
+    """_read_host (the CuPy path's one read-back): NumPy int32 arrays come back as they are
+    (nothing read, no sync); anything but a 1-D int32 NumPy / CuPy array of >= 1 element gives
+    None, and the full path's validation then raises what it always raised."""
+    import types
+    fake_cupy = types.SimpleNamespace(ndarray=type("DeviceArray", (), {}))
+    cq, ck = numpy.array([0, 2, 6], numpy.int32), numpy.array([0, 1, 5], numpy.int32)
+    hq, hk = _varlen._read_host(cq, ck, fake_cupy)
+    assert hq is cq and hk is ck
+    for bad in (cq.astype(numpy.int64), cq.reshape(3, 1), cq[:0], [0, 2, 6]):
+        assert _varlen._read_host(bad, ck, fake_cupy) is None
+        assert _varlen._read_host(cq, bad, fake_cupy) is None
+
+
+def test_varlen_numpy_cu_seqlens_validate_for_device_inputs():
+    """With CuPy q, k, v (xp = cupy) NumPy cu_seqlens are accepted, with the same checks and
+    messages; the values checked are the read-back ones when given (``host``)."""
+    import types
+    cupy_like = types.ModuleType("cupy")
+    good = numpy.array([0, 2, 6], numpy.int32)
+    assert list(_varlen._host_cu(good, "cu_seqlens_q", 6, cupy_like)) == [0, 2, 6]
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[1\]=4 > cu_seqlens_q\[2\]=3"):
+        _varlen._host_cu(numpy.array([0, 4, 3, 6], numpy.int32), "cu_seqlens_q", 6, cupy_like)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\]=5 must equal the packed length 6"):
+        _varlen._host_cu(numpy.array([0, 2, 5], numpy.int32), "cu_seqlens_k", 6, cupy_like)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        _varlen._host_cu(good.astype(numpy.int64), "cu_seqlens_q", 6, cupy_like)
+    # the values validated (and returned) are the host copy's: no second read
+    got = _varlen._host_cu(good, "cu_seqlens_q", 6, cupy_like,
+                           host=numpy.array([0, 3, 6], numpy.int32))
+    assert list(got) == [0, 3, 6]
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\] must be 0, got 1"):
+        _varlen._host_cu(good, "cu_seqlens_q", 6, cupy_like,
+                         host=numpy.array([1, 3, 6], numpy.int32))
+
+
+def test_varlen_clear_plans_without_a_gpu():
+    from cuflash import _api
+    _api.clear_plans()          # the varlen caches are made on first GPU use: None here
+    _varlen.clear_plans()
+
+
 # ---------------------------------------------------------------------------------------------
 # The decode family: registry, parameter block, split heuristic
 # ---------------------------------------------------------------------------------------------

@@ -307,8 +307,9 @@ def varlen_report() -> None:
     item_major = [c for c in cost for _ in range(VARLEN_HEADS)]      # longest first, grid-wide
     pairs = sum(L * (L + 1) // 2 for L in VARLEN_LENGTHS)
     flops = 4 * VARLEN_HEADS * 128 * pairs
-    for label, seq in (("current order (batch-major, each head heaviest first)", current),
-                       ("item-major (longest first over the whole grid)", item_major)):
+    for label, seq in (("batch-major (sessions 5-6: each head heaviest first)", current),
+                       ("item-major (session 7's varlen build: longest first over the grid)",
+                        item_major)):
         ms = makespan(seq) / 1e3
         print(f"  {label}: {ms:.3f} ms = {flops / ms / 1e9:.0f} TFLOP/s on real pairs")
     print(f"  lower bound (sum / 132): {sum(current) / SMS / 1e3:.3f} ms; measured 1.929 ms "
@@ -323,6 +324,31 @@ def varlen_report() -> None:
 # 4. On the GPU (next session): the confirmations
 # ---------------------------------------------------------------------------------------------
 
+def kernel_alone_ms(q, k, v, cu_host, causal, iters: int = 20) -> tuple:
+    """(ms, max |diff|): CUDA-event time of the one-launch varlen forward's kernel alone (its
+    ``_inference_varlen.ForwardLaunch`` built once, its work list kept alive, replayed between
+    the events: no validation, no read-back, no host work in the timing), and its output against
+    ``attention_varlen``'s. (None, why) where the one-launch path does not apply. Shared with
+    bench/suite_varlen.py (its ``cuflash_varlen_kernel`` rows)."""
+    import cupy
+    from cuflash import _inference_varlen, _problem, _varlen
+    import suite_common
+    prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
+    cu_h = numpy.asarray(cu_host).astype(numpy.int64)
+    o = cupy.empty(prob.batch_shape + (prob.Lq, prob.dv), prob.dtype)
+    lse = cupy.empty(prob.batch_shape + (prob.Lq,), prob.lse_dtype)
+    plan = _inference_varlen.forward_plan(prob, cu_h, cu_h, causal, o, lse)
+    if isinstance(plan, str):
+        return None, plan
+    stream = cupy.cuda.get_current_stream().ptr
+    ptrs = [x.data.ptr for x in (prob.q, prob.k, prob.v, o, lse)]
+    ms = suite_common.median_event_ms(lambda i: plan(stream, *ptrs), 1, iters)
+    ref = _varlen.attention_varlen(q, k, v, cu_host, cu_host, causal=causal)
+    plan(stream, *ptrs)
+    diff = float(cupy.abs(o.astype(cupy.float32) - ref.astype(cupy.float32)).max())
+    return ms, diff
+
+
 def gpu(wg3: bool) -> None:
     """(a) varlen: CUDA events around the whole call (as suite_varlen) against the kernel alone
     (the same launch replayed, its work list kept alive) and the host time of a call after a
@@ -334,7 +360,7 @@ def gpu(wg3: bool) -> None:
     import cupy
     import ml_dtypes
     import cuflash
-    from cuflash import _families, _inference_varlen, _launch, _problem, _varlen
+    from cuflash import _families, _varlen
     import suite_common
     import suite_mods
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
@@ -367,31 +393,17 @@ def gpu(wg3: bool) -> None:
         _varlen.attention_varlen(q, k, v, cu, cu, causal=True)
     cupy.cuda.Device().synchronize()
     host_and_kernel_ms = (time.perf_counter() - t0) / 20 * 1e3
-    # the kernel alone: _inference_varlen.forward's steps, its list kept alive here
-    prob = _problem.make_problem(q, k, v, scale=None, causal=True)
-    cu_h = cupy.asnumpy(cu).astype(numpy.int64)
-    o = cupy.empty(prob.batch_shape + (prob.Lq, prob.dv), prob.dtype)
-    lse = cupy.empty(prob.batch_shape + (prob.Lq,), prob.lse_dtype)
-    dev = _families.device_info(prob.device_id)
-    fam, t, expr, _ = _inference_varlen.choose(prob, dev)
-    wl = _inference_varlen.work_list(cu_h, cu_h, t.block_m, True)
-    p, layout = _inference_varlen.params(prob, {"q": q, "k": k, "v": v, "o": o}, wl.shape[0])
-    wl_dev = cupy.asarray(wl)
-    p["varlen"] = wl_dev.data.ptr
-    kernel = _inference_varlen._kernel(fam.source, expr, prob.device_id, t.smem_bytes)
-    launch = _launch.Launch(kernel, layout.inner_n * wl.shape[0], t.threads, t.smem_bytes, p)
-    words = [prob.q.data.ptr, prob.k.data.ptr, prob.v.data.ptr, o.data.ptr, lse.data.ptr]
-    stream = cupy.cuda.get_current_stream().ptr
-    kernel_ms = suite_common.median_event_ms(lambda i: launch(stream, words))
-    ref = _varlen.attention_varlen(q, k, v, cu, cu, causal=True)
-    launch(stream, words)
-    same = float(cupy.abs(o.astype(cupy.float32) - ref.astype(cupy.float32)).max())
+    cu_h = cupy.asnumpy(cu)
+    kernel_ms, same = kernel_alone_ms(q, k, v, cu_h, True)
+    host_ms = suite_common.median_event_ms(
+        lambda i: _varlen.attention_varlen(q, k, v, cu_h, cu_h, causal=True))
     pairs = sum(L * (L + 1) // 2 for L in VARLEN_LENGTHS)
     fl = 4 * VARLEN_HEADS * 128 * pairs / 1e9
-    print(f"varlen: whole call (events) {call_ms:.3f} ms = {fl / call_ms:.0f} TFLOP/s; kernel "
+    print(f"varlen: whole call (events) {call_ms:.3f} ms = {fl / call_ms:.0f} TFLOP/s; with "
+          f"NumPy cu_seqlens (no read-back) {host_ms:.3f} ms = {fl / host_ms:.0f}; kernel "
           f"alone {kernel_ms:.3f} ms = {fl / kernel_ms:.0f}; sync + call + sync "
           f"{host_and_kernel_ms:.3f} ms; replay vs call max |diff| {same}")
-    del q, k, v, o, lse, ref
+    del q, k, v
 
     # (b) block masks, d = 128, L = 4k and 16k, B x L = 16k, H = 16
     for L in (4096, 16384):
