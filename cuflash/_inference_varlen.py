@@ -250,13 +250,11 @@ def backward_plan(prob, cu_q, cu_k, causal, do, o, lse, dq, dk, dv, deterministi
     import cupy
 
     from . import _plan
-    plan = _plan.BackwardPlan(prob, do, o, lse, dq, dk, dv, False)
+    # (fuse_dq=False: the varlen build that replaces the main kernel does not round dQ, so
+    # the plan keeps bwd_finish_dq's launch)
+    plan = _plan.BackwardPlan(prob, do, o, lse, dq, dk, dv, False, fuse_dq=False)
     if plan.copies or len(plan.offsets) > 1:
         return "inputs the plan copies, or more than 4 merged batch dims"
-    if getattr(plan, "fused_dq", False):
-        # (main's bwd_sm90 one-wave plans round dQ in the main kernel, with counters per batch
-        # item and Q tile, and launch no bwd_finish_dq: the varlen build cannot take its place)
-        return "the plain plan rounds dQ in its main kernel (fused_dq)"
     dev = _families.device_info(prob.device_id)
     fam, t, expr, _ = choose(prob, dev, plan.choice)
     wl = work_list(cu_q, cu_k, t.block_n, causal, keys=True)

@@ -177,7 +177,8 @@ class BackwardPlan:
     the main kernel (FA-2 Algorithm 2), and the finishing of dQ (and of dK, dV where they
     must be summed over broadcast dimensions)."""
 
-    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool, mods=None):
+    def __init__(self, prob, do, o, lse, dq, dk, dv, deterministic: bool, mods=None,
+                 fuse_dq: bool = True):
         dev = _families.device_info(prob.device_id)
         self.device_id = prob.device_id
         self.prob = Dims.of(prob)
@@ -203,7 +204,9 @@ class BackwardPlan:
         # dQ rounded by the main kernel itself (one launch fewer: _families.fuse_dq_finish)
         outer = batch_layout(prob.batch_shape, [prob.q, prob.k, prob.v, o, do] + (
             self.mods.arrays(mods) if self.mods is not None else [])).outer
-        self.fused_dq = _families.fuse_dq_finish(self.choice, self.dq_direct, len(outer))
+        # (fuse_dq=False: a caller that swaps in a main kernel of its own, the varlen build)
+        self.fused_dq = fuse_dq and _families.fuse_dq_finish(self.choice, self.dq_direct,
+                                                             len(outer))
         a = self.acc.itemsize
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  # bwd_sm80's deterministic semaphores, or the fused finishing's counters
