@@ -17,6 +17,7 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
+from cuflash._fast import FastBackward, FastForward, layout as _layout
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -45,61 +46,6 @@ def clear_plans() -> None:
             getattr(sys.modules[name], cache).clear()
     if "cuflash._varlen" in sys.modules:      # attention_varlen's one-launch plans
         sys.modules["cuflash._varlen"].clear_plans()
-
-
-def _layout(x) -> tuple:
-    """What a plan depends on in one array: shape, strides, dtype, device and the 16-byte
-    alignment of its start (the tensor-core families read 16-byte chunks)."""
-    mem = x.data
-    return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
-
-
-class _FastForward:
-    """A cached forward: the plan and the shapes of what the call returns. o and lse share one
-    allocation (o first, lse at a 256-byte aligned offset), and their arrays are made after
-    the launch, where that host work overlaps the kernel."""
-    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
-                 "lse_offset")
-
-    def __init__(self, plan, o, lse):
-        self.plan, self.device_id = plan, plan.device_id
-        self.o_shape, self.dtype = o.shape, o.dtype
-        self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
-        self.lse_offset = -(-o.nbytes // 256) * 256
-        self.nbytes = max(self.lse_offset + lse.nbytes, 1)
-
-
-class _FastBackward:
-    """A cached backward: the plan and the shapes of the gradients. Where the plan needs no
-    broadcast sum (``plan.direct``) and lse is contiguous, dq, dk and dv share one allocation (256-byte aligned
-    parts) whose arrays are made after the launches."""
-    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes", "shared")
-
-    def __init__(self, plan, dq, dk, dv):
-        self.plan, self.device_id = plan, plan.device_id
-        self.shared = plan.direct and plan.lse_contiguous
-        self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
-        self.offsets, total = [], 0
-        for x in (dq, dk, dv):
-            self.offsets.append(total)
-            total += -(-x.nbytes // 256) * 256
-        self.nbytes = max(total, 1)
-
-    def __call__(self, do, q, k, v, o, lse):
-        cupy = sys.modules["cupy"]
-        sq, sk, sv = self.shapes
-        if not self.shared:
-            dq, dk, dv = (cupy.empty(s, self.dtype) for s in self.shapes)
-            self.plan(do, q, k, v, o, lse, dq, dk, dv)
-            return dq, dk, dv
-        mem = cupy.cuda.alloc(self.nbytes)
-        _, ok, ov = self.offsets
-        base = mem.ptr
-        self.plan.run(cupy.cuda.get_current_stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr,
-                      v.data.ptr, o.data.ptr, lse.data.ptr, base, base + ok, base + ov)
-        return (cupy.ndarray(sq, self.dtype, memptr=mem),
-                cupy.ndarray(sk, self.dtype, memptr=mem + ok),
-                cupy.ndarray(sv, self.dtype, memptr=mem + ov))
 
 
 def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
@@ -279,7 +225,7 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=Non
     # (the fast path's key holds no modifier: only plain calls are cached there)
     if cacheable and not mkey and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
         fwd.put((_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
-                 causal.__class__), _FastForward(plan, o, lse))
+                 causal.__class__), FastForward(plan, o, lse))
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
@@ -422,7 +368,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
             and det.__class__ is bool:
         bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
                  _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),
-                _FastBackward(plan, dq, dk, dv))
+                FastBackward(plan, dq, dk, dv))
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,

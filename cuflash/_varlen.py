@@ -33,7 +33,7 @@ from typing import Any
 import numpy
 
 from . import _problem
-from ._api import _layout     # what a plan depends on in one array (shape, strides, dtype, ...)
+from ._fast import layout as _layout   # what a plan depends on in one array (shape, strides, dtype, ...)
 
 _KEYWORDS = ("scale", "causal", "return_lse")
 #: the one-launch plans: forward (_FastVarlen) and backward (_inference_varlen.BackwardLaunch)
@@ -167,7 +167,7 @@ def _enabled() -> bool:
 class _FastVarlen:
     """A cached one-launch forward: the ``ForwardLaunch`` and the shapes of what the call
     returns; o and lse share one allocation (o first, lse at a 256-byte aligned offset), as
-    ``_api._FastForward``."""
+    ``_fast.FastForward``."""
     __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
                  "lse_offset")
 

@@ -1,0 +1,63 @@
+"""The cached entries of ``_api``'s fast path: what a repeated CuPy call of ``attention`` or
+``attention_backward`` needs besides its plan (the shapes and dtypes of what it returns, one
+allocation for all of them), and the key part of one array (:func:`layout`). Lookup, pointer
+patching and the launches cost a few microseconds (``bench/host_overhead.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def layout(x) -> tuple:
+    """What a plan depends on in one array: shape, strides, dtype, device and the 16-byte
+    alignment of its start (the tensor-core families read 16-byte chunks)."""
+    mem = x.data
+    return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
+
+
+class FastForward:
+    """A cached forward: the plan and the shapes of what the call returns. o and lse share one
+    allocation (o first, lse at a 256-byte aligned offset), and their arrays are made after
+    the launch, where that host work overlaps the kernel."""
+    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
+                 "lse_offset")
+
+    def __init__(self, plan, o, lse):
+        self.plan, self.device_id = plan, plan.device_id
+        self.o_shape, self.dtype = o.shape, o.dtype
+        self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
+        self.lse_offset = -(-o.nbytes // 256) * 256
+        self.nbytes = max(self.lse_offset + lse.nbytes, 1)
+
+
+class FastBackward:
+    """A cached backward: the plan and the shapes of the gradients. Where the plan needs no
+    broadcast sum (``plan.direct``) and lse is contiguous, dq, dk and dv share one allocation (256-byte aligned
+    parts) whose arrays are made after the launches."""
+    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes", "shared")
+
+    def __init__(self, plan, dq, dk, dv):
+        self.plan, self.device_id = plan, plan.device_id
+        self.shared = plan.direct and plan.lse_contiguous
+        self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
+        self.offsets, total = [], 0
+        for x in (dq, dk, dv):
+            self.offsets.append(total)
+            total += -(-x.nbytes // 256) * 256
+        self.nbytes = max(total, 1)
+
+    def __call__(self, do, q, k, v, o, lse):
+        cupy = sys.modules["cupy"]
+        sq, sk, sv = self.shapes
+        if not self.shared:
+            dq, dk, dv = (cupy.empty(s, self.dtype) for s in self.shapes)
+            self.plan(do, q, k, v, o, lse, dq, dk, dv)
+            return dq, dk, dv
+        mem = cupy.cuda.alloc(self.nbytes)
+        _, ok, ov = self.offsets
+        base = mem.ptr
+        self.plan.run(cupy.cuda.get_current_stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr,
+                      v.data.ptr, o.data.ptr, lse.data.ptr, base, base + ok, base + ov)
+        return (cupy.ndarray(sq, self.dtype, memptr=mem),
+                cupy.ndarray(sk, self.dtype, memptr=mem + ok),
+                cupy.ndarray(sv, self.dtype, memptr=mem + ov))
