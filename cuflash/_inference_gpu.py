@@ -378,8 +378,10 @@ def spec_or_reason(c, dev=None):
             reasons.append(f"  {splits} splits merged by decode_combine (a second launch)")
         elif fuse_wanted():
             fuse = True
-            choice = dataclasses.replace(choice, expr=choice.family.expr(
-                shape.dtype, t, shape.variant, **dict(choice.flags, fuse=True)))
+            flags = dict(choice.flags, fuse=True)
+            choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),
+                                         expr=choice.family.expr(shape.dtype, t, shape.variant,
+                                                                 **flags))
             reasons.append(f"  {splits} splits merged by the last block of each (batch row, KV "
                            f"head, row tile) to finish: one launch, no decode_combine")
         else:
