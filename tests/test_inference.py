@@ -356,6 +356,9 @@ def test_decode_choice_is_in_the_gate():
                     ch = _families.choose("decode", shape, H200)
                     assert ch.expr in listed
                     assert ch.traits.block_m >= min(rows, 8)
+                    if "fuse" in ch.flag:       # decode_sm80 with several splits: fused
+                        assert ch.family.expr(dtype, ch.traits, shape.variant,
+                                              **dict(ch.flag, fuse=True)) in listed
     with pytest.raises(ValueError, match="multiples of 8"):
         _families.choose("decode", _families.Shape("float16", 1, 1, 10, 12, 12,
                                                    _families.Variant()), H200)
