@@ -190,11 +190,15 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
   for (int r = warp; r < nrows; r += THREADS / 32) {
     const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
     float mx = kNegInf;
-    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(lse_part + prow * S + s));
+    for (int s = lane; s < S; s += 32) {  // lse_s kept in sw (one L2 round trip, not two)
+      const float x = __ldcg(lse_part + prow * S + s);
+      sw[r * S + s] = x;
+      mx = fmaxf(mx, x);
+    }
 #pragma unroll
     for (int off = 16; off >= 1; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     const float ref = mx == kNegInf ? 0.f : mx;
-    for (int s = lane; s < S; s += 32) sw[r * S + s] = __expf(__ldcg(lse_part + prow * S + s) - ref);
+    for (int s = lane; s < S; s += 32) sw[r * S + s] = __expf(sw[r * S + s] - ref);
     __syncwarp();
     if (lane == 0) {
       float lsum = 0.f;
