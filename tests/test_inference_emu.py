@@ -1,7 +1,9 @@
 """The decode kernels (cuda_src/decode.cu, combine.cu) run on the CPU by the g++ emulation
 (tests/_emu_decode.py), launched with the parameter block and grids of
 ``cuflash._inference_gpu.DecodeSpec``: against the float64 reference, every split count,
-bitwise reproducibility, paged == dense, the device-side clamps. Skipped without g++."""
+bitwise reproducibility, paged == dense, the device-side clamps, and decode_mma's fused combine
+(whichever block of a group finishes last: blocks run in shuffled orders; bitwise equal to
+decode_combine's launch; the arrival counters left at 0). Skipped without g++."""
 
 from __future__ import annotations
 
