@@ -8,12 +8,12 @@ A call runs up to three kernels on CuPy's current stream, in order:
    ``num_splits`` key ranges of every (batch row, KV head, row tile): ``decode_mma``
    (``cuda_src/decode_mma.cu``, tensor cores, sm_80+, half types, d <= 128, page sizes that
    are multiples of 16) or else ``decode_split`` (``cuda_src/decode.cu``);
-3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1`` and the family is
-   ``decode``: the partials merged by their log-sum-exp in split order (with one split the
-   decode writes the output itself). ``decode_sm80`` merges its own splits (its ``fuse``
-   build: the last block of each (batch row, KV head, row tile) to finish merges the group,
-   counted on per-stream arrival counters that the merging block sets back to 0), so a call is
-   one launch fewer; ``CUFLASH_DECODE_FUSE=0`` launches decode_combine instead (A/B runs).
+3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1`` and
+   ``CUFLASH_DECODE_FUSE=0`` (A/B runs): the partials merged by their log-sum-exp in split
+   order (with one split the decode writes the output itself). By default the decode families
+   merge their own splits (their ``fuse`` build: the last block of each (batch row, KV head,
+   row tile) to finish merges the group, counted on per-stream arrival counters that the
+   merging block sets back to 0), so a call is one launch fewer.
 
 All three take one ``cuflash::decode::DecodeParams`` block (``cuda_src/decode_params.cuh``),
 mirrored here by :data:`DECODE_PARAMS`. The split count (``num_splits=None``): enough blocks
@@ -326,7 +326,8 @@ def _generic_decode(shape, passed_over, why: str):
     traits, flags, more = fam.select(fam, shape, None)
     reasons = [r for r in passed_over.reasons if not r.startswith("  ")][:-1] + [why]
     reasons += [f"{fam.name}: {fam.summary}"] + ["  " + r for r in more]
-    return _families.Choice(fam, traits, (), fam.expr(shape.dtype, traits, shape.variant),
+    return _families.Choice(fam, traits, tuple(sorted(flags.items())),
+                            fam.expr(shape.dtype, traits, shape.variant, **flags),
                             tuple(reasons))
 
 
@@ -374,9 +375,7 @@ def spec_or_reason(c, dev=None):
         f"capacity {c.capacity} keys"]
     fuse = False
     if splits > 1:
-        if choice.family.name != "decode_sm80":
-            reasons.append(f"  {splits} splits merged by decode_combine (a second launch)")
-        elif fuse_wanted():
+        if fuse_wanted():
             fuse = True
             flags = dict(choice.flags, fuse=True)
             choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),

@@ -16,7 +16,7 @@ def decode_select(fam, shape, dev):
     rows = next(r for r in (1, 2, 4, 8) if r >= min(shape.Lq, 8))
     t = _traits.TABLES[fam.name][(bucket, rows)]
     tiles = -(-shape.Lq // rows)
-    return t, {}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
+    return t, {"fuse": False}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
                                     if tiles > 1 else "")]
 
 
@@ -40,9 +40,9 @@ def decode_sm80_select(fam, shape, dev):
     return t, {"fuse": False}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
 
 
-def decode_sm80_instances(fam, arch):
+def decode_fuse_instances(fam, arch):
     """Each traits entry without and with the fused combine (the ``fuse`` flag: FUSE in
-    decode_mma.cu), both selectable (num_splits 1 or more)."""
+    decode_mma.cu and decode.cu), both selectable (num_splits 1 or more)."""
     for t in _traits.TABLES[fam.name].values():
         for fuse in (False, True):
             yield t, {"fuse": fuse}

@@ -2,7 +2,7 @@
 (tests/_emu_decode.py), launched with the parameter block and grids of
 ``cuflash._inference_gpu.DecodeSpec``: against the float64 reference, every split count,
 bitwise reproducibility, paged == dense, the device-side clamps, and decode_mma's fused combine
-(whichever block of a group finishes last: blocks run in shuffled orders; bitwise equal to
+and decode_split's (whichever block of a group finishes last: blocks run in shuffled orders; bitwise equal to
 decode_combine's launch; the arrival counters left at 0). Skipped without g++."""
 
 from __future__ import annotations
@@ -230,13 +230,16 @@ def test_emulated_tensor_core_decode_with_dv_other_than_d(lib):
 MMA_SPLIT_CASE = (BF16, 2, 4, 1, 64, 700, True, 16, 1, False, None)
 
 
-def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_combine(lib,
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_combine(lib, family,
                                                                                     monkeypatch):
-    """decode_mma's fused combine (the last block of a group to finish merges its splits), for
+    """decode_mma's and decode_split's fused combine (the last block of a group to finish merges its splits), for
     every split count from 1 to one past the heuristic's: bitwise the same whichever block
     finishes last (blocks run in blockIdx order and in shuffled orders), bitwise the result of
     decode_combine's separate launch (CUFLASH_DECODE_FUSE=0), the counters left at 0 for the
     next call (one counter array reused across calls), and within the reference's tolerance."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")     # decode_split where decode_mma runs
     seqlens = [0, 333, 698]
     c = _call(MMA_SPLIT_CASE, seqlens=seqlens)
     heuristic = _inference_gpu.spec_or_reason(
@@ -248,7 +251,7 @@ def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_comb
         for order in (0, 1, 7):
             c = _call(MMA_SPLIT_CASE, seqlens=seqlens, splits=s)
             spec = _inference_gpu.spec_or_reason(c, SMALL)
-            assert spec.split[0] == "decode_mma.cu" and spec.fuse == (s > 1)
+            assert spec.split[0] == family and spec.fuse == (s > 1)
             assert spec.combine is None
             if s > 1:
                 assert "no decode_combine" in spec.explain()
@@ -272,14 +275,18 @@ def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_comb
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_emulated_fused_combine_with_rows_that_see_no_key(lib, splits):
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_combine_with_rows_that_see_no_key(lib, splits, family, monkeypatch):
     """Batch rows of length 0 (nothing appended): every split of them is empty, so every
     partial lse is -inf: the merge gives o = 0 and lse = -inf (no NaN from -inf - -inf); the
     other rows are the reference's. Two row tiles (G x Lq = 24 rows), blocks shuffled."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")
     case = (F16, 1, 8, 3, 64, 150, True, 32, 0, False, splits)
     c = _call(case, seed=3, seqlens=[0, 97, 0])
     spec = _inference_gpu.spec_or_reason(c, SMALL)
-    assert spec.split[0] == "decode_mma.cu" and spec.row_tiles == 2 and spec.fuse == (splits > 1)
+    assert spec.split[0] == family and spec.fuse == (splits > 1)
+    assert spec.row_tiles == (2 if family == "decode_mma.cu" else 3)   # 24 rows: 16 / 8 a tile
     o, lse = _emu_decode.run_spec(lib, spec, c, order=5)
     for b in (0, 2):
         assert (o[b] == 0).all() and numpy.isneginf(lse[b]).all()
