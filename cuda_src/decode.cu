@@ -6,7 +6,8 @@
 // (row r = g * Lq + i), so each K/V row read from memory serves all of them. The keys of the
 // batch row are cut into num_splits contiguous ranges, one per block; each block runs an online
 // softmax over its range and writes a normalised partial (o, lse); combine.cu merges the
-// partials in split order (with num_splits == 1 the block writes the result itself).
+// partials in split order (with num_splits == 1 the block writes the result itself), or, in
+// the FUSE build, the last block of each group to finish does (merge_splits_if_last).
 //
 // Why plain FMA and no tensor cores: decode reads every K/V byte once and does 2 * ROWS FLOPs a
 // byte-pair (ROWS <= 8), far below the ~100 FLOP/byte at which an H200 stops being
@@ -67,7 +68,10 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
-template <typename T, int HEAD_DIM, int ROWS, typename Variant>
+// FUSE: with num_splits > 1 the group's last block merges the splits itself
+// (merge_splits_if_last, decode_params.cuh), as decode_mma's FUSE build; without it (one split,
+// or CUFLASH_DECODE_FUSE=0) the machine code is the build's from before the flag.
+template <typename T, int HEAD_DIM, int ROWS, typename Variant, bool FUSE = false>
 __global__ void __launch_bounds__(128, (DecodeTraits<T, HEAD_DIM, ROWS>::kMinBlocks))
 decode_split(const DecodeParams p) {
   using Tr = DecodeTraits<T, HEAD_DIM, ROWS>;
@@ -247,6 +251,14 @@ decode_split(const DecodeParams p) {
     }
     store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum);
   }
+  // -- the combine of the splits, by the group's last block: the accumulators' region holds the
+  //    weights (ROWS x (num_splits + 1) floats <= 516 ROWS bytes, of >= 4 KB ROWS), the maxima's
+  //    the flag (s_m, s_l, s_acc are read for the last time above; the fence's barrier orders it)
+  if (FUSE && p.num_splits > 1)
+    merge_splits_if_last<T, Tr::kThreads>(p, rest, bh, rows_total, tile * ROWS,
+                                          min(ROWS, rows_total - tile * ROWS),
+                                          reinterpret_cast<float*>(smem_),
+                                          reinterpret_cast<int*>(&s_l[0][0]));
 }
 
 // One block of 128 threads per (batch row, kv head, appended row t); threads over the columns. Writes

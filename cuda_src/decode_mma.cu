@@ -30,9 +30,10 @@
 // its p, l and o stay 0. Row sums l are per-lane partials (each lane sums its own keys' p),
 // reduced across the quad once at the end.
 //
-// Results. The four warps are merged through shared memory in warp order, the splits by
-// combine.cu in split order: bitwise reproducible for a given split count. Partials and the
-// direct output use decode_split's layouts (combine.cu serves both kernels).
+// Results. The four warps are merged through shared memory in warp order, the splits in split
+// order, by the split kernel's last block of each group (FUSE builds: merge_splits_if_last) or
+// by combine.cu (CUFLASH_DECODE_FUSE=0): bitwise reproducible for a given split count, and the
+// two give bitwise the same result. Partials and the direct output use decode_split's layouts.
 #include "decode_params.cuh"
 #include "mma_sm80.cuh"
 
@@ -146,7 +147,11 @@ __device__ __forceinline__ void issue_tile(const TileSrc<T>& src, unsigned ks, c
   }
 }
 
-template <typename T, int HEAD_DIM, typename Variant>
+// FUSE: with num_splits > 1, the block that writes a group's last partial merges the group's
+// splits itself (merge_splits_if_last, decode_params.cuh) and decode_combine is not launched.
+// A template flag rather than a run-time test, so that the build without it (one split: the
+// host compiles FUSE only for num_splits > 1) keeps its machine code exactly.
+template <typename T, int HEAD_DIM, typename Variant, bool FUSE = false>
 __global__ void __launch_bounds__(128, (DecodeMmaTraits<T, HEAD_DIM>::kMinBlocks))
 decode_mma(const DecodeParams p) {
   using Tr = DecodeMmaTraits<T, HEAD_DIM>;
@@ -386,6 +391,13 @@ decode_mma(const DecodeParams p) {
     }
     store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum);
   }
+  // -- the combine of the splits, by the group's last block (the Q tile's region holds the
+  //    flag, the warps' regions the weights: nothing reads either any more)
+  if (FUSE && p.num_splits > 1)
+    merge_splits_if_last<T, Tr::kThreads>(p, rest, bh, rows_total, tile * 16,
+                                          min(16, rows_total - tile * 16),
+                                          reinterpret_cast<float*>(smem + Tr::kTileBytes),
+                                          reinterpret_cast<int*>(smem));
 }
 
 }  // namespace decode

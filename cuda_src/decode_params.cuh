@@ -51,6 +51,12 @@ struct DecodeParams {
   int num_splits;    // key splits of one (batch row, kv head)
   int row_tiles;     // ceil(G * Lq / ROWS)
   int pad_;
+  // -- appended last, so that every field above keeps its offset (and the kernels that do not
+  //    read it their machine code): the arrival counters of the fused combine
+  //    (merge_splits_if_last), one unsigned int per (batch row, KV head, row tile), 0 between
+  //    calls: the block that completes a count sets it back to 0 for the next call on the
+  //    stream. 0 (unused) when the partials are merged by decode_combine.
+  unsigned long long counters;
 };
 
 // The number of keys batch row b attends to after this call's append. cache_seqlens lives on
@@ -135,6 +141,100 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, i
     const long long prow = static_cast<long long>(bh) * rows_total + row;
     reinterpret_cast<float*>(p.o_part)[(prow * p.num_splits + split) * p.dv + c] = out;
     if (c == 0) reinterpret_cast<float*>(p.lse_part)[prow * p.num_splits + split] = lse;
+  }
+}
+
+// The combine of the splits (combine.cu's formula, the same operations in the same order) done
+// by the split kernel itself: a FUSE build of decode_mma calls this at its end, after its block
+// wrote its partials (store_row), so that a call with num_splits > 1 is one launch, not two
+// (a kernel boundary, drain and launch, and the combine's own pass: a few us of a ~76 us call).
+//   Every block of group `group` = (batch row, KV head, row tile) arrives once at the group's
+// counter after its partials; the block whose arrival brings the count to num_splits holds the
+// last partial of the group: it resets the counter to 0 (the next call on the stream finds it
+// zeroed: no memset, no launch a call) and merges the num_splits partials of its `nrows` rows
+// (packed rows row0 ..) in split order, exactly as decode_combine: bitwise reproducible for a
+// given split count, and bitwise the result of the unfused path (tested in the emulation).
+//   Memory order: each thread fences its own partial stores (release); the barrier orders every
+// thread's fence before the arrival of thread 0; the thread that sees the count complete fences
+// again (acquire) before the barrier after which the block reads the partials, through L2
+// (ld.cg: other SMs wrote them).
+//   `sw`: nrows * (num_splits + 1) floats of shared memory the block no longer reads (the
+// weights w_s and 1 / L of each row); `sflag`: one int, also free.
+//   Loads: phase A one warp a row, lanes over the splits (lse_s: one round trip); phase B one
+// thread a (row, 4 columns), float4 partials, 8 splits unrolled: ~16 KB in flight a block, so
+// the merge of 15 splits x 4 rows x 128 columns (30 KB) costs ~2 L2 round trips.
+template <typename T, int THREADS>
+__device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int bh,
+                                                     int rows_total, int row0, int nrows,
+                                                     float* sw, int* sflag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = reinterpret_cast<unsigned*>(p.counters) + group;
+    const int last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
+    if (last) {
+      atomicExch(count, 0u);               // every split of this call has arrived: reset
+      __threadfence();
+    }
+    *sflag = last;
+  }
+  __syncthreads();
+  if (!*sflag) return;                     // the same for the whole block (shared memory)
+  const int S = p.num_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* lse_part = reinterpret_cast<const float*>(p.lse_part);
+  const float* o_part = reinterpret_cast<const float*>(p.o_part);
+  float* sinv = sw + nrows * S;
+  // -- phase A, a row a warp: M = max_s lse_s (a -inf M, no visible key in any split, is
+  //    replaced by 0: no -inf - -inf), w_s = exp(lse_s - M), L = sum_s w_s in split order
+  for (int r = warp; r < nrows; r += THREADS / 32) {
+    const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
+    float mx = kNegInf;
+    for (int s = lane; s < S; s += 32) {  // lse_s kept in sw (one L2 round trip, not two)
+      const float x = __ldcg(lse_part + prow * S + s);
+      sw[r * S + s] = x;
+      mx = fmaxf(mx, x);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float ref = mx == kNegInf ? 0.f : mx;
+    for (int s = lane; s < S; s += 32) sw[r * S + s] = __expf(sw[r * S + s] - ref);
+    __syncwarp();
+    if (lane == 0) {
+      float lsum = 0.f;
+      for (int s = 0; s < S; ++s) lsum += sw[r * S + s];
+      sinv[r] = lsum > 0.f ? 1.f / lsum : 0.f;
+      const int g = (row0 + r) / p.Lq, i = (row0 + r) % p.Lq;
+      const int b = bh / p.Hkv, h = bh % p.Hkv;
+      reinterpret_cast<float*>(p.lse)[b * p.lse_b + h * p.lse_h + g * p.lse_g + i] =
+          lsum > 0.f ? ref + __logf(lsum) : kNegInf;
+    }
+  }
+  __syncthreads();
+  // -- phase B, a (row, 4 columns) a thread: o = sum_s w_s o_s / L, splits in order
+  const int quads = p.dv / 4;              // dv is a multiple of 8
+  for (int idx = threadIdx.x; idx < nrows * quads; idx += THREADS) {
+    const int r = idx / quads, c = (idx % quads) * 4;
+    const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
+    const float4* src = reinterpret_cast<const float4*>(o_part + prow * S * p.dv + c);
+    const float* w = sw + r * S;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) {
+      const float4 x = __ldcg(src + s * quads);
+      a0 = fmaf(w[s], x.x, a0);
+      a1 = fmaf(w[s], x.y, a1);
+      a2 = fmaf(w[s], x.z, a2);
+      a3 = fmaf(w[s], x.w, a3);
+    }
+    const float inv = sinv[r];
+    const int g = (row0 + r) / p.Lq, i = (row0 + r) % p.Lq;
+    const int b = bh / p.Hkv, h = bh % p.Hkv;
+    T* o = reinterpret_cast<T*>(p.o) + b * p.o_b + h * p.o_h + g * p.o_g + i * p.o_row + c;
+    o[0] = from_float<T>(a0 * inv);
+    o[1] = from_float<T>(a1 * inv);
+    o[2] = from_float<T>(a2 * inv);
+    o[3] = from_float<T>(a3 * inv);
   }
 }
 

@@ -444,20 +444,21 @@ REGISTRY: tuple[Family, ...] = (
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
     Family("decode_sm80", "decode", "decode_mma.cu",
-           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}>",
+           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}, {fuse}>",
            min_cc=80, dtypes=HALF, head_dims=(1, 128),
            smem_expr="cuflash::decode::DecodeMmaTraits<{T}, {head_dim}>::kSmemBytes",
-           select=_isel.decode_sm80_select, instances=_isel.decode_instances,
+           select=_isel.decode_sm80_select, instances=_isel.decode_fuse_instances,
            summary="tensor-core split-KV decode: GQA rows as mma.sync's M, cp.async K/V pipeline"),
     Family("decode", "decode", "decode.cu",
-           "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}>",
+           "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}, {fuse}>",
            dtypes=frozenset(("float16", "bfloat16", "float32")),
            smem_expr="cuflash::decode::DecodeTraits<{T}, {head_dim}, {rows}>::kSmemBytes",
-           select=_isel.decode_select, instances=_isel.decode_instances,
+           select=_isel.decode_select, instances=_isel.decode_fuse_instances,
            summary="split-KV decode (Flash-Decoding), GQA rows packed, dense or paged cache"),
     Family("decode_combine", "aux", "combine.cu", "cuflash::decode::decode_combine<{T}>",
            dtypes=frozenset(("float16", "bfloat16", "float32")),
-           summary="merge of the decode's split partials by their log-sum-exp"),
+           summary="merge of the decode's split partials by their log-sum-exp (the decode "
+                   "families merge their own; this with CUFLASH_DECODE_FUSE=0)"),
     Family("decode_append", "aux", "decode.cu", "cuflash::decode::decode_append<{T}>",
            summary="in-place append of k_new / v_new to a dense or paged KV cache"),
 )

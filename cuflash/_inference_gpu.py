@@ -8,8 +8,12 @@ A call runs up to three kernels on CuPy's current stream, in order:
    ``num_splits`` key ranges of every (batch row, KV head, row tile): ``decode_mma``
    (``cuda_src/decode_mma.cu``, tensor cores, sm_80+, half types, d <= 128, page sizes that
    are multiples of 16) or else ``decode_split`` (``cuda_src/decode.cu``);
-3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1``: the partials merged
-   by their log-sum-exp in split order (with one split the decode writes the output itself).
+3. ``decode_combine`` (``cuda_src/combine.cu``), when ``num_splits > 1`` and
+   ``CUFLASH_DECODE_FUSE=0`` (A/B runs): the partials merged by their log-sum-exp in split
+   order (with one split the decode writes the output itself). By default the decode families
+   merge their own splits (their ``fuse`` build: the last block of each (batch row, KV head,
+   row tile) to finish merges the group, counted on per-stream arrival counters that the
+   merging block sets back to 0), so a call is one launch fewer.
 
 All three take one ``cuflash::decode::DecodeParams`` block (``cuda_src/decode_params.cuh``),
 mirrored here by :data:`DECODE_PARAMS`. The split count (``num_splits=None``): enough blocks
@@ -23,6 +27,7 @@ batch row's actual keys evenly among the splits, so short rows still use every s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -41,8 +46,11 @@ STRIDES = ("q_b", "q_h", "q_g", "q_row", "o_b", "o_h", "o_g", "o_row", "lse_b", 
 INTS = ("B", "Hkv", "G", "Lq", "d", "dv", "Lnew", "capacity", "paged", "page_size", "page_shift",
         "num_pages", "num_splits", "row_tiles", "pad_")
 DECODE_PARAMS = numpy.dtype([(n, "<u8") for n in POINTERS] + [(n, "<i8") for n in STRIDES]
-                            + [("var", VARIANT_PARAMS)] + [(n, "<i4") for n in INTS], align=True)
+                            + [("var", VARIANT_PARAMS)] + [(n, "<i4") for n in INTS]
+                            + [("counters", "<u8")], align=True)
 _WORD = {n: i for i, n in enumerate(POINTERS)}
+#: the 8-byte word of DecodeParams::counters (appended last: patched as an extra word)
+COUNTERS_WORD = DECODE_PARAMS.fields["counters"][1] // 8
 
 #: most packed query rows (G x Lq) the decode takes; above, the generic path (prefill-sized)
 MAX_ROWS = 64
@@ -148,8 +156,12 @@ class DecodeSpec:
     the three kernels' name expressions, grids, threads and shared memory, and the reasons.
     :class:`DecodePlan` loads the kernels; the CPU emulation tests launch the same spec."""
 
-    def __init__(self, c, Hkv, G, st, choice, splits, reasons):
+    def __init__(self, c, Hkv, G, st, choice, splits, reasons, fuse=False):
         t = choice.traits
+        #: the split kernel merges its own splits (decode_sm80's fuse build); then ``groups``
+        #: arrival counters (one a (batch row, KV head, row tile), zeroed once, left zeroed by
+        #: every call) must be patched into DecodeParams::counters
+        self.fuse = fuse
         self.rows = G * c.Lq
         self.row_tiles = -(-self.rows // t.block_m)
         self.splits = splits
@@ -190,7 +202,8 @@ class DecodeSpec:
         self.split = (choice.family.source, choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
                       t.smem_bytes)
         self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
-                         128, 0) if splits > 1 else None)
+                         128, 0) if splits > 1 and not fuse else None)
+        self.groups = c.B * Hkv * self.row_tiles
         self.part_rows = nrows * splits
         self.out_shape = (c.B,) + c.mid + (c.Lq, c.dv)
 
@@ -238,9 +251,23 @@ class DecodePlan:
         lse_bytes = math.prod(spec.out_shape[:-1]) * 4
         self.lse_at = align(o_bytes)
         self.part_at = self.lse_at + align(lse_bytes)
-        parts = spec.part_rows * (self.dv + 1) * 4 if spec.combine is not None else 0
+        parts = spec.part_rows * (self.dv + 1) * 4 if spec.splits > 1 else 0
         self.nbytes = max(256, self.part_at + parts)
         self.nonempty = math.prod(spec.out_shape) > 0
+        #: the fused combine's arrival counters, per stream (calls on one stream run in order,
+        #: and each leaves them 0 for the next; calls on two streams at once must not share
+        #: them): stream -> (array, ((COUNTERS_WORD, address),))
+        self._counters = {}
+
+    def _counter_words(self, stream: int):
+        """The (word, address) patch of DecodeParams::counters for ``stream``: zeroed once,
+        on that stream, at its first call (before the kernel, in stream order)."""
+        got = self._counters.get(stream)
+        if got is None:
+            import cupy
+            arr = cupy.zeros(self.spec.groups, numpy.uint32)
+            got = self._counters[stream] = (arr, ((COUNTERS_WORD, arr.data.ptr),))
+        return got[1]
 
     def run(self, c):
         return self.run_arrays(c.q, c.k_cache, c.v_cache, c.seqlens, c.block_table, c.k_new,
@@ -265,7 +292,10 @@ class DecodePlan:
         if append is not None:
             _fire(append, stream, words)
         if self.nonempty:
-            _fire(split, stream, words)
+            if spec.fuse:
+                split(stream, words, self._counter_words(stream))
+            else:
+                _fire(split, stream, words)
             if combine is not None:
                 _fire(combine, stream, words)
         return o, lse
@@ -280,6 +310,15 @@ def _forced() -> str:
     return os.environ.get("CUFLASH_DECODE", "auto").strip().lower()
 
 
+def fuse_wanted() -> bool:
+    """CUFLASH_DECODE_FUSE: "0" keeps decode_combine's launch after decode_sm80 (A/B runs of
+    the fused combine); unset or "1": decode_sm80 merges its own splits."""
+    value = os.environ.get("CUFLASH_DECODE_FUSE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_DECODE_FUSE={value!r}: expected 0 or 1")
+    return value != "0"
+
+
 def _generic_decode(shape, passed_over, why: str):
     """decode.cu's decode_split for ``shape``, as a Choice, after ``passed_over`` (the tensor-
     core family) was found not to fit for a reason only the call knows (``why``)."""
@@ -287,7 +326,8 @@ def _generic_decode(shape, passed_over, why: str):
     traits, flags, more = fam.select(fam, shape, None)
     reasons = [r for r in passed_over.reasons if not r.startswith("  ")][:-1] + [why]
     reasons += [f"{fam.name}: {fam.summary}"] + ["  " + r for r in more]
-    return _families.Choice(fam, traits, (), fam.expr(shape.dtype, traits, shape.variant),
+    return _families.Choice(fam, traits, tuple(sorted(flags.items())),
+                            fam.expr(shape.dtype, traits, shape.variant, **flags),
                             tuple(reasons))
 
 
@@ -333,14 +373,27 @@ def spec_or_reason(c, dev=None):
         f"  Hkv={Hkv}, G={G}, Lq={c.Lq}: {G * c.Lq} packed rows, {tiles} row tiles; {why}",
         f"  {'paged, page_size=' + str(c.page_size) if c.paged else 'dense cache'}, "
         f"capacity {c.capacity} keys"]
-    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons)
+    fuse = False
+    if splits > 1:
+        if fuse_wanted():
+            fuse = True
+            flags = dict(choice.flags, fuse=True)
+            choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),
+                                         expr=choice.family.expr(shape.dtype, t, shape.variant,
+                                                                 **flags))
+            reasons.append(f"  {splits} splits merged by the last block of each (batch row, KV "
+                           f"head, row tile) to finish: one launch, no decode_combine")
+        else:
+            reasons.append(f"  {splits} splits merged by decode_combine (a second launch; "
+                           f"CUFLASH_DECODE_FUSE=0)")
+    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse)
 
 
 def decode_plan(c):
     """The cached DecodePlan of call ``c``, or None when the decode family does not apply."""
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
-           c.num_splits, c.scale, c.causal, _forced())
+           c.num_splits, c.scale, c.causal, _forced(), fuse_wanted())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

@@ -16,7 +16,7 @@ def decode_select(fam, shape, dev):
     rows = next(r for r in (1, 2, 4, 8) if r >= min(shape.Lq, 8))
     t = _traits.TABLES[fam.name][(bucket, rows)]
     tiles = -(-shape.Lq // rows)
-    return t, {}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
+    return t, {"fuse": False}, [f"{t.reason}" + (f"; {tiles} row tiles (each reads the keys again)"
                                     if tiles > 1 else "")]
 
 
@@ -35,4 +35,14 @@ def decode_sm80_select(fam, shape, dev):
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device has {dev.smem_optin}"
     tiles = -(-shape.Lq // 16)
-    return t, {}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
+    # fuse: the splits merged by the kernel's last block of a group; set by the caller
+    # (_inference_gpu.spec_or_reason), which knows the split count
+    return t, {"fuse": False}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
+
+
+def decode_fuse_instances(fam, arch):
+    """Each traits entry without and with the fused combine (the ``fuse`` flag: FUSE in
+    decode_mma.cu and decode.cu), both selectable (num_splits 1 or more)."""
+    for t in _traits.TABLES[fam.name].values():
+        for fuse in (False, True):
+            yield t, {"fuse": fuse}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy
 
+from cuflash import _inference_gpu
 from cuflash._paths import cuda_src_dir
 
 import _emu_sm80
@@ -43,6 +44,9 @@ inline int __any_sync(unsigned, int pred) {
   for (int l = 0; l < 32; ++l) any |= int(::emu::lane_xchg(parity, l)[0]);
   return any;
 }
+// the fused combine's arrival counters (blocks run one after another: plain read-modify-write)
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
 // decode_mma.cu's extern __shared__ array (and the buffer every launch runs on)
 namespace cuflash { namespace decode { alignas(128) unsigned char smem[::emu::kSmemBytes]; } }
 """
@@ -59,14 +63,15 @@ class Library:
     def __init__(self, path: Path, exprs: list[str]):
         self.lib = ctypes.CDLL(str(path))
         self.lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                     ctypes.c_uint]
+                                     ctypes.c_uint, ctypes.c_uint]
         self.lib.emu_message.restype = ctypes.c_char_p
         self.lib.emu_readable.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
         self.index = {e: i for i, e in enumerate(exprs)}
 
-    def run(self, kernel, params: numpy.ndarray, readable=()) -> None:
+    def run(self, kernel, params: numpy.ndarray, readable=(), order: int = 0) -> None:
         """Run one ``(source, expr, grid, threads, smem)`` of a DecodeSpec; ``readable``: the
-        arrays cp.async may read."""
+        arrays cp.async may read; ``order``: 0 runs the blocks in blockIdx order, else in an
+        order shuffled with that seed (which block of a split group finishes last)."""
         _, expr, grid, threads, smem = kernel
         self.lib.emu_clear_readable()
         for a in readable:
@@ -74,7 +79,7 @@ class Library:
                 lo, hi = _emu_sm80._span(a)
                 self.lib.emu_readable(lo, hi - lo)
         buf = numpy.ascontiguousarray(params).view(numpy.uint8)
-        if self.lib.emu_run(self.index[expr], buf.ctypes.data, grid, threads, smem):
+        if self.lib.emu_run(self.index[expr], buf.ctypes.data, grid, threads, smem, order):
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
 
 
@@ -90,15 +95,19 @@ def build(exprs: list[str]) -> Library:
     cases = "\n".join(
         f"    case {i}: body = [&] {{ {e}(P); }}; break;" for i, e in enumerate(exprs))
     text += """
-extern "C" int emu_run(int which, const void* params, int grid, int threads, unsigned smem) {
+extern "C" int emu_run(int which, const void* params, int grid, int threads, unsigned smem,
+                       unsigned order) {
   const auto& P = *static_cast<const cuflash::decode::DecodeParams*>(params);
   std::function<void()> body;
   switch (which) {
 %s
     default: return 2;
   }
-  for (int b = 0; b < grid; ++b)
-    if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash::decode::smem, smem, body)) return 1;
+  std::vector<unsigned> blocks(grid);
+  for (int b = 0; b < grid; ++b) blocks[b] = unsigned(b);
+  if (order) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(order));
+  for (unsigned b : blocks)
+    if (!::emu::run_block(threads, {b, 0, 0}, cuflash::decode::smem, smem, body)) return 1;
   return 0;
 }
 extern "C" const char* emu_message() { return ::emu::st().message; }
@@ -111,22 +120,32 @@ extern "C" void emu_clear_readable() { ::emu::st().readable.clear(); }
     return Library(so, exprs)
 
 
-def run_spec(lib: Library, spec, c):
-    """Launch a DecodeSpec's kernels on NumPy arrays as the GPU plan does; returns (o, lse)."""
+def run_spec(lib: Library, spec, c, order: int = 0, counters=None):
+    """Launch a DecodeSpec's kernels on NumPy arrays as the GPU plan does; returns (o, lse).
+    ``order``: the split kernel's block order (Library.run); ``counters``: the fused combine's
+    arrival counters (spec.groups uint32, 0 between calls: checked), fresh zeros if None."""
     o = numpy.full(spec.out_shape, numpy.nan, c.dtype)
     lse = numpy.full(spec.out_shape[:-1], numpy.nan, numpy.float32)
     o_part = lse_part = None
-    if spec.combine is not None:
+    if spec.splits > 1:
         o_part = numpy.full(spec.part_rows * c.dv, numpy.nan, numpy.float32)
         lse_part = numpy.full(spec.part_rows, numpy.nan, numpy.float32)
     p = spec.params.copy()
     words = p.reshape(1).view(numpy.uint64)
     for i, value in spec.pointers(c, o, lse, o_part, lse_part):
         words[i] = value
+    if spec.fuse:
+        if counters is None:
+            counters = numpy.zeros(spec.groups, numpy.uint32)
+        assert counters.dtype == numpy.uint32 and counters.size == spec.groups
+        assert not counters.any(), "the arrival counters must be 0 between calls"
+        words[_inference_gpu.COUNTERS_WORD] = counters.ctypes.data
     if spec.append is not None:
         lib.run(spec.append, p)
     if o.size:
-        lib.run(spec.split, p, readable=(c.q, c.k_cache, c.v_cache))
+        lib.run(spec.split, p, readable=(c.q, c.k_cache, c.v_cache), order=order)
+        if spec.fuse:
+            assert not counters.any(), "the merging blocks leave the counters at 0"
         if spec.combine is not None:
             lib.run(spec.combine, p)
     return o, lse

@@ -139,6 +139,42 @@ def test_every_split_count_agrees_and_is_bitwise_reproducible():
             _check_rows(host, o0, l0, 0, False, 16)
 
 
+def test_fused_combine_equals_the_combine_launch_bitwise(monkeypatch):
+    """decode_sm80 merges its own splits (the group's last block); CUFLASH_DECODE_FUSE=0 runs
+    decode_combine instead: the same operations in the same order, so bitwise the same result,
+    call after call (the arrival counters are left at 0 by every call), on two streams."""
+    import cupy
+    from cuflash import _api
+    case = (BF16, 8, 4, 1, 128, 8192, 0, 0, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=[0, 8192, 3000], B=3)
+    results = {}
+    try:
+        for flag in ("0", "1"):
+            monkeypatch.setenv("CUFLASH_DECODE_FUSE", flag)
+            _api.clear_plans()
+            for s in (2, 7, 37):
+                kw["num_splits"] = s
+                runs = []
+                for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(), cupy.cuda.Stream.null):
+                    with stream:
+                        for _ in range(3):
+                            o, lse = _run_device(dev[:5] + [None, None], kw)
+                        runs.append((cupy.asnumpy(o), cupy.asnumpy(lse)))
+                for o, lse in runs[1:]:
+                    assert numpy.array_equal(o.view(numpy.uint16), runs[0][0].view(numpy.uint16))
+                    assert numpy.array_equal(lse, runs[0][1])
+                results[flag, s] = runs[0]
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_FUSE", raising=False)
+        _api.clear_plans()
+    for s in (2, 7, 37):
+        (o0, l0), (o1, l1) = results["0", s], results["1", s]
+        assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), s
+        assert numpy.array_equal(l0, l1), s
+        assert (o1[0] == 0).all() and numpy.isneginf(l1[0]).all()   # row 0: no key at all
+    _check_rows([x[1:] for x in host[:4]] + [None], o1[1:], l1[1:], 0, False, 16)
+
+
 def test_paged_equals_dense_bitwise():
     import cupy
     dense = (F16, 4, 4, 1, 128, 4000, 0, 1, False, 5)

@@ -398,6 +398,9 @@ def test_decode_choice_is_in_the_gate():
                     ch = _families.choose("decode", shape, H200)
                     assert ch.expr in listed
                     assert ch.traits.block_m >= min(rows, 8)
+                    if "fuse" in ch.flag:       # decode_sm80 with several splits: fused
+                        assert ch.family.expr(dtype, ch.traits, shape.variant,
+                                              **dict(ch.flag, fuse=True)) in listed
     with pytest.raises(ValueError, match="multiples of 8"):
         _families.choose("decode", _families.Shape("float16", 1, 1, 10, 12, 12,
                                                    _families.Variant()), H200)
@@ -445,11 +448,14 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         assert not isinstance(spec, str), spec
         assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
         # the tensor-core decode on an H200: 16 packed rows a tile, whatever G
+        # (fused: with several splits the kernel merges them itself, no decode_combine)
+        fused = "true" if spec.splits > 1 else "false"
         assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
-                                  "128, cuflash::Variant<false>>")
+                                  f"128, cuflash::Variant<false>, {fused}>")
         assert spec.row_tiles == 1
         assert spec.split[2] == B * Hkv * spec.splits
-        assert (spec.combine is None) == (spec.splits == 1)
+        assert spec.combine is None and spec.fuse == (spec.splits > 1)
+        assert spec.groups == B * Hkv
         assert spec.params["paged"] == int(paged)
         assert spec.params["page_shift"] == (4 if paged else -1)
 

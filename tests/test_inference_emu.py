@@ -1,7 +1,9 @@
 """The decode kernels (cuda_src/decode.cu, combine.cu) run on the CPU by the g++ emulation
 (tests/_emu_decode.py), launched with the parameter block and grids of
 ``cuflash._inference_gpu.DecodeSpec``: against the float64 reference, every split count,
-bitwise reproducibility, paged == dense, the device-side clamps. Skipped without g++."""
+bitwise reproducibility, paged == dense, the device-side clamps, and decode_mma's fused combine
+and decode_split's (whichever block of a group finishes last: blocks run in shuffled orders; bitwise equal to
+decode_combine's launch; the arrival counters left at 0). Skipped without g++."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ MMA_CASES = [
 SPLIT_CASE = (BF16, 2, 4, 1, 64, 600, True, 16, 1, False, None)
 STRADDLE_CASE = (F16, 1, 4, 1, 64, 60, True, 8, 1, False, 2)
 #: decode_mma for d = 32, dv = 112 (test_emulated_tensor_core_decode_with_dv_other_than_d)
-_DV_EXPR = "cuflash::decode::decode_mma<__half, 128, cuflash::Variant<false>>"
+_DV_EXPRS = [f"cuflash::decode::decode_mma<__half, 128, cuflash::Variant<false>, {f}>"
+             for f in ("false", "true")]
 CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
 
 
@@ -61,9 +64,12 @@ def lib():
                 v = _families.Variant(causal=cz)
                 shape = _families.Shape(dtype.name, 1, G * Lq, 1, d, d, v)
                 if fam.rejects(shape, SMALL) is None:
-                    t = fam.select(fam, shape, SMALL)[0]
-                    exprs.add(fam.expr(dtype.name, t, v))
-    exprs.add(_DV_EXPR)
+                    t, flags = fam.select(fam, shape, SMALL)[:2]
+                    # decode_mma with and without its fused combine (num_splits > 1 or 1)
+                    for fuse in (False, True) if "fuse" in flags else (None,):
+                        kw = {} if fuse is None else dict(flags, fuse=fuse)
+                        exprs.add(fam.expr(dtype.name, t, v, **kw))
+    exprs.update(_DV_EXPRS)
     return _emu_decode.build(sorted(exprs))
 
 
@@ -218,3 +224,75 @@ def test_emulated_tensor_core_decode_with_dv_other_than_d(lib):
     spec, (o, lse) = _run(lib, c)
     assert spec.split[0] == "decode_mma.cu" and o.shape[-1] == 112
     _check(c, o, lse)
+
+
+#: the tensor-core decode's split sweep: GQA 4 (one row tile of 16, 4 rows used), page 16
+MMA_SPLIT_CASE = (BF16, 2, 4, 1, 64, 700, True, 16, 1, False, None)
+
+
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_combine(lib, family,
+                                                                                    monkeypatch):
+    """decode_mma's and decode_split's fused combine (the last block of a group to finish merges its splits), for
+    every split count from 1 to one past the heuristic's: bitwise the same whichever block
+    finishes last (blocks run in blockIdx order and in shuffled orders), bitwise the result of
+    decode_combine's separate launch (CUFLASH_DECODE_FUSE=0), the counters left at 0 for the
+    next call (one counter array reused across calls), and within the reference's tolerance."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")     # decode_split where decode_mma runs
+    seqlens = [0, 333, 698]
+    c = _call(MMA_SPLIT_CASE, seqlens=seqlens)
+    heuristic = _inference_gpu.spec_or_reason(
+        c, _families.DeviceInfo(90, 8, 232448, "emulated, 8 SMs")).splits
+    assert heuristic > 1
+    counters = None
+    for s in range(1, heuristic + 2):
+        outs = []
+        for order in (0, 1, 7):
+            c = _call(MMA_SPLIT_CASE, seqlens=seqlens, splits=s)
+            spec = _inference_gpu.spec_or_reason(c, SMALL)
+            assert spec.split[0] == family and spec.fuse == (s > 1)
+            assert spec.combine is None
+            if s > 1:
+                assert "no decode_combine" in spec.explain()
+                assert spec.split[1].endswith(", true>")
+                if counters is None:
+                    counters = numpy.zeros(spec.groups, numpy.uint32)
+            outs.append(_emu_decode.run_spec(lib, spec, c, order=order,
+                                             counters=counters if s > 1 else None))
+        for o, lse in outs[1:]:
+            assert numpy.array_equal(o.view(numpy.uint16), outs[0][0].view(numpy.uint16))
+            assert numpy.array_equal(lse, outs[0][1])
+        _check(c, *outs[0])
+        monkeypatch.setenv("CUFLASH_DECODE_FUSE", "0")
+        c = _call(MMA_SPLIT_CASE, seqlens=seqlens, splits=s)
+        spec = _inference_gpu.spec_or_reason(c, SMALL)
+        monkeypatch.delenv("CUFLASH_DECODE_FUSE")
+        assert not spec.fuse and (spec.combine is not None) == (s > 1)
+        o, lse = _emu_decode.run_spec(lib, spec, c)
+        assert numpy.array_equal(o.view(numpy.uint16), outs[0][0].view(numpy.uint16))
+        assert numpy.array_equal(lse, outs[0][1])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_combine_with_rows_that_see_no_key(lib, splits, family, monkeypatch):
+    """Batch rows of length 0 (nothing appended): every split of them is empty, so every
+    partial lse is -inf: the merge gives o = 0 and lse = -inf (no NaN from -inf - -inf); the
+    other rows are the reference's. Two row tiles (G x Lq = 24 rows), blocks shuffled."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")
+    case = (F16, 1, 8, 3, 64, 150, True, 32, 0, False, splits)
+    c = _call(case, seed=3, seqlens=[0, 97, 0])
+    spec = _inference_gpu.spec_or_reason(c, SMALL)
+    assert spec.split[0] == family and spec.fuse == (splits > 1)
+    assert spec.row_tiles == (2 if family == "decode_mma.cu" else 3)   # 24 rows: 16 / 8 a tile
+    o, lse = _emu_decode.run_spec(lib, spec, c, order=5)
+    for b in (0, 2):
+        assert (o[b] == 0).all() and numpy.isneginf(lse[b]).all()
+    n = 97
+    kb = dense_rows(c.k_cache, c.block_table, 1, n, c.page_size)
+    vb = dense_rows(c.v_cache, c.block_table, 1, n, c.page_size)
+    prob = _problem.make_problem(c.q[1], kb, vb, scale=None, causal=False)
+    ro, rl = reference.attention(c.q[1], kb, vb, return_lse=True)
+    assert_attention_close(prob, o[1], lse[1], ro, rl)

@@ -19,7 +19,8 @@ number of those lines, and ptxas's registers, spill stores and loads and stack f
 
 Name expressions are compared after rewriting a spelling map (``SPELLING``: today
 ``cuflash::Variant<true|false>`` -> ``true|false``, the bool CAUSAL argument the Variant
-replaced at the same position), so the trees before and after a respelling line up. A file
+replaced at the same position, and decode_mma's and decode_split's trailing ``, false`` FUSE
+flag, the build before the flag), so the trees before and after a respelling line up. A file
 written by an older version of this tool (a plain hash per key) compares too.
 """
 
@@ -32,7 +33,12 @@ import re
 import sys
 
 #: old <- new spellings of name expressions, applied to the keys of both sides before comparing
-SPELLING = [(re.compile(r"cuflash::Variant<(true|false)>"), r"\1")]
+SPELLING = [(re.compile(r"cuflash::Variant<(true|false)>"), r"\1"),
+            # decode_mma's FUSE flag (session 7), false: the build before the flag
+            (re.compile(r"(cuflash::decode::decode_mma<[^<>,]*, \d+, (?:true|false)), false>"),
+             r"\1>"),
+            (re.compile(r"(cuflash::decode::decode_split<[^<>,]*, \d+, \d+, (?:true|false)), "
+                        r"false>"), r"\1>")]
 
 
 def _normalise(key: str) -> str:
