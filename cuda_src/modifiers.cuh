@@ -101,6 +101,9 @@ struct ModVariant {
   static_assert(!kBlockMask || kHasMaskMod, "a block mask classifies a mask_mod's tiles");
   // false: the kernel keeps folding scale * log2(e) into its exp2 (today's fast path)
   static constexpr bool kTransforms = kSoftcap || kAlibi || kHasBias || kHasScoreMod;
+  static constexpr bool kHasSoftcap = kSoftcap, kHasAlibi = kAlibi;
+  // steps 4-5 (score_after_alibi) do something
+  static constexpr bool kAfterAlibi = kHasBias || kHasScoreMod;
   // false: every pair of a tile that tile_kind() does not call empty is visible
   static constexpr bool kElementMask = kCausal || kWindow || kMask || kHasMaskMod;
   using Bias = typename mod_detail::pick<kHasBias, BiasT, float>::type;
@@ -288,6 +291,13 @@ struct ModVariant {
       const int dist = i + m.diag - j;
       s -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
     }
+    return score_after_alibi(m, it, s, i, j);
+  }
+  // Steps 4-5 alone (bias, score_mod), on a score that has been through steps 2-3 (the
+  // tensor-core forwards compute those a row at a time: variant.cuh, modify_score_tile).
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc score_after_alibi(const ModifierParams& m, const It& it, Acc s,
+                                                          int i, int j) {
     if (kHasBias) s += mod_detail::load_as<Acc>(it.bias + j * static_cast<int>(m.bias_col));
     if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
     return s;
