@@ -245,14 +245,17 @@ struct ModVariant {
       const int stop = (long long)end * size < len ? end * size : len;
       const int w_end = (stop - 1) / along + 1;
       for (int w = t * size / along; w < w_end; w += 4) {
-        bool hit[4];
+        // the map rows (columns) across the walk outside, the four blocks along it inside:
+        // the four loads of one row are issued together and waited for once (with the loop
+        // over rows innermost each load was consumed before the next block's was issued)
+        bool hit[4] = {false, false, false, false};
+        const signed char* k = first + w * step_along;
+        for (int f = f0; f <= f1; ++f, k += step_across) {
+          signed char kind[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          hit[u] = false;
-          if (w + u < w_end) {
-            const signed char* k = first + (w + u) * step_along;
-            for (int f = f0; f <= f1; ++f, k += step_across) hit[u] |= *k != kTileEmpty;
-          }
+          for (int u = 0; u < 4; ++u) kind[u] = (w + u < w_end) ? k[u * step_along] : static_cast<signed char>(kTileEmpty);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) hit[u] |= kind[u] != kTileEmpty;
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u)
