@@ -267,6 +267,30 @@ __device__ __forceinline__ float rcp_approx(float x);
 // - ALiBi: - slope |i + diag - j| as one FADD and one FFMA a score (|.| is a free operand
 //   modifier), from the row's distance to the thread's first column converted once; integer
 //   distances below 2^24 are exact in float, so the value is the integer path's.
+//   With CUFLASH_SOFTCAP_RCP_FMA=1 (an experiment for bench/probes/fwd_mods_ab.py, off by
+//   default) the reciprocal runs on the FMA pipe instead, leaving one MUFU operation a score to
+//   the softcap: u = 2^{-|x| k2} = e^{-2|y|} in [0, 1], tanh|y| = 2 / (1 + u) - 1, 1 / (1 + u)
+//   from a quadratic seed (relative error 1.0%) and two Newton steps (1e-8), the sign of x put
+//   back: 11 instructions, error ~2.7e-7 c (simulated). u = 0 (|x| k2 > 126, or x = +-inf) gives
+//   +-c; x = +-0 gives +-0; a NaN stays NaN.
+#ifndef CUFLASH_SOFTCAP_RCP_FMA
+#define CUFLASH_SOFTCAP_RCP_FMA 0
+#endif
+// (a template, so that sources without mma_sm80.cuh's ex2_approx / rcp_approx never instantiate it)
+template <class F>
+__device__ __forceinline__ F softcap_of(F x, F k2, F cap) {
+#if CUFLASH_SOFTCAP_RCP_FMA
+  const float u = ex2_approx(-fabsf(x) * k2);
+  const float d = 1.f + u;
+  float r = fmaf(fmaf(0.32319388f, u, -0.80798954f), u, 0.98986351f);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return copysignf(fmaf(2.f * cap, r, -cap), x);
+#else
+  return fmaf(-2.f * cap, rcp_approx(ex2_approx(x * k2) + 1.f), cap);
+#endif
+}
+
 template <class Var, int NT, class It>
 __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const VariantParams& v, const ModifierParams& m,
                                                   const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask) {
@@ -293,7 +317,7 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
         for (int e = 0; e < 2; ++e) {
           const int j = col0 + 8 * t + e;
           float& x = s[t][2 * r + e];
-          if constexpr (Mod::kHasSoftcap) x = fmaf(-2.f * cap, rcp_approx(ex2_approx(x * k2) + 1.f), cap);
+          if constexpr (Mod::kHasSoftcap) x = softcap_of(x, k2, cap);
           else x *= scale;
           if constexpr (Mod::kHasAlibi) x = fmaf(fabsf(dist0 - static_cast<float>(8 * t + e)), neg_slope, x);
           if constexpr (Mod::kAfterAlibi) x = Mod::score_after_alibi(m, row, x, min(i, Lq - 1), min(j, Lk - 1));
