@@ -109,12 +109,19 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   auto next_tile = [&](int j) {
     return Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, j, n_blocks, BLOCK_N, p.Lk);
   };
+  // The walk one tile further, j_ahead = after(after(j)), is found during tile j
+  // (walk_ahead, once on every path through the body: after the S wgmma is issued, so that the
+  // map loads and the walk's divisions run while the tensor cores compute S), not in the
+  // increment, where it sat between P V and the next barrier with nothing to overlap it.
   const int j0 = Var::kBlockMask ? next_tile(j_first) : j_first;
-  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0;
+  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0, j_ahead = 0;
+  auto walk_ahead = [&]() {
+    if constexpr (Var::kBlockMask) j_ahead = next_tile(j_walk + 1);
+  };
   auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
-  auto advance = [&](int j) {   // j: the tile just reached
+  auto advance = [&](int) {   // the tile just reached is j_walk; the one after it, j_ahead
     if constexpr (Var::kBlockMask) {
-      j_walk = next_tile(j + 1);
+      j_walk = j_ahead;
       ++visit;
     }
   };
@@ -201,20 +208,30 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
       load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 : j + 1);
     cp_async_commit();
-    if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) continue;
+    if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) {
+      walk_ahead();
+      continue;
+    }
     // A block mask: a tile its mask_mod hides from all of this warpgroup's rows changes
     // nothing for them; in one it keeps entirely the mask_mod is not evaluated.
     bool pair_tile = true;
     if constexpr (Var::kBlockMask) {
       const int r1 = min(wg_row_first + 64, p.Lq);
-      if (r1 <= wg_row_first) continue;   // rows past Lq only: never stored
+      if (r1 <= wg_row_first) {   // rows past Lq only: never stored
+        walk_ahead();
+        continue;
+      }
       const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, wg_row_first, r1, j * BLOCK_N, min((j + 1) * BLOCK_N, p.Lk));
-      if (kind == kTileEmpty) continue;
+      if (kind == kTileEmpty) {
+        walk_ahead();
+        continue;
+      }
       pair_tile = kind != kTileFull;
     }
 
     wgmma_fence();
     issue_s(s, Var::kBlockMask ? visit : j);
+    walk_ahead();
     wgmma_wait<0>();
     fence_regs(s);
     float alpha[2];

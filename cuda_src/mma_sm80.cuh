@@ -75,6 +75,13 @@ __device__ __forceinline__ float ex2_approx(float x) {
   return y;
 }
 
+// 1/x on the special-function unit (rcp.approx.ftz: 1 ulp; +inf gives +0, subnormal x counts 0).
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A row-major shared-memory tile of ROWS x COLS b16 elements stored in 16-byte chunks, with the
 // chunk index XOR-swizzled by the row so that the 8 row addresses of one ldmatrix matrix, and
 // the 8 chunks one cp.async wavefront writes, fall in 8 different 16-byte bank groups.

@@ -102,6 +102,9 @@ struct ModVariant {
   static_assert(!kBlockMask || kHasMaskMod, "a block mask classifies a mask_mod's tiles");
   // false: the kernel keeps folding scale * log2(e) into its exp2 (today's fast path)
   static constexpr bool kTransforms = kSoftcap || kAlibi || kHasBias || kHasScoreMod;
+  static constexpr bool kHasSoftcap = kSoftcap, kHasAlibi = kAlibi;
+  // steps 4-5 (score_after_alibi) do something
+  static constexpr bool kAfterAlibi = kHasBias || kHasScoreMod;
   // false: every pair of a tile that tile_kind() does not call empty is visible
   static constexpr bool kElementMask = kCausal || kWindow || kMask || kHasMaskMod;
   using Bias = typename mod_detail::pick<kHasBias, BiasT, float>::type;
@@ -243,14 +246,17 @@ struct ModVariant {
       const int stop = (long long)end * size < len ? end * size : len;
       const int w_end = (stop - 1) / along + 1;
       for (int w = t * size / along; w < w_end; w += 4) {
-        bool hit[4];
+        // the map rows (columns) across the walk outside, the four blocks along it inside:
+        // the four loads of one row are issued together and waited for once (with the loop
+        // over rows innermost each load was consumed before the next block's was issued)
+        bool hit[4] = {false, false, false, false};
+        const signed char* k = first + w * step_along;
+        for (int f = f0; f <= f1; ++f, k += step_across) {
+          signed char kind[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          hit[u] = false;
-          if (w + u < w_end) {
-            const signed char* k = first + (w + u) * step_along;
-            for (int f = f0; f <= f1; ++f, k += step_across) hit[u] |= *k != kTileEmpty;
-          }
+          for (int u = 0; u < 4; ++u) kind[u] = (w + u < w_end) ? k[u * step_along] : static_cast<signed char>(kTileEmpty);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) hit[u] |= kind[u] != kTileEmpty;
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u)
@@ -289,6 +295,13 @@ struct ModVariant {
       const int dist = i + m.diag - j;
       s -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
     }
+    return score_after_alibi(m, it, s, i, j);
+  }
+  // Steps 4-5 alone (bias, score_mod), on a score that has been through steps 2-3 (the
+  // tensor-core forwards compute those a row at a time: variant.cuh, modify_score_tile).
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc score_after_alibi(const ModifierParams& m, const It& it, Acc s,
+                                                          int i, int j) {
     if (kHasBias) s += mod_detail::load_as<Acc>(it.bias + j * static_cast<int>(m.bias_col));
     if constexpr (kHasScoreMod) s = ScoreMod::apply(s, it.ub, it.uh, i, j, m.captured);
     return s;

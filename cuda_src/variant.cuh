@@ -243,19 +243,73 @@ struct Variant {
   }
 };
 
+// The special-function unit's 2^x and 1/x (mma_sm80.cuh; the host emulation has its own).
+__device__ __forceinline__ float ex2_approx(float x);
+__device__ __forceinline__ float rcp_approx(float x);
+
 // The tensor-core forwards' score tile (mma.sync / wgmma accumulator layout, online_softmax.cuh:
 // s[t][e] is row row0 + 8 (e / 2), key col0 + 8 t + e % 2): raw products -> modified scores in
 // natural units (Var::kNatural), and -inf where the element mask hides a pair (pair_mask: a
 // tile that Var::kPairMask does not know to be full). Plain variants never call it.
+//
+// Steps 2-3 (softcap, ALiBi) are computed here a row at a time, with the fewest instructions a
+// score, since they sit between the S and the P V products of every tile (bench/NOTES.md "fwd
+// modifier cost (session 7)"); Mod::score_row computes the same values for the other kernels:
+// - softcap: c tanh(y), y = scale x / c, as c (1 - 2 / (e^{2y} + 1)) = c - 2c / (2^{x k2} + 1)
+//   with k2 = 2 scale log2(e) / c: one FMUL, ex2.approx, one FADD, rcp.approx, one FFMA (the
+//   precise tanhf is ~20 instructions with the same two special-function operations). Its error
+//   is at most ~3.5e-7 c (ex2's 2^-22 relative error and rcp's 1 ulp, at most halved by the
+//   tanh's slope), against tanhf's ~1.2e-7 c; the half types' tolerance (scores rounded to T
+//   in the naive computation) is 2^-8 relative. Numerics: x k2 > 128 gives 2^{x k2} = +inf,
+//   1 / inf = 0, so c (tanh -> 1); x k2 < -126 flushes to 0, 1 / 1 = 1, so -c; x = +-inf gives
+//   +-c as tanhf(+-inf) does; a NaN x stays NaN. Masked pairs get -inf after this (mask_scores,
+//   the element mask), never before, so no -inf reaches the transform from the mask.
+// - ALiBi: - slope |i + diag - j| as one FADD and one FFMA a score (|.| is a free operand
+//   modifier), from the row's distance to the thread's first column converted once; integer
+//   distances below 2^24 are exact in float, so the value is the integer path's.
+//   With CUFLASH_SOFTCAP_RCP_FMA=1 (an experiment for bench/probes/fwd_mods_ab.py, off by
+//   default) the reciprocal runs on the FMA pipe instead, leaving one MUFU operation a score to
+//   the softcap: u = 2^{-|x| k2} = e^{-2|y|} in [0, 1], tanh|y| = 2 / (1 + u) - 1, 1 / (1 + u)
+//   from a quadratic seed (relative error 1.0%) and two Newton steps (1e-8), the sign of x put
+//   back: 11 instructions, error ~2.7e-7 c (simulated). u = 0 (|x| k2 > 126, or x = +-inf) gives
+//   +-c; x = +-0 gives +-0; a NaN stays NaN.
+#ifndef CUFLASH_SOFTCAP_RCP_FMA
+#define CUFLASH_SOFTCAP_RCP_FMA 0
+#endif
+// (a template, so that sources without mma_sm80.cuh's ex2_approx / rcp_approx never instantiate it)
+template <class F>
+__device__ __forceinline__ F softcap_of(F x, F k2, F cap) {
+#if CUFLASH_SOFTCAP_RCP_FMA
+  const float u = ex2_approx(-fabsf(x) * k2);
+  const float d = 1.f + u;
+  float r = fmaf(fmaf(0.32319388f, u, -0.80798954f), u, 0.98986351f);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  return copysignf(fmaf(2.f * cap, r, -cap), x);
+#else
+  return fmaf(-2.f * cap, rcp_approx(ex2_approx(x * k2) + 1.f), cap);
+#endif
+}
+
 template <class Var, int NT, class It>
 __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const VariantParams& v, const ModifierParams& m,
                                                   const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask) {
+  using Mod = typename Var::Mod;
   const float scale = static_cast<float>(v.scale);
+  // softcap: the exponent's multiplier 2 scale log2(e) / c and the result's -2c, c
+  const float k2 = Mod::kHasSoftcap ? 2.f * 1.4426950408889634f * scale * m.inv_softcap : 0.f;
+  const float cap = Mod::kHasSoftcap ? m.softcap : 0.f;
+  float neg_slope = 0.f;
+  if constexpr (Mod::kHasAlibi) neg_slope = -static_cast<float>(it.slope);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;
     const It row = Var::at_row(m, it, i, Lq);
     if constexpr (Var::kNatural) {
+      // ALiBi: i + diag - col0, the distance of the thread's first column (rows past Lq and
+      // keys past Lk are never stored / masked after this: no clamping needed here)
+      float dist0 = 0.f;
+      if constexpr (Mod::kHasAlibi) dist0 = static_cast<float>(i + m.diag - col0);
       // score and element mask pair by pair (the order ptxas allocates best when both are on)
 #pragma unroll
       for (int t = 0; t < NT; ++t)
@@ -263,7 +317,10 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
         for (int e = 0; e < 2; ++e) {
           const int j = col0 + 8 * t + e;
           float& x = s[t][2 * r + e];
-          x = Var::score(m, row, x, scale, i, j, Lq, Lk);
+          if constexpr (Mod::kHasSoftcap) x = softcap_of(x, k2, cap);
+          else x *= scale;
+          if constexpr (Mod::kHasAlibi) x = fmaf(fabsf(dist0 - static_cast<float>(8 * t + e)), neg_slope, x);
+          if constexpr (Mod::kAfterAlibi) x = Mod::score_after_alibi(m, row, x, min(i, Lq - 1), min(j, Lk - 1));
           if constexpr (Var::kPairMask)
             if (pair_mask && !Var::pair_visible(m, row, v.causal_offset, i, j, Lq, Lk)) x = -__int_as_float(0x7f800000);
         }

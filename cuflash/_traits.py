@@ -280,6 +280,22 @@ BWD_SM90 = {
     (128, False): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
     (128, True): bwd_sm90(128, 64, 2, 1, reason=_BWD90_128),
 }
+
+#: The modifiers with which fwd_sm90 keeps its table's warpgroups (3 at d = 128) instead of the
+#: 2 of other score-path Variants (``_variant.modifier_tiles``): softcap and ALiBi compute their
+#: steps a row at a time (variant.cuh's modify_score_tile, 3-5 instructions a score), so every
+#: combination of them with causal, window and sink compiles within the 168-register cap of 3
+#: warpgroups with 0 spills (session 7: 148-168 registers, bench/NOTES.md "fwd modifier cost
+#: (session 7)"); a bias, a mask array and the user functions keep 2 warpgroups (their loads and
+#: traced code are not bounded), except a mask_mod with its block mask (next set).
+FWD_SM90_FULL_WARPGROUPS = frozenset({"causal", "window", "softcap", "alibi_slopes", "sink"})
+#: ... and with a block mask, a mask_mod alone or with causal, softcap, ALiBi: every mask_mod
+#: of the testing kit and of the mods suite compiles so at 3 warpgroups with 0 spills (158-168
+#: registers, 108 specialisations; without the block mask the documents and dilated ones spill
+#: 36-96 bytes, so a mask_mod without a block mask keeps 2). A heavier user mask_mod may reach
+#: the cap and spill: correct, slower.
+FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slopes", "mask_mod"})
+
 #: The modifiers bwd_sm90 runs, per head-dim bucket: a Variant runs there when its modifiers
 #: (besides causal) all lie in one of the bucket's sets, each of which compiles with 0 spills in
 #: every combination (bench/NOTES.md "bwd_sm90 modifiers", session 6, and "bwd_sm90 ALiBi at

@@ -158,16 +158,22 @@ def variant_params(prob) -> numpy.void:
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
-    thread); fwd_sm90 at most 2 warpgroups; a ``heavy`` one 32-key tiles (fwd_sm80, fwd_sm90);
+    thread); fwd_sm90 at most 2 warpgroups (unless every modifier is in
+    ``_traits.FWD_SM90_FULL_WARPGROUPS``: softcap, ALiBi and the sink keep 3, and a block
+    mask's mask_mod with them: ``FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK``); a ``heavy`` one
+    32-key tiles (fwd_sm80, fwd_sm90);
     bwd_sm80 query chunks of at most 32 rows; bwd_sm90 query tiles of 64 rows where the
     per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone). The table's choices spill with them (the compile
     table of docs/modifiers.md). Appends the reason to ``why``."""
     if not variant.score_path:
         return t
+    from . import _traits
     named = {}
     if t.min_blocks > 1:
         named["min_blocks"] = 1
-    if family == "fwd_sm90" and t["warpgroups"] > 2:
+    if family == "fwd_sm90" and t["warpgroups"] > 2 and not (
+            variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS or (
+                variant.block_mask and variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK)):
         named["warpgroups"] = 2
     if family in ("fwd_sm80", "fwd_sm90") and variant.heavy and t.block_n > 32:
         named["block_n"] = 32

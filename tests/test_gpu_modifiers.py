@@ -225,6 +225,29 @@ def test_sliding_window_skips_tiles_and_stays_exact_at_length(family, dtype):
         naive.check_result(oq, ok_, ov, True, kw, o[..., sl, :], lse[..., sl])
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("how", ["softcap-saturating", "alibi-far", "softcap+alibi+sink"])
+def test_score_transforms_at_d128_over_several_query_blocks(family, dtype, how):
+    """softcap and ALiBi at d = 128 across several query blocks and a partial last key tile
+    (fwd_sm90 runs them with 3 warpgroups, 192-row blocks, and computes them a row at a time:
+    c - 2c / (2^{x k2} + 1) with ex2 / rcp.approx, and a float distance per row): scores far
+    past the cap on both sides (q scaled by 8, cap 5: tanh saturates to +-1), ALiBi distances
+    up to 650 with slopes up to 1, against the oracle."""
+    rng = numpy.random.default_rng(7)
+    Lq, Lk = 600, 650
+    q = (8 * rng.standard_normal((2, 2, Lq, 128))).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, Lk, 128)).astype(dtype) for _ in range(2))
+    slopes = rng.uniform(0.05, 1.0, (2,)).astype(numpy.float32)
+    kw, causal = {
+        "softcap-saturating": (dict(softcap=5.0), False),
+        "alibi-far": (dict(alibi_slopes=slopes), False),
+        "softcap+alibi+sink": (dict(softcap=5.0, alibi_slopes=slopes,
+                                    sink=rng.standard_normal((2,)).astype(numpy.float32)), True),
+    }[how]
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+
+
 def run_gpu_backward(q, k, v, causal, kw, deterministic=False, seed=1):
     """cuflash's forward and backward on the device; NumPy (o, lse, do, grads) back."""
     import cupy

@@ -138,6 +138,11 @@ inline float ex2_approx(float x) {
   return (y != 0.f && std::fabs(y) < 1.17549435e-38f) ? 0.f : y;
 }
 
+// rcp.approx.ftz.f32: exact here; a subnormal argument counts 0 (1/0 = +inf) as on the GPU.
+inline float rcp_approx(float x) {
+  return (x != 0.f && std::fabs(x) < 1.17549435e-38f) ? std::copysign(INFINITY, x) : 1.f / x;
+}
+
 // Every other definition of mma_sm80.cuh, verbatim (tests/_emu_sm80.py splices it here):
 // @@SPLICE@@
 
