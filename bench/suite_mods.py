@@ -20,9 +20,10 @@ Every implementation computes the same function: ``MODS[name]`` holds the one de
 each modifier, as the cuflash keywords and as the FlexAttention ``score_mod`` / ``mask_mod``
 (plain Python operators, so the same functions run on NumPy in the CPU test of this file's
 logic, tests/test_modifiers_bench.py). cuflash runs the document and prefix masks from a dense
-``mask=`` array, and again (``impl = "cuflash_block_mask"``, forward) from the same mask_mod
-through ``cuflash.block_mask`` (traced into the kernel; the tiles its map calls empty are neither
-loaded nor computed in fwd_sm80 / fwd_sm90 / bwd_sm80). A point an implementation cannot run is a
+``mask=`` array, and again (``impl = "cuflash_block_mask"``, forward and fwd+bwd) from the same
+mask_mod through ``cuflash.block_mask`` (traced into the kernel; the tiles its map calls empty are
+neither loaded nor computed in fwd_sm80 / fwd_sm90 / bwd_sm80), with ``causal=True`` where the
+mask_mod is causal itself (window, document: ``Mod.mask_causal``). A point an implementation cannot run is a
 row with ``tflops = None`` and the reason (SDPA cannot express softcap). The modifiers' backward
 runs on bwd_sm90 on Hopper where ``_traits.BWD_SM90_MODIFIERS`` lists them (softcap, window, sink,
 ALiBi; mask_mod at d <= 64), else on bwd_sm80; ``CUFLASH_BWD=sm80`` keeps every row on bwd_sm80.
@@ -64,6 +65,10 @@ class Mod:
     score_mod: Callable | None = None      # (score, b, h, q, kv) -> score, FlexAttention's
     mask_mod: Callable | None = None       # (b, h, q, kv) -> bool, FlexAttention's
     sdpa: str | None = None                # "bias" / "mask": how SDPA expresses it, or None
+    #: the mask_mod hides every key after the query (window, document): its block-mask row
+    #: also passes ``causal=True``, so the kernels bound the walk analytically and read the map
+    #: only inside the causal band (the same function; what a user who knows it would write)
+    mask_causal: bool = False
 
 
 def alibi_slopes(H: int):
@@ -105,8 +110,9 @@ def mods_for(L: int, H: int, torch=None) -> dict[str, Mod]:
         "plain": Mod("plain", True, sdpa="causal"),
         "softcap": Mod("softcap", False, score_mod=_softcap),
         "alibi": Mod("alibi", True, score_mod=alibi, sdpa="bias"),
-        "window": Mod("window", True, mask_mod=_window, sdpa="mask"),
-        "document": Mod("document", False, mask_mod=_document_of(L), sdpa="mask"),
+        "window": Mod("window", True, mask_mod=_window, sdpa="mask", mask_causal=True),
+        "document": Mod("document", False, mask_mod=_document_of(L), sdpa="mask",
+                        mask_causal=True),
         "prefix": Mod("prefix", False, mask_mod=_prefix_of(L), sdpa="mask"),
         "bias": Mod("bias", False, sdpa="bias"),
     }
@@ -244,17 +250,24 @@ def _cuflash_point(cuflash, cupy, mod, mode, d, L, H, sets, bias, flops):
                 o, pullback = cuflash.attention_vjp(*sets[i], **kw)
                 return pullback(dos[i])
             ms = _time(step, len(sets))
-        note = "dense mask= array (mask_mod on the GPU: not yet)" if "mask" in kw else None
+        note = "dense mask= array" if "mask" in kw else None
         out.append(_row("cuflash", mode, d, L, mod.name, ms, flops, note, kw.get("causal")))
     except Exception as exc:
         out.append(_row("cuflash", mode, d, L, mod.name, None, flops, _note(exc)))
-    if mod.mask_mod is not None and mode == "fwd":   # the user-function path, when it runs
+    if mod.mask_mod is not None:   # the user-function path: the mask_mod traced, its block mask
+        bkw = {"block_mask": cuflash.block_mask(mod.mask_mod, (1, 1), L, L),
+               "causal": mod.mask_causal}
         try:
-            bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
-            ms = _time(lambda i: cuflash.attention(*sets[i], block_mask=bm), len(sets))
-            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, ms, flops))
+            if mode == "fwd":
+                ms = _time(lambda i: cuflash.attention(*sets[i], **bkw), len(sets))
+            else:
+                dos = [cupy.ones_like(s[0]) for s in sets]
+                ms = _time(lambda i: cuflash.attention_vjp(*sets[i], **bkw)[1](dos[i]), len(sets))
+            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, ms, flops,
+                            causal=mod.mask_causal))
         except Exception as exc:
-            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, None, flops, _note(exc)))
+            out.append(_row("cuflash_block_mask", mode, d, L, mod.name, None, flops, _note(exc),
+                            causal=mod.mask_causal))
     return out
 
 
