@@ -98,7 +98,6 @@ struct ModVariant {
   static constexpr bool kHasBias = !mod_detail::same<BiasT, void>::value;
   static constexpr bool kHasScoreMod = !mod_detail::same<ScoreMod, NoScoreMod>::value;
   static constexpr bool kHasMaskMod = !mod_detail::same<MaskMod, NoMaskMod>::value;
-  static constexpr bool kHasAlibi = kAlibi;
   static_assert(!kBlockMask || kHasMaskMod, "a block mask classifies a mask_mod's tiles");
   // false: the kernel keeps folding scale * log2(e) into its exp2 (today's fast path)
   static constexpr bool kTransforms = kSoftcap || kAlibi || kHasBias || kHasScoreMod;
