@@ -69,6 +69,9 @@ def check_grads(qd, kd, vd, do, causal, grads):
 @example(AttentionCase.make("bfloat16", (2, 2, 3, 137, 111), (2, 2, 1, 101, 111),
                             (2, 2, 1, 101, 111), seed=1, causal=True)
          ).via("GQA, ragged, bottom-right causal with rows that see no key, d = 111")
+@example(AttentionCase.make("float16", (2, 1, 5, 1), (1, 2, 256, 1), (2, 1, 256, 96), seed=0)
+         ).via("failed once (dv) in session 7's gpu-profile run under a loaded machine; not "
+               "reproduced in ~36,000 reruns (bench/NOTES.md, session 7 call 4)")
 def test_matches_reference(case):
     import cupy
     target(check_case(case.with_xp(cupy)))
