@@ -55,11 +55,16 @@ env_lines() {
 part_tests() {
   local log="$OUT/tests.log"
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
-  # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures
-  HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} timeout -s INT "${TESTS_TIMEOUT:-560}" \
+  # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures.
+  # In a process group of its own (setsid), killed whole afterwards: pytest-xdist workers left
+  # running after the time limit loaded the machine under session 7's next (timed) call.
+  HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} setsid timeout -s INT "${TESTS_TIMEOUT:-560}" \
     "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider -q --tb=short -rfE --durations=40 \
-    >> "$log" 2>&1
+    >> "$log" 2>&1 &
+  local pg=$!
+  wait "$pg"
   local rc=$?
+  kill -TERM -- "-$pg" 2>/dev/null; sleep 2; kill -KILL -- "-$pg" 2>/dev/null
   note "tests: exit $rc: $(grep -E '[0-9]+ (passed|failed|error)' "$log" | tail -n 1)"
 }
 

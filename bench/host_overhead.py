@@ -38,6 +38,24 @@ from cuflash._bench import write_json  # noqa: E402
 
 SHAPE = (1, 1, 64, 64)
 GPU_BOUND_RATIO = 1.25
+#: a 1-min load average above this (a quiet 16-core machine reads < 1) marks the run as not
+#: quiet: session 7's call 3, right after a test run whose workers lingered, read every host
+#: time ~40% high (SDPA's too)
+QUIET_LOAD = 2.0
+
+
+def machine_state() -> dict:
+    """The load the host times were measured under: the 1-min load average and the number of
+    other processes on the GPU (nvidia-smi; -1 where it cannot say). Goes into the header."""
+    import os
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        others = sum(1 for pid in out if pid.strip().isdigit() and int(pid) != os.getpid())
+    except (OSError, subprocess.SubprocessError):
+        others = -1
+    return {"load_average_1min": round(os.getloadavg()[0], 2), "other_gpu_processes": others}
 WARMUP = 50
 
 
@@ -134,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     header = ba.device_header(["bench/host_overhead.py", *(argv or sys.argv[1:])])
-    header.update(suite="host_overhead", shape=list(SHAPE), dtype="bf16", calls=args.calls)
+    header.update(suite="host_overhead", shape=list(SHAPE), dtype="bf16", calls=args.calls,
+                  **machine_state())
+    if header["load_average_1min"] > QUIET_LOAD or header["other_gpu_processes"] > 0:
+        print(f"WARNING: the machine is not quiet (1-min load average "
+              f"{header['load_average_1min']:.1f}, {header['other_gpu_processes']} other GPU "
+              f"processes): host times will read high", file=sys.stderr)
     rs = cp.random.RandomState(0)        # random normal inputs, never zeros
     q, k, v = (rs.standard_normal(SHAPE, dtype=cp.float32).astype(ml_dtypes.bfloat16)
                for _ in range(3))
