@@ -33,7 +33,7 @@ from typing import Any
 import numpy
 
 from . import _problem
-from ._fast import layout as _layout   # what a plan depends on in one array (shape, strides, dtype, ...)
+from ._fast import FastForward, layout as _layout   # (what a plan depends on in one array)
 
 _KEYWORDS = ("scale", "causal", "return_lse")
 #: the one-launch plans: forward (_FastVarlen) and backward (_inference_varlen.BackwardLaunch)
@@ -164,19 +164,11 @@ def _enabled() -> bool:
     return _ENABLED()
 
 
-class _FastVarlen:
+class _FastVarlen(FastForward):
     """A cached one-launch forward: the ``ForwardLaunch`` and the shapes of what the call
     returns; o and lse share one allocation (o first, lse at a 256-byte aligned offset), as
-    ``_fast.FastForward``."""
-    __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
-                 "lse_offset")
-
-    def __init__(self, plan, o, lse):
-        self.plan, self.device_id = plan, plan.device_id
-        self.o_shape, self.dtype = o.shape, o.dtype
-        self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
-        self.lse_offset = -(-o.nbytes // 256) * 256
-        self.nbytes = max(self.lse_offset + lse.nbytes, 1)
+    ``_fast.FastForward``, whose record it is."""
+    __slots__ = ()
 
     def __call__(self, cupy, stream: int, q, k, v):
         mem = cupy.cuda.alloc(self.nbytes)

@@ -291,13 +291,31 @@ def test_varlen_one_launch_matches_the_per_sequence_loop(dtype, causal, monkeypa
         assert_attention_close(p, o0[..., sq, :], l0[..., sq], ro, rl)
 
 
+def check_varlen_grads(grads, q, k, v, do, cu_q, cu_k, lq, lk, causal):
+    """Each of ``grads`` (NumPy dq, dk, dv of a packed problem) against the float64 reference,
+    sequence by sequence; a sequence without queries or keys has exactly zero gradients."""
+    from _tolerance_bwd import assert_gradients_close
+    for s in range(len(lq)):
+        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lq[s] == 0 or lk[s] == 0:
+            for g in grads:
+                assert (g[0][..., sq, :] == 0).all() and (g[1][..., sk, :] == 0).all()
+            continue
+        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
+        ref = reference.attention_backward(do[..., sq, :], *args, causal=causal)
+        p = _problem.make_problem(*args, scale=None, causal=causal)
+        for g in grads:
+            assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
+                                                      g[2][..., sk, :]), ref,
+                                   (args[0].shape, args[1].shape, args[2].shape))
+
+
 @pytest.mark.parametrize("dtype,causal", [(BF16, True), (F16, False), (F32, True)])
 def test_varlen_backward_one_launch_matches_the_per_sequence_loop(dtype, causal, monkeypatch):
     """attention_varlen_vjp's pullback: the backward's varlen build against the per-sequence
     loop and the float64 reference gradients, GQA, sequences without queries or keys."""
     import cupy
 
-    from _tolerance_bwd import assert_gradients_close
     rng = numpy.random.default_rng(10)
     lq = [int(x) for x in rng.integers(1, 200, 12)]
     lk = [int(x) for x in rng.integers(1, 300, 12)]
@@ -314,19 +332,7 @@ def test_varlen_backward_one_launch_matches_the_per_sequence_loop(dtype, causal,
         monkeypatch.setenv("CUFLASH_VARLEN_KERNEL", flag)
         _, pull = _varlen.attention_varlen_vjp(*dev, causal=causal)
         grads.append([cupy.asnumpy(g) for g in pull(cupy.asarray(do))])
-    for s in range(len(lq)):
-        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        if lq[s] == 0 or lk[s] == 0:
-            for g in grads:
-                assert (g[0][..., sq, :] == 0).all() and (g[1][..., sk, :] == 0).all()
-            continue
-        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
-        ref = reference.attention_backward(do[..., sq, :], *args, causal=causal)
-        p = _problem.make_problem(*args, scale=None, causal=causal)
-        for g in grads:
-            assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
-                                                      g[2][..., sk, :]), ref,
-                                   (args[0].shape, args[1].shape, args[2].shape))
+    check_varlen_grads(grads, q, k, v, do, cu_q, cu_k, lq, lk, causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +429,6 @@ def test_varlen_backward_plan_cache_hit_matches_the_reference():
     builds the backward plan, the others hit it; each against the float64 reference."""
     import cupy
 
-    from _tolerance_bwd import assert_gradients_close
     from cuflash._api import clear_plans
     lq, lk = [90, 0, 130, 7], [100, 40, 0, 90]
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, seed=13)
@@ -439,16 +444,4 @@ def test_varlen_backward_plan_cache_hit_matches_the_reference():
     grads += [pull(cupy.asarray(do)), pull2(cupy.asarray(do))]
     assert _varlen._BWD.hits == hits + 2
     grads = [[cupy.asnumpy(g) for g in gs] for gs in grads]
-    for s in range(len(lq)):
-        sq, sk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        if lq[s] == 0 or lk[s] == 0:
-            for g in grads:
-                assert (g[0][..., sq, :] == 0).all() and (g[1][..., sk, :] == 0).all()
-            continue
-        args = (q[..., sq, :], k[..., sk, :], v[..., sk, :])
-        ref = reference.attention_backward(do[..., sq, :], *args, causal=True)
-        p = _problem.make_problem(*args, scale=None, causal=True)
-        for g in grads:
-            assert_gradients_close(p, do[..., sq, :], (g[0][..., sq, :], g[1][..., sk, :],
-                                                      g[2][..., sk, :]), ref,
-                                   (args[0].shape, args[1].shape, args[2].shape))
+    check_varlen_grads(grads, q, k, v, do, cu_q, cu_k, lq, lk, True)
