@@ -3,6 +3,7 @@
 // tile, and the dK_j, dV_j epilogue. `Tile` is any layout with kChunks (16-byte chunks
 // a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh) or Sm90Tile (sm90_ops.cuh).
 #pragma once
+#include "last_block.cuh"
 
 namespace cuflash {
 
@@ -205,25 +206,19 @@ __device__ __forceinline__ void store_dk_dv(const Params& p, int b, int key0, in
 // every block. At the end it costs once, and the tile is rounded by whichever block of its
 // item ends last, which under the tile-major causal order (the lightest key tiles last) is
 // spread over the grid's later blocks rather than laid on one.
-//   Memory order: each thread fences its own atomics (release), the barrier then orders every
-// thread's fence before any arrival; the thread that sees the count complete fences again
-// (acquire) before the barrier after which the block reads the tile, through L2 (ld.cg: the
-// atomics never went through this SM's L1).
+//   Memory order: last_block.cuh's (publish_block_writes, then an arrival per tile by one
+// thread each; the block reads a completed tile through L2 after the next barrier).
 //   `sflag`: THREADS ints of shared memory the block no longer needs.
 //   Not inlined, and with scalar arguments: the main kernel's register allocation (at the
 // 255 limit) then stays as it is without this epilogue; the call costs nothing at the end.
 template <typename T, int BLOCK_M, int THREADS>
-__device__ __noinline__ void finish_dq_tiles(int* count, const float* acc, T* out, int* sflag,
+__device__ __noinline__ void finish_dq_tiles(unsigned* count, const float* acc, T* out, int* sflag,
                                              int num_m_blocks, int num_n_blocks, int Lq, int d) {
-  __threadfence();
-  __syncthreads();
+  publish_block_writes();    // (last_block.cuh: the memory order below)
   const int tid = int(threadIdx.x);
   for (int m_base = 0; m_base < num_m_blocks; m_base += THREADS) {
     const int m = m_base + tid;
-    int last = 0;
-    if (m < num_m_blocks) last = atomicAdd(count + m, 1) == num_n_blocks - 1;
-    if (last) __threadfence();
-    sflag[tid] = last;
+    sflag[tid] = m < num_m_blocks && arrive_is_last(count + m, unsigned(num_n_blocks), false);
     __syncthreads();
     const int n = min(THREADS, num_m_blocks - m_base);
     for (int t = 0; t < n; ++t) {
@@ -249,7 +244,7 @@ __device__ __noinline__ void finish_dq_tiles(int* count, const float* acc, T* ou
 template <typename T, int BLOCK_M, int THREADS>
 __device__ __forceinline__ void finish_dq_at_end(const Params& p, int b, int* sflag) {
   const long long item = (long long)b * p.Lq * p.d;
-  finish_dq_tiles<T, BLOCK_M, THREADS>(reinterpret_cast<int*>(p.dq_sem) + (long long)b * p.num_m_blocks,
+  finish_dq_tiles<T, BLOCK_M, THREADS>(reinterpret_cast<unsigned*>(p.dq_sem) + (long long)b * p.num_m_blocks,
                                        reinterpret_cast<const float*>(p.dq_acc) + item,
                                        reinterpret_cast<T*>(p.dq) + item, sflag, p.num_m_blocks,
                                        p.num_n_blocks, p.Lq, p.d);

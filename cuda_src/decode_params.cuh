@@ -17,6 +17,7 @@
 // The score pipeline's run-time part (VariantParams) and the Variant the kernels are templated
 // on: the one every family shares.
 #include "variant.cuh"
+#include "last_block.cuh"
 
 namespace cuflash {
 namespace decode {
@@ -154,10 +155,8 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, i
 // zeroed: no memset, no launch a call) and merges the num_splits partials of its `nrows` rows
 // (packed rows row0 ..) in split order, exactly as decode_combine: bitwise reproducible for a
 // given split count, and bitwise the result of the unfused path (tested in the emulation).
-//   Memory order: each thread fences its own partial stores (release); the barrier orders every
-// thread's fence before the arrival of thread 0; the thread that sees the count complete fences
-// again (acquire) before the barrier after which the block reads the partials, through L2
-// (ld.cg: other SMs wrote them).
+//   Memory order: last_block.cuh's (publish_block_writes, then thread 0's arrival; the block
+// reads the partials through L2 after the next barrier).
 //   `sw`: nrows * (num_splits + 1) floats of shared memory the block no longer reads (the
 // weights w_s and 1 / L of each row); `sflag`: one int, also free.
 //   Loads: phase A one warp a row, lanes over the splits (lse_s: one round trip); phase B one
@@ -167,17 +166,10 @@ template <typename T, int THREADS>
 __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int bh,
                                                      int rows_total, int row0, int nrows,
                                                      float* sw, int* sflag) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* count = reinterpret_cast<unsigned*>(p.counters) + group;
-    const int last = atomicAdd(count, 1u) == static_cast<unsigned>(p.num_splits - 1);
-    if (last) {
-      atomicExch(count, 0u);               // every split of this call has arrived: reset
-      __threadfence();
-    }
-    *sflag = last;
-  }
+  publish_block_writes();
+  if (threadIdx.x == 0)   // (reset: the counter is left at 0 for the next call on the stream)
+    *sflag = arrive_is_last(reinterpret_cast<unsigned*>(p.counters) + group,
+                            unsigned(p.num_splits), true);
   __syncthreads();
   if (!*sflag) return;                     // the same for the whole block (shared memory)
   const int S = p.num_splits;

@@ -44,9 +44,6 @@ inline int __any_sync(unsigned, int pred) {
   for (int l = 0; l < 32; ++l) any |= int(::emu::lane_xchg(parity, l)[0]);
   return any;
 }
-// the fused combine's arrival counters (blocks run one after another: plain read-modify-write)
-inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
 // decode_mma.cu's extern __shared__ array (and the buffer every launch runs on)
 namespace cuflash { namespace decode { alignas(128) unsigned char smem[::emu::kSmemBytes]; } }
 """

@@ -277,7 +277,8 @@ template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline void __stcg(T* p, T v) { *p = v; }
 inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
 inline double atomicAdd(double* p, double v) { const double old = *p; *p = old + v; return old; }
-inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
   static_assert(sizeof(T) == 4, "32-bit shuffles");
   uint32_t* mine = ::emu::my_xchg();
