@@ -202,11 +202,12 @@ class BackwardPlan:
         self.dv_direct = self.tc and dv.size == nbatch * Lk * d_v
         self.dq_direct = dq.size == nbatch * Lq * d
         # dQ rounded by the main kernel itself (one launch fewer: _families.fuse_dq_finish)
-        outer = batch_layout(prob.batch_shape, [prob.q, prob.k, prob.v, o, do] + (
-            self.mods.arrays(mods) if self.mods is not None else [])).outer
-        # (fuse_dq=False: a caller that swaps in a main kernel of its own, the varlen build)
+        # (fuse_dq=False: a caller that swaps in a main kernel of its own, the varlen build;
+        # the flag is chosen for plain attention only, so the layout has no modifier arrays)
+        launches = len(batch_layout(prob.batch_shape, [prob.q, prob.k, prob.v, o, do]).outer) \
+            if self.choice.flag.get("fuse_dq") else 1
         self.fused_dq = fuse_dq and _families.fuse_dq_finish(self.choice, self.dq_direct,
-                                                             len(outer))
+                                                             launches)
         a = self.acc.itemsize
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  # bwd_sm80's deterministic semaphores, or the fused finishing's counters

@@ -24,6 +24,13 @@ F16, F32 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
 #: a small GPU, so that the heuristic splits small caches (and the emulation stays quick)
 SMALL = _families.DeviceInfo(90, 2, 232448, "emulated, 2 SMs")
 
+
+def heuristic_splits(c) -> int:
+    """The split count the heuristic picks for call ``c`` on a GPU of 8 SMs (decode_sm80 fills
+    one block an SM, so on SMALL's 2 SMs these cases would need no split)."""
+    return _inference_gpu.spec_or_reason(
+        c, _families.DeviceInfo(90, 8, 232448, "emulated, 8 SMs")).splits
+
 CASES = [  # dtype, Hkv, G, Lq, d, L, paged, page_size, Lnew, causal, splits
     (BF16, 2, 4, 1, 64, 300, False, 0, 1, False, None),
     (BF16, 2, 4, 1, 128, 200, True, 16, 1, False, 3),
@@ -136,8 +143,7 @@ def test_emulated_every_split_count_agrees_and_is_reproducible(lib):
     c = _call(case, seqlens=[0, 333, 599])
     # the heuristic's count on a GPU of 8 SMs (decode_sm80 fills one block an SM, so on SMALL's
     # 2 SMs the 6 blocks of this case need no split), every count up to one past it run on SMALL
-    heuristic = _inference_gpu.spec_or_reason(
-        c, _families.DeviceInfo(90, 8, 232448, "emulated, 8 SMs")).splits
+    heuristic = heuristic_splits(c)
     assert heuristic > 1
     k_after = None
     for s in range(1, heuristic + 2):
@@ -242,8 +248,7 @@ def test_emulated_fused_combine_every_split_count_reproducible_and_equal_to_comb
         monkeypatch.setenv("CUFLASH_DECODE", "split")     # decode_split where decode_mma runs
     seqlens = [0, 333, 698]
     c = _call(MMA_SPLIT_CASE, seqlens=seqlens)
-    heuristic = _inference_gpu.spec_or_reason(
-        c, _families.DeviceInfo(90, 8, 232448, "emulated, 8 SMs")).splits
+    heuristic = heuristic_splits(c)
     assert heuristic > 1
     counters = None
     for s in range(1, heuristic + 2):
