@@ -23,9 +23,9 @@ sum, the cast, or the copy to the host; dv is also copied to the host twice, com
 A mismatch record has the array, the number of differing elements, the first indices, the
 values, and the XOR of the bits (an exponent bit: 0x1000 in float16, 0x2000000 in float32).
 
-    PYTHONPATH=. python bench/probes/dv_flip.py --json out/dv_flip.json [--seconds 7]
+    PYTHONPATH=. python bench/probes/dv_flip.py --json out/dv_flip.json [--seconds 6]
         [--phases plain,pool,smem,spin,sanitizer]
-Finishes in about 5 x --seconds plus ~10 s of start-up (compiles, the helper processes).
+Finishes in about 5 x --seconds plus ~20 s (the compiles, the helper processes starting).
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def run_phase(c, kind, seconds):
         for p in procs or []:            # (the helpers also stop by themselves, 5 s later)
             p.terminate()
             try:
-                text, _ = p.communicate(timeout=10)
+                text, _ = p.communicate(timeout=3)
             except subprocess.TimeoutExpired:
                 p.kill()
                 text, _ = p.communicate()
@@ -245,7 +245,7 @@ def run_phase(c, kind, seconds):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--seconds", type=float, default=7.0)
+    ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--phases", default="plain,pool,smem,spin,sanitizer")
     args = ap.parse_args()
     t0 = time.time()
