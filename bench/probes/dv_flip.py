@@ -13,9 +13,12 @@ with the first (clean, reference-checked) run, in phases of --seconds each:
   smem       before each call, a kernel fills every SM's shared memory with NaN / 65504
              patterns (an uninitialised shared-memory read would then change the result)
   spin       another process (CUDA context) keeps the GPU busy: time-slicing, preemption
+  churn      other processes start, launch long kernels and are killed mid-kernel, over and
+             over (context creation and teardown beside the loop; session 7's sanitizer runs
+             were cut by their budgets while the tests ran)
   sanitizer  compute-sanitizer memcheck, racecheck and synccheck, each running a small
              CuPy workload in a process of its own, beside the loop (the one condition of the
-             failing run that the 36,000 reruns did not have)
+             failing run that the 36,000 reruns did not have); racecheck's is killed halfway
 Every second iteration runs the backward in stages (the plan's own steps with a
 synchronisation after the main kernel), so a mismatch says where it arose: the float32 per-item
 dv buffer the kernel wrote (then: the kernel), or only the summed / rounded dv (then: CuPy's
@@ -24,8 +27,8 @@ A mismatch record has the array, the number of differing elements, the first ind
 values, and the XOR of the bits (an exponent bit: 0x1000 in float16, 0x2000000 in float32).
 
     PYTHONPATH=. python bench/probes/dv_flip.py --json out/dv_flip.json [--seconds 6]
-        [--phases plain,pool,smem,spin,sanitizer]
-Finishes in about 5 x --seconds plus ~20 s (the compiles, the helper processes starting).
+        [--phases plain,pool,smem,spin,churn,sanitizer]
+Finishes in about 6 x --seconds plus ~20 s (the compiles, the helper processes starting).
 """
 from __future__ import annotations
 
@@ -195,9 +198,26 @@ def run_phase(c, kind, seconds):
     if procs is None:
         return {"phase": kind, "skipped": "compute-sanitizer not found"}
     mism, it, staged_n = [], 0, 0
+    churn, spawned, killed_half = [], 0, False
     t0 = time.time()
     try:
         while time.time() - t0 < seconds:
+            now = time.time()
+            if kind == "churn":           # at most 2 at a time, each killed 1.5-2.5 s after start
+                for p, kill_at in list(churn):
+                    if now >= kill_at:
+                        p.kill()
+                        p.wait()
+                        churn.remove((p, kill_at))
+                if len(churn) < 2:
+                    churn.append((subprocess.Popen([sys.executable, "-c", SPIN, "10", "200000"],
+                                                   stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL),
+                                  now + 1.5 + 0.5 * (spawned % 3)))
+                    spawned += 1
+            if kind == "sanitizer" and not killed_half and now - t0 > seconds / 2 and len(procs) > 1:
+                procs[1].kill()                # racecheck's, mid-run (as a budget cuts one)
+                killed_half = True
             pattern = PATTERNS[it % 2]
             if kind == "pool":
                 poison_pool(cupy, pattern)
@@ -226,6 +246,9 @@ def run_phase(c, kind, seconds):
                 mism.append(r)
             it += 1
     finally:
+        for p, _ in churn:
+            p.kill()
+            p.wait()
         out = []
         for p in procs or []:            # (the helpers also stop by themselves, 5 s later)
             p.terminate()
@@ -239,6 +262,8 @@ def run_phase(c, kind, seconds):
            "mismatching_iterations": len({m["iter"] for m in mism}), "mismatches": mism[:20]}
     if procs:
         rec["helper_tails"] = out
+    if kind == "churn":
+        rec["helper_processes_killed"] = spawned
     return rec
 
 
@@ -246,7 +271,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--seconds", type=float, default=6.0)
-    ap.add_argument("--phases", default="plain,pool,smem,spin,sanitizer")
+    ap.add_argument("--phases", default="plain,pool,smem,spin,churn,sanitizer")
     args = ap.parse_args()
     t0 = time.time()
     c = Case()
