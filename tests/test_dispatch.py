@@ -128,8 +128,18 @@ def test_backward_modifiers_on_hopper_take_wgmma_where_they_fit(d, bucket):
     c = _bwd_mods(d, mask=True)                      # a bool mask array: bwd_sm80 everywhere
     assert c.family.name == "bwd_sm80"
     assert any("bwd_sm90: not used, does not implement mask" in r for r in c.reasons)
-    for kw in ({"bias": "float"}, {"score_mod": "cuflash::user::S"}):
-        assert _bwd_mods(d, **kw).family.name == "bwd_sm80"
+    assert _bwd_mods(d, score_mod="cuflash::user::S").family.name == "bwd_sm80"
+    # a dense bias (session 8): bwd_sm90 at d = 64 (with softcap, ALiBi, the sink) and at
+    # d = 128 without causal (with the sink); bwd_sm80 at d = 128 causal (8 bytes of spill)
+    # and with a window
+    assert _bwd_mods(d, bias="float").family.name == ("bwd_sm90" if bucket == 64 else "bwd_sm80")
+    for causal in (False, True):
+        assert _bwd_mods(d, causal, bias="float", window=True).family.name == "bwd_sm80"
+    c = _bwd_mods(d, False, bias="float", sink=True)
+    assert c.family.name == "bwd_sm90" and c.traits.block_m == 64, c.reasons
+    if bucket == 64:
+        c = _bwd_mods(d, bias="float", softcap=True, alibi_slopes=True, sink=True)
+        assert c.family.name == "bwd_sm90" and c.traits.block_m == 64, c.reasons
     # ALiBi on the plain path, with everything that path combines, at every bucket and both
     # causal settings: the plain table's tiles
     for causal in (False, True):
