@@ -304,3 +304,23 @@ def test_explain_and_its_command():
         cuflash.explain(q, q, q, device="tpu")
     assert main(["info", "--explain", "2,8,512,64", "2,2,512,64", "--enable-gqa"]) == 0
     assert main(["info", "--explain", "2,8,512,64", "2,3,512,64", "--enable-gqa"]) == 2
+
+
+def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
+    """fwd_sm90 runs a dense bias (alone, with causal or the sink) at its table's warpgroups
+    (3 at d = 128; session 8), CUFLASH_FWD_BIAS_WARPGROUPS=2 gives it 2 as before, and a bias
+    with a mask array or softcap keeps 2."""
+    def wg(causal=False, env=None, **mods):
+        if env is None:
+            monkeypatch.delenv("CUFLASH_FWD_BIAS_WARPGROUPS", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH_FWD_BIAS_WARPGROUPS", env)
+        c = _families.choose("fwd", Shape(BF16, 64, 4096, 4096, 128, 128,
+                                          Variant(causal, bias="__nv_bfloat16", **mods), False), H200)
+        assert c.family.name == "fwd_sm90", c.reasons
+        return c.traits["warpgroups"]
+    full = _traits.FWD_SM90[128]["warpgroups"]
+    assert full == 3
+    assert wg() == wg(True) == wg(sink=True) == full
+    assert wg(env="2") == wg(True, env="2") == 2
+    assert wg(mask=True) == wg(softcap=True) == 2
