@@ -445,7 +445,10 @@ def _dbias_plan(variant, mods, prob, has_bias: bool):
     dtype (a fixed order: bitwise reproducible), instead of a CuPy sum into a float32 array
     and a cast. None: the CuPy sum (the bias broadcasts over an inner dimension)."""
     import os
-    if not has_bias or os.environ.get("CUFLASH_DBIAS_REDUCE", "1") == "0":
+    value = os.environ.get("CUFLASH_DBIAS_REDUCE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_DBIAS_REDUCE={value!r}: expected 0 or 1")
+    if not has_bias or value == "0":
         return False, None
     full = not (variant.causal or variant.window or mods.block_mask is not None)
     from ._problem import broadcast_axes

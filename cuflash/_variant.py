@@ -160,7 +160,10 @@ def _bias_full_warpgroups() -> bool:
     lets a dense bias keep fwd_sm90's table warpgroups (``_traits.FWD_SM90_FULL_WARPGROUPS_BIAS``),
     "2" gives it 2 as before, for an A/B in one process."""
     import os
-    return os.environ.get("CUFLASH_FWD_BIAS_WARPGROUPS", "full") != "2"
+    value = os.environ.get("CUFLASH_FWD_BIAS_WARPGROUPS", "").strip()
+    if value not in ("", "full", "2"):
+        raise ValueError(f"CUFLASH_FWD_BIAS_WARPGROUPS={value!r}: expected full or 2")
+    return value != "2"
 
 
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):

@@ -109,3 +109,6 @@ def test_dbias_plan(monkeypatch, batch, bias_batch, causal, block_mask, expect):
     mods.bias_dtype = numpy.dtype(numpy.float64)     # no kernel T for it: the CuPy sum
     monkeypatch.delenv("CUFLASH_DBIAS_REDUCE")
     assert _dbias_plan(var, mods, prob, True)[1] is None
+    monkeypatch.setenv("CUFLASH_DBIAS_REDUCE", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_DBIAS_REDUCE"):
+        _dbias_plan(var, mods, prob, True)
