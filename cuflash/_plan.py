@@ -20,7 +20,7 @@ import numpy
 from . import _families, _launch
 from ._families import FAMILIES, Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
-from ._plan_mods import ModifierPatch
+from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -212,12 +212,8 @@ class BackwardPlan:
         # dL/dbias of every (item, i, j), float32: zeroed where some pair is in no tile the
         # kernels visit, else (dbias_full) every element is written and it needs no zeroing
         has_bias = mods is not None and mods.bias is not None
-        if has_bias and fam.name == "bwd_sm90" and Lq * Lk >= 2**31:
-            # (bwd_io::p_ds_pair's OFFSET32: 32-bit offsets in an item)
-            raise ValueError(f"the GPU backward with a bias needs Lq * Lk < 2**31, not "
-                             f"{Lq} * {Lk} (its float32 dbias of one batch item alone would "
-                             f"take {4 * Lq * Lk / 2**30:.0f} GiB)")
-        self.dbias_full, self.dbias_sum = _dbias_plan(shape.variant, mods, prob, has_bias)
+        self.dbias_full, self.dbias_sum = dbias_plan(shape.variant, mods, prob, has_bias,
+                                                     fam.name)
         dbias = 4 * nbatch * Lq * Lk if has_bias else 0
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  # bwd_sm80's deterministic semaphores, or the fused finishing's counters
@@ -249,7 +245,8 @@ class BackwardPlan:
         self.finish = None if self.fused_dq else self._finish_launch(prob, nbatch * Lq * d,
                                                                      dev.num_sms)
         self.num_sms = dev.num_sms
-        self.dbias_finish = None if self.dbias_sum is None else self._dbias_launch(dev.num_sms)
+        self.dbias_finish = None if self.dbias_sum is None else dbias_finish(
+            self.dbias_sum, prob.device_id, dev.num_sms)
         self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do, mods)
         # run()'s shortcut: one launch at offset 0, dq, dk, dv written directly
         self._one_launch = (len(self.offsets) == 1 and not any(self.offsets[0])
@@ -265,18 +262,6 @@ class BackwardPlan:
         out = "T" if self.dq_direct else "Acc"
         return Launch(_launch.kernel(fin.source, fin.expr(prob.dtype, out=out), prob.device_id, 0),
                       grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_finish_dq")
-
-    def _dbias_launch(self, num_sms: int) -> Launch:
-        """bwd_finish_dq as dbias's sum over its broadcast items (``dbias_sum`` = (parts, n,
-        dtype): the kernel's float32 slices of n elements added in item order, rounded once
-        to the bias's dtype)."""
-        parts, n, dtype = self.dbias_sum
-        fin = FAMILIES["bwd_finish_dq"]
-        args = numpy.zeros((), FINISH_ARGS)
-        args["n"], args["parts"] = n, parts
-        grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
-        return Launch(_launch.kernel(fin.source, fin.expr(dtype, out="T"), self.device_id, 0),
-                      grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_sum_dbias")
 
     def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
@@ -431,33 +416,6 @@ class BackwardPlan:
         dq = ("dQ rounded by the main kernel (no bwd_finish_dq launch)" if self.fused_dq
               else "dQ rounded by bwd_finish_dq")
         return explain_choice(self.choice, self.launch.grid) + "\n" + dq
-
-
-def _dbias_plan(variant, mods, prob, has_bias: bool):
-    """dL/dbias's finishing (session 8; ``CUFLASH_DBIAS_REDUCE=0`` restores the old one, read
-    here at plan time): (full, sum).
-    full: every (item, i, j) is written by the main kernel (p_ds_pair writes each pair of the
-    tiles it visits, 0 where hidden, and nothing bounds the walk: no causal, window or block
-    mask), so the float32 buffer is not zeroed (4 bytes a pair less to write).
-    sum: (parts, n, dtype) where the bias broadcasts over the leading items only (its
-    (H, L, L) over (B, H); none at all) and its dtype is a kernel's T: one bwd_finish_dq
-    launch adds the parts slices of n elements in item order and rounds once to the bias's
-    dtype (a fixed order: bitwise reproducible), instead of a CuPy sum into a float32 array
-    and a cast. None: the CuPy sum (the bias broadcasts over an inner dimension)."""
-    import os
-    value = os.environ.get("CUFLASH_DBIAS_REDUCE", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"CUFLASH_DBIAS_REDUCE={value!r}: expected 0 or 1")
-    if not has_bias or value == "0":
-        return False, None
-    full = not (variant.causal or variant.window or mods.block_mask is not None)
-    from ._problem import broadcast_axes
-    acc_shape = tuple(prob.batch_shape) + (prob.Lq, prob.Lk)
-    axes = broadcast_axes(tuple(mods.bias_shape), acc_shape)
-    dtype = numpy.dtype(mods.bias_dtype)
-    if axes != tuple(range(len(axes))) or dtype.name not in _families.HALF | {"float32"}:
-        return full, None
-    return full, (math.prod(acc_shape[:len(axes)]), math.prod(acc_shape[len(axes):]), dtype)
 
 
 def _sum_into(out, acc) -> None:

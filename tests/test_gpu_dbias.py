@@ -2,13 +2,14 @@
 the bias's broadcast dimensions, against the float64 oracle (``gpu`` marker: written without a
 device, run on the H200 next).
 
-The plan (cuflash/_plan.py, ``_dbias_plan``) skips zeroing the float32 buffer where every pair
-is in a tile the kernels visit (no causal, window or block mask) and sums a bias that
+The plan (cuflash/_plan_mods.py, ``dbias_plan``) skips zeroing the float32 buffer where every
+pair is in a tile the kernels visit (no causal, window or block mask) and sums a bias that
 broadcasts over leading batch dimensions with one bwd_finish_dq launch (items added in order,
 rounded once to the bias's dtype); a bias broadcast over an inner dimension keeps the CuPy sum.
 ``CUFLASH_DBIAS_REDUCE=0`` restores the old path (zeroed buffer, CuPy sum): both are checked.
-The dispatcher's backward (bwd_sm90 at d = 64 on Hopper, bwd_sm80 at d = 128) and bwd_sm80
-forced (the ``bwd_family`` fixture of test_gpu_modifiers) both run.
+The dispatcher's backward (on Hopper bwd_sm90 at d = 64 and at d = 128 without causal,
+bwd_sm80 for causal at d = 128) and bwd_sm80 forced (the ``bwd_family`` fixture of
+test_gpu_modifiers) both run.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def test_dbias_with_softcap_alibi_sink_on_bwd_sm90_at_d64(bwd_family):
     import cupy
     rng = numpy.random.default_rng(8)
     q, k, v, bias = _inputs((2, 3), (3,), 64, seed=8)
-    kw = dict(bias=bias, softcap=10.0, alibi_slopes=rng.uniform(0.01, 0.2, (3,)).astype(numpy.float32),
-              sink=rng.standard_normal((3,)).astype(numpy.float32))
+    kw = dict(bias=bias, softcap=10.0, sink=rng.standard_normal((3,)).astype(numpy.float32),
+              alibi_slopes=rng.uniform(0.01, 0.2, (3,)).astype(numpy.float32))
     for causal in (False, True):
         o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
         naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)

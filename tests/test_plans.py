@@ -87,11 +87,11 @@ def test_pack_fills_params():
     ((4, 16), (4, 1), False, False, (True, None)),                # inner: the CuPy sum
 ])
 def test_dbias_plan(monkeypatch, batch, bias_batch, causal, block_mask, expect):
-    """_plan._dbias_plan: the float32 buffer unzeroed where every pair is written (nothing
+    """_plan_mods.dbias_plan: the float32 buffer unzeroed where every pair is written (nothing
     bounds the walk), one bwd_finish_dq sum where the bias broadcasts over leading batch dims
     (parts, n); CUFLASH_DBIAS_REDUCE=0 restores the zeroed buffer and the CuPy sum."""
     from types import SimpleNamespace
-    from cuflash._plan import _dbias_plan
+    from cuflash._plan_mods import dbias_plan as _dbias_plan
     from cuflash._variant import Variant
     import ml_dtypes
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
