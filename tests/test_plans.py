@@ -112,3 +112,17 @@ def test_dbias_plan(monkeypatch, batch, bias_batch, causal, block_mask, expect):
     monkeypatch.setenv("CUFLASH_DBIAS_REDUCE", "yes")
     with pytest.raises(ValueError, match="CUFLASH_DBIAS_REDUCE"):
         _dbias_plan(var, mods, prob, True)
+
+
+def test_dbias_plan_refuses_32_bit_overflow_on_bwd_sm90():
+    """bwd_sm90 writes dbias with 32-bit offsets inside an item: Lq * Lk >= 2**31 is a
+    ValueError naming the lengths (bwd_sm80 keeps 64-bit offsets: accepted)."""
+    from types import SimpleNamespace
+    from cuflash._plan_mods import dbias_plan
+    from cuflash._variant import Variant
+    prob = SimpleNamespace(batch_shape=(1,), Lq=65536, Lk=32768)
+    mods = SimpleNamespace(bias_shape=(65536, 32768), bias_dtype=numpy.float32, block_mask=None)
+    var = Variant(causal=False, bias="float")
+    with pytest.raises(ValueError, match="65536 \\* 32768"):
+        dbias_plan(var, mods, prob, True, "bwd_sm90")
+    assert dbias_plan(var, mods, prob, True, "bwd_sm80")[0]
