@@ -20,7 +20,7 @@ import numpy
 from . import _families, _launch
 from ._families import FAMILIES, Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
-from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan
+from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan, dbias_vec4
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -393,7 +393,8 @@ class BackwardPlan:
         prob, off = self.prob, self.ws_offsets
         bs = prob.batch_shape
         out = grads.get("dbias")
-        if out is not None and self.dbias_sum is not None and out.flags.c_contiguous:
+        if out is not None and self.dbias_sum is not None and out.flags.c_contiguous and (
+                out.data.ptr % 16 == 0 or not dbias_vec4(self.dbias_sum)):
             self.dbias_finish(_stream(), (ws.ptr + self._dbias_offset(), out.data.ptr))
         elif out is not None:
             acc = cupy.ndarray(bs + (prob.Lq, prob.Lk), numpy.float32,

@@ -122,7 +122,8 @@ def dbias_plan(variant, mods, prob, has_bias: bool, family: str = ""):
 def dbias_finish(dbias_sum, device_id: int, num_sms: int):
     """bwd_finish_dq as dbias's sum over its broadcast items (``dbias_sum`` = (parts, n,
     dtype): the kernel's float32 slices of n elements added in item order, rounded once
-    to the bias's dtype)."""
+    to the bias's dtype); its VEC4 build (16-byte loads) where n % 4 == 0 (the caller checks
+    that dbias starts on 16 bytes: ``dbias_vec4``)."""
     from ._families import FAMILIES
     from ._launch import Launch
     from ._plan import AUX_THREADS, FINISH_ARGS, FINISH_OFFSETS
@@ -131,5 +132,13 @@ def dbias_finish(dbias_sum, device_id: int, num_sms: int):
     args = numpy.zeros((), FINISH_ARGS)
     args["n"], args["parts"] = n, parts
     grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
-    return Launch(_launch.kernel(fin.source, fin.expr(dtype, out="T"), device_id, 0),
+    expr = fin.expr(dtype, out="T")
+    if dbias_vec4(dbias_sum):
+        expr = expr[:-1] + ", true>"
+    return Launch(_launch.kernel(fin.source, expr, device_id, 0),
                   grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_sum_dbias")
+
+
+def dbias_vec4(dbias_sum) -> bool:
+    """Whether dbias_finish launches the VEC4 build (whose output must start on 16 bytes)."""
+    return dbias_sum[1] % 4 == 0
