@@ -138,12 +138,12 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
 //   dS_ij = P_ij o (dP_ij - D_i) is dL/d score; the modifiers' chain rule (softcap,
 //     score_mod: Mod::grad) turns it into dL/d(tau S_ij), and a bias gets dL/dbias of the pair
 //     (before softcap's chain) in Params::mod.dbias (float32, item x Lq x Lk; the host sums
-//     it over the bias's broadcast dims), 0 at a hidden pair.
+//     it over the bias's broadcast dims), 0 at a hidden pair, every pair of a visited tile.
 // Numerics: a hidden pair is selected, never computed through (its S may give Inf, its dP - D
 // NaN from a dO row that does not see the key); Mod::grad is evaluated with dS = 0 there and
 // returns 0 (its derivatives may be NaN at a score of -inf). The element mask of a bool array
 // / mask_mod (kPairMask) is evaluated only in a tile not known to be full (pair_tile).
-template <class Var, class P, class It>
+template <class Var, bool OFFSET32 = false, class P, class It>
 __device__ __forceinline__ void p_ds_pair(const P& p, const It& item, int b, float scale, float sl2,
                                           const float2& l2, const float2& di, const int& t, const int& e,
                                           int qi, int kj, const bool& need_mask, const int (&first)[2],
@@ -158,11 +158,19 @@ __device__ __forceinline__ void p_ds_pair(const P& p, const It& item, int b, flo
     if (pair_tile) visible = visible && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
   if constexpr (Var::kGrad) {
     // dL/d(tau S) from dL/dS' (0 where dS' is: the chain is never evaluated at a hidden
-    // pair); dL/dbias = dL/dS' before softcap's chain, stored per pair
+    // pair); dL/dbias = dL/dS' before softcap's chain, stored per pair (OFFSET32: the pair's
+    // offset in item b's Lq x Lk slice in 32 bits, where the launcher checks Lq * Lk < 2^31;
+    // bwd_sm90 takes it: the 64-bit offset cost it 4 bytes of spill at d = 128)
     float dbias;
     dsij = visible ? Var::Mod::grad(p.mod, item, s * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
-    if constexpr (Var::kHasBias)
-      if (qi < p.Lq && kj < p.Lk) p.mod.dbias[((long long)b * p.Lq + qi) * p.Lk + kj] = visible ? dbias : 0.f;
+    if constexpr (Var::kHasBias) {
+      if (qi < p.Lq && kj < p.Lk) {
+        if constexpr (OFFSET32)
+          (p.mod.dbias + (long long)b * p.Lq * p.Lk)[qi * p.Lk + kj] = visible ? dbias : 0.f;
+        else
+          p.mod.dbias[((long long)b * p.Lq + qi) * p.Lk + kj] = visible ? dbias : 0.f;
+      }
+    }
   }
   s = visible ? pij : 0.f;
   dp = visible ? dsij : 0.f;

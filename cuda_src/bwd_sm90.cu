@@ -403,7 +403,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
             const float l2s = sL2[8 * t + 2 * t4 + (e & 1)], dis = sDi[8 * t + 2 * t4 + (e & 1)];
             const float2 l2 = make_float2(l2s, l2s), di = make_float2(dis, dis);
             const int qi = m0 + 8 * t + 2 * t4 + (e & 1), kj = kw0 + g + 8 * (e >> 1);
-            bwd_io::p_ds_pair<Var>(p, item, b, scale, sl2, l2, di, t, e, qi, kj, need_mask, first, last,
+            bwd_io::p_ds_pair<Var, true>(p, item, b, scale, sl2, l2, di, t, e, qi, kj, need_mask, first, last,
                                    pair_tile, s[t][e], dp[t][e]);
           }
         }

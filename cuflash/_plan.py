@@ -20,7 +20,7 @@ import numpy
 from . import _families, _launch
 from ._families import FAMILIES, Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
-from ._plan_mods import ModifierPatch
+from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan, dbias_vec4
 from ._variant import variant_params
 
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
@@ -209,14 +209,19 @@ class BackwardPlan:
         self.fused_dq = fuse_dq and _families.fuse_dq_finish(self.choice, self.dq_direct,
                                                              launches)
         a = self.acc.itemsize
+        # dL/dbias of every (item, i, j), float32: zeroed where some pair is in no tile the
+        # kernels visit, else (dbias_full) every element is written and it needs no zeroing
+        has_bias = mods is not None and mods.bias is not None
+        self.dbias_full, self.dbias_sum = dbias_plan(shape.variant, mods, prob, has_bias,
+                                                     fam.name)
+        dbias = 4 * nbatch * Lq * Lk if has_bias else 0
         sizes = {"dq_acc": self.parts * nbatch * Lq * d * a,
                  # bwd_sm80's deterministic semaphores, or the fused finishing's counters
                  "dq_sem": 4 * nbatch * self.num_m_blocks if (
                      (deterministic and fam.name == "bwd_sm80") or self.fused_dq) else 0,
-                 # dL/dbias of every (item, i, j), float32, zeroed (pairs no tile visits)
-                 "dbias": 4 * nbatch * Lq * Lk if (mods is not None and mods.bias is not None)
-                 else 0,
+                 "dbias": 0 if self.dbias_full else dbias,
                  "dpsum": nbatch * Lq * a,
+                 "dbias_full": dbias if self.dbias_full else 0,   # (after the zeroed span)
                  "dk_acc": 0 if self.dk_direct else nbatch * Lk * d * a,
                  "dv_acc": 0 if self.dv_direct else nbatch * Lk * d_v * a,
                  "dq_sum": 0 if self.dq_direct else nbatch * Lq * d * a}
@@ -240,6 +245,8 @@ class BackwardPlan:
         self.finish = None if self.fused_dq else self._finish_launch(prob, nbatch * Lq * d,
                                                                      dev.num_sms)
         self.num_sms = dev.num_sms
+        self.dbias_finish = None if self.dbias_sum is None else dbias_finish(
+            self.dbias_sum, prob.device_id, dev.num_sms)
         self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, do, mods)
         # run()'s shortcut: one launch at offset 0, dq, dk, dv written directly
         self._one_launch = (len(self.offsets) == 1 and not any(self.offsets[0])
@@ -352,7 +359,7 @@ class BackwardPlan:
             if keep is not None:
                 extra += self.mods.words(keep, mods)
                 if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
-                    extra.append((self.mods.dbias_word, base + off["dbias"]))
+                    extra.append((self.mods.dbias_word, base + self._dbias_offset()))
             launches[0](stream, words, extra=extra)
         if not self.fused_dq:
             # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
@@ -385,9 +392,14 @@ class BackwardPlan:
         import cupy
         prob, off = self.prob, self.ws_offsets
         bs = prob.batch_shape
-        if grads.get("dbias") is not None:
-            acc = cupy.ndarray(bs + (prob.Lq, prob.Lk), numpy.float32, memptr=ws + off["dbias"])
-            _sum_into(grads["dbias"], acc)
+        out = grads.get("dbias")
+        if out is not None and self.dbias_sum is not None and out.flags.c_contiguous and (
+                out.data.ptr % 16 == 0 or not dbias_vec4(self.dbias_sum)):
+            self.dbias_finish(_stream(), (ws.ptr + self._dbias_offset(), out.data.ptr))
+        elif out is not None:
+            acc = cupy.ndarray(bs + (prob.Lq, prob.Lk), numpy.float32,
+                               memptr=ws + self._dbias_offset())
+            _sum_into(out, acc)
         if grads.get("dsink") is not None:
             sink = keep[self.mods.names.index("sink")]
             D = cupy.ndarray(bs + (prob.Lq,), self.acc, memptr=ws + off["dpsum"])
@@ -397,6 +409,9 @@ class BackwardPlan:
             w = cupy.exp(sink[..., None].astype(self.acc) - lse)
             w = cupy.where(D == 0, 0, w)
             _sum_into(grads["dsink"], -(w * D).sum(axis=-1))
+
+    def _dbias_offset(self) -> int:
+        return self.ws_offsets["dbias_full" if self.dbias_full else "dbias"]
 
     def explain(self) -> str:
         dq = ("dQ rounded by the main kernel (no bwd_finish_dq launch)" if self.fused_dq

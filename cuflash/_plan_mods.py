@@ -83,3 +83,62 @@ class ModifierPatch:
                                     f"cupy.ndarray on the inputs' device")
                 out.append((w, c.array.data.ptr))
         return out
+
+
+def dbias_plan(variant, mods, prob, has_bias: bool, family: str = ""):
+    """dL/dbias's finishing (session 8; ``CUFLASH_DBIAS_REDUCE=0`` restores the old one, read
+    here at plan time): (full, sum).
+    full: every (item, i, j) is written by the main kernel (p_ds_pair writes each pair of the
+    tiles it visits, 0 where hidden, and nothing bounds the walk: no causal, window or block
+    mask), so the float32 buffer is not zeroed (4 bytes a pair less to write).
+    sum: (parts, n, dtype) where the bias broadcasts over the leading items only (its
+    (H, L, L) over (B, H); none at all) and its dtype is a kernel's T: one bwd_finish_dq
+    launch adds the parts slices of n elements in item order and rounds once to the bias's
+    dtype (a fixed order: bitwise reproducible), instead of a CuPy sum into a float32 array
+    and a cast. None: the CuPy sum (the bias broadcasts over an inner dimension).
+    ``family``: bwd_sm90 writes dbias with 32-bit offsets inside an item (bwd_io::p_ds_pair's
+    OFFSET32): ValueError for Lq * Lk >= 2**31 there."""
+    import math
+    import os
+    if has_bias and family == "bwd_sm90" and prob.Lq * prob.Lk >= 2**31:
+        raise ValueError(f"the GPU backward with a bias needs Lq * Lk < 2**31, not "
+                         f"{prob.Lq} * {prob.Lk} (its float32 dbias of one batch item alone "
+                         f"would take {4 * prob.Lq * prob.Lk / 2**30:.0f} GiB)")
+    value = os.environ.get("CUFLASH_DBIAS_REDUCE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_DBIAS_REDUCE={value!r}: expected 0 or 1")
+    if not has_bias or value == "0":
+        return False, None
+    full = not (variant.causal or variant.window or mods.block_mask is not None)
+    from ._problem import broadcast_axes
+    acc_shape = tuple(prob.batch_shape) + (prob.Lq, prob.Lk)
+    axes = broadcast_axes(tuple(mods.bias_shape), acc_shape)
+    dtype = numpy.dtype(mods.bias_dtype)
+    if axes != tuple(range(len(axes))) or dtype.name not in ("float16", "bfloat16", "float32"):
+        return full, None
+    return full, (math.prod(acc_shape[:len(axes)]), math.prod(acc_shape[len(axes):]), dtype)
+
+
+def dbias_finish(dbias_sum, device_id: int, num_sms: int):
+    """bwd_finish_dq as dbias's sum over its broadcast items (``dbias_sum`` = (parts, n,
+    dtype): the kernel's float32 slices of n elements added in item order, rounded once
+    to the bias's dtype); its VEC4 build (16-byte loads) where n % 4 == 0 (the caller checks
+    that dbias starts on 16 bytes: ``dbias_vec4``)."""
+    from ._families import FAMILIES
+    from ._launch import Launch
+    from ._plan import AUX_THREADS, FINISH_ARGS, FINISH_OFFSETS
+    parts, n, dtype = dbias_sum
+    fin = FAMILIES["bwd_finish_dq"]
+    args = numpy.zeros((), FINISH_ARGS)
+    args["n"], args["parts"] = n, parts
+    grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
+    expr = fin.expr(dtype, out="T")
+    if dbias_vec4(dbias_sum):
+        expr = expr[:-1] + ", true>"
+    return Launch(_launch.kernel(fin.source, expr, device_id, 0),
+                  grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_sum_dbias")
+
+
+def dbias_vec4(dbias_sum) -> bool:
+    """Whether dbias_finish launches the VEC4 build (whose output must start on 16 bytes)."""
+    return dbias_sum[1] % 4 == 0

@@ -295,11 +295,16 @@ FWD_SM90_FULL_WARPGROUPS = frozenset({"causal", "window", "softcap", "alibi_slop
 #: 36-96 bytes, so a mask_mod without a block mask keeps 2). A heavier user mask_mod may reach
 #: the cap and spill: correct, slower.
 FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slopes", "mask_mod"})
+#: ... and a dense bias, alone or with causal or the sink (session 8: d = 128 at 3 warpgroups,
+#: 168 registers, 0 spills, both EVEN builds; 2 warpgroups left the bias loads' latency
+#: with less of the other warpgroups' wgmma to hide behind). CUFLASH_FWD_BIAS_WARPGROUPS=2
+#: restores 2 (an A/B switch, _variant.modifier_tiles).
+FWD_SM90_FULL_WARPGROUPS_BIAS = frozenset({"causal", "bias", "sink"})
 
 #: The modifiers bwd_sm90 runs, per head-dim bucket: a Variant runs there when its modifiers
 #: (besides causal) all lie in one of the bucket's sets, each of which compiles with 0 spills in
 #: every combination (bench/NOTES.md "bwd_sm90 modifiers", session 6, and "bwd_sm90 ALiBi at
-#: d=128", session 7); any other runs bwd_sm80. Two sets a bucket, one per code path:
+#: d=128", session 7); any other runs bwd_sm80. A set per code path (and one for the bias):
 #: * the plain path (``_BWD90_PLAIN``), every bucket at the plain table's tiles: the window
 #:   (bounds of the query-tile walk and the selection mask), the sink (in L_i already) and
 #:   ALiBi (a constant added to the scaled score: one FFMA in P's exponent, no gradient; d = 64
@@ -313,11 +318,19 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 #:   24 bytes with a window at d = 64; a bool mask array, 8; their 64-bit addresses per query
 #:   row of the transposed tile), a score_mod (the one reading a captured table: 12-68 bytes),
 #:   at d = 128 a mask_mod.
+#: * the dense bias (session 8; its (item, i, j) bias reads and dbias stores per pair are
+#:   p_ds_pair's, the per-element path's tiles): at d = 64 a third set, with softcap, ALiBi, the
+#:   sink, causal or not (226-255 registers, 0 spills, sm_90a bf16); at d = 128 only without
+#:   causal (``BWD_SM90_MODIFIERS_NONCAUSAL``), alone or with the sink (255, 0 spills; causal
+#:   spills 8 bytes, with ALiBi 4). With a window it spills (24 bytes at d = 64): bwd_sm80.
 _BWD90_PLAIN = frozenset({"window", "sink", "alibi_slopes"})
 BWD_SM90_MODIFIERS = {
-    64: (_BWD90_PLAIN, frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"})),
+    64: (_BWD90_PLAIN, frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"}),
+         frozenset({"bias", "softcap", "alibi_slopes", "sink"})),
     128: (_BWD90_PLAIN, frozenset({"window", "softcap", "sink"})),
 }
+#: ... and the sets a bucket adds for Variants without causal (the bias at d = 128)
+BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}
 
 # ---------------------------------------------------------------------------------------------
 # bwd_sm80 (cuda_src/bwd_sm80.cu), keyed by head-dim bucket (multiples of 32, at most 128:

@@ -155,6 +155,17 @@ def variant_params(prob) -> numpy.void:
     return p[()]
 
 
+def _bias_full_warpgroups() -> bool:
+    """``CUFLASH_FWD_BIAS_WARPGROUPS`` (read at plan time; session 8): "full" (the default)
+    lets a dense bias keep fwd_sm90's table warpgroups (``_traits.FWD_SM90_FULL_WARPGROUPS_BIAS``),
+    "2" gives it 2 as before, for an A/B in one process."""
+    import os
+    value = os.environ.get("CUFLASH_FWD_BIAS_WARPGROUPS", "").strip()
+    if value not in ("", "full", "2"):
+        raise ValueError(f"CUFLASH_FWD_BIAS_WARPGROUPS={value!r}: expected full or 2")
+    return value != "2"
+
+
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
@@ -173,7 +184,8 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
         named["min_blocks"] = 1
     if family == "fwd_sm90" and t["warpgroups"] > 2 and not (
             variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS or (
-                variant.block_mask and variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK)):
+                variant.block_mask and variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK)
+            or (variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS_BIAS and _bias_full_warpgroups())):
         named["warpgroups"] = 2
     if family in ("fwd_sm80", "fwd_sm90") and variant.heavy and t.block_n > 32:
         named["block_n"] = 32

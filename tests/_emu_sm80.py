@@ -364,8 +364,14 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     dk_acc = numpy.full(prob.batch_shape + (Lk, d), numpy.nan, numpy.float32)   # poisoned:
     dv_acc = numpy.full(prob.batch_shape + (Lk, dv), numpy.nan, numpy.float32)  # all written?
     semaphore = numpy.zeros(nbatch * num_m_blocks, numpy.int32)
-    dbias_acc = numpy.zeros(prob.batch_shape + (Lq, Lk), numpy.float32) \
-        if mods is not None and mods.bias is not None else None
+    dbias_acc = None
+    if mods is not None and mods.bias is not None:
+        # as the GPU plan: zeroed, or (every pair written, _plan_mods.dbias_plan) poisoned with NaN
+        from cuflash._plan_mods import dbias_plan as _dbias_plan
+        from cuflash._variant import variant_of
+        full = _dbias_plan(variant_of(prob, mods), mods, prob, True)[0]
+        dbias_acc = numpy.full(prob.batch_shape + (Lq, Lk), numpy.nan if full else 0.0,
+                               numpy.float32)
 
     p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
                        num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,

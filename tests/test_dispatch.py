@@ -128,8 +128,18 @@ def test_backward_modifiers_on_hopper_take_wgmma_where_they_fit(d, bucket):
     c = _bwd_mods(d, mask=True)                      # a bool mask array: bwd_sm80 everywhere
     assert c.family.name == "bwd_sm80"
     assert any("bwd_sm90: not used, does not implement mask" in r for r in c.reasons)
-    for kw in ({"bias": "float"}, {"score_mod": "cuflash::user::S"}):
-        assert _bwd_mods(d, **kw).family.name == "bwd_sm80"
+    assert _bwd_mods(d, score_mod="cuflash::user::S").family.name == "bwd_sm80"
+    # a dense bias (session 8): bwd_sm90 at d = 64 (with softcap, ALiBi, the sink) and at
+    # d = 128 without causal (with the sink); bwd_sm80 at d = 128 causal (8 bytes of spill)
+    # and with a window
+    assert _bwd_mods(d, bias="float").family.name == ("bwd_sm90" if bucket == 64 else "bwd_sm80")
+    for causal in (False, True):
+        assert _bwd_mods(d, causal, bias="float", window=True).family.name == "bwd_sm80"
+    c = _bwd_mods(d, False, bias="float", sink=True)
+    assert c.family.name == "bwd_sm90" and c.traits.block_m == 64, c.reasons
+    if bucket == 64:
+        c = _bwd_mods(d, bias="float", softcap=True, alibi_slopes=True, sink=True)
+        assert c.family.name == "bwd_sm90" and c.traits.block_m == 64, c.reasons
     # ALiBi on the plain path, with everything that path combines, at every bucket and both
     # causal settings: the plain table's tiles
     for causal in (False, True):
@@ -294,3 +304,23 @@ def test_explain_and_its_command():
         cuflash.explain(q, q, q, device="tpu")
     assert main(["info", "--explain", "2,8,512,64", "2,2,512,64", "--enable-gqa"]) == 0
     assert main(["info", "--explain", "2,8,512,64", "2,3,512,64", "--enable-gqa"]) == 2
+
+
+def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
+    """fwd_sm90 runs a dense bias (alone, with causal or the sink) at its table's warpgroups
+    (3 at d = 128; session 8), CUFLASH_FWD_BIAS_WARPGROUPS=2 gives it 2 as before, and a bias
+    with a mask array or softcap keeps 2."""
+    def wg(causal=False, env=None, **mods):
+        if env is None:
+            monkeypatch.delenv("CUFLASH_FWD_BIAS_WARPGROUPS", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH_FWD_BIAS_WARPGROUPS", env)
+        c = _families.choose("fwd", Shape(BF16, 64, 4096, 4096, 128, 128,
+                                          Variant(causal, bias="__nv_bfloat16", **mods), False), H200)
+        assert c.family.name == "fwd_sm90", c.reasons
+        return c.traits["warpgroups"]
+    full = _traits.FWD_SM90[128]["warpgroups"]
+    assert full == 3
+    assert wg() == wg(True) == wg(sink=True) == full
+    assert wg(env="2") == wg(True, env="2") == 2
+    assert wg(mask=True) == wg(softcap=True) == 2

@@ -514,20 +514,24 @@ def test_bwd_sm90_compiles_every_built_in_combination_it_claims_without_spills()
     from cuflash._variant import Variant
     fam, dev = _families.FAMILIES["bwd_sm90"], _families.PROFILES["h200"]
     exprs = {}
-    for bucket, sets in _traits.BWD_SM90_MODIFIERS.items():
-        for feats in sets:
-            built = sorted(feats - {"score_mod", "mask_mod"})
-            for n, causal in itertools.product(range(1, len(built) + 1), (True, False)):
-                for combo in itertools.combinations(built, n):
-                    # KNOWN (found in session 7, on main too): softcap at d = 128 without
-                    # causal spills 56 bytes on the per-element path (bench/NOTES.md)
-                    if bucket == 128 and not causal and "softcap" in combo:
-                        continue
-                    shape = _families.Shape("bfloat16", 16, 4096, 4096, bucket, bucket,
-                                            Variant(causal=causal, **{f: True for f in combo}))
-                    choice = _families.choose("bwd", shape, dev)
-                    assert choice.family is fam, (combo, choice.reasons)
-                    exprs[choice.expr] = (bucket, causal, combo)
+    every = [(bucket, feats, (True, False)) for bucket, sets in _traits.BWD_SM90_MODIFIERS.items()
+             for feats in sets]
+    every += [(bucket, feats, (False,)) for bucket, sets in _traits.BWD_SM90_MODIFIERS_NONCAUSAL.items()
+              for feats in sets]
+    for bucket, feats, causals in every:
+        built = sorted(feats - {"score_mod", "mask_mod"})
+        for n, causal in itertools.product(range(1, len(built) + 1), causals):
+            for combo in itertools.combinations(built, n):
+                # KNOWN (found in session 7, on main too): softcap at d = 128 without
+                # causal spills 56 bytes on the per-element path (bench/NOTES.md)
+                if bucket == 128 and not causal and "softcap" in combo:
+                    continue
+                kw = {f: ("__nv_bfloat16" if f == "bias" else True) for f in combo}
+                shape = _families.Shape("bfloat16", 16, 4096, 4096, bucket, bucket,
+                                        Variant(causal=causal, **kw))
+                choice = _families.choose("bwd", shape, dev)
+                assert choice.family is fam, (combo, choice.reasons)
+                exprs[choice.expr] = (bucket, causal, combo)
     reports = _jit.compile_offline(fam.source, list(exprs), "sm_90a", sass=False)
     bad = [(exprs[r.expr], r.error or (r.registers, r.spill_stores, r.spill_loads, r.stack))
            for r in reports if not r.ok]

@@ -76,3 +76,53 @@ def test_pack_fills_params():
     assert all(p[name] == 0 for name in _launch.POINTERS)
     assert [_launch.word(n) for n in ("q", "dq_sem")] == [0, 10]
     assert _launch.PARAMS.fields["q"][1] == 0 and _launch.PARAMS.fields["dq_sem"][1] == 80
+
+
+@pytest.mark.parametrize("batch, bias_batch, causal, block_mask, expect", [
+    ((4, 16), (16,), False, False, (True, (4, 16 * 6 * 5))),       # (H, L, L) over B
+    ((4, 16), (), False, False, (True, (64, 6 * 5))),              # (L, L) over (B, H)
+    ((2, 2, 3), (), True, False, (False, (12, 6 * 5))),           # causal: zeroed
+    ((4, 16), (4, 16), False, True, (False, (1, 64 * 6 * 5))),    # no broadcast; block mask
+    ((4, 16), (1, 16), False, False, (True, (4, 16 * 6 * 5))),    # a size-1 leading dim
+    ((4, 16), (4, 1), False, False, (True, None)),                # inner: the CuPy sum
+])
+def test_dbias_plan(monkeypatch, batch, bias_batch, causal, block_mask, expect):
+    """_plan_mods.dbias_plan: the float32 buffer unzeroed where every pair is written (nothing
+    bounds the walk), one bwd_finish_dq sum where the bias broadcasts over leading batch dims
+    (parts, n); CUFLASH_DBIAS_REDUCE=0 restores the zeroed buffer and the CuPy sum."""
+    from types import SimpleNamespace
+    from cuflash._plan_mods import dbias_plan as _dbias_plan
+    from cuflash._variant import Variant
+    import ml_dtypes
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    prob = SimpleNamespace(batch_shape=batch, Lq=6, Lk=5)
+    mods = SimpleNamespace(bias_shape=bias_batch + (6, 5), bias_dtype=bf16,
+                           block_mask=object() if block_mask else None)
+    var = Variant(causal=causal, bias="__nv_bfloat16")
+    monkeypatch.delenv("CUFLASH_DBIAS_REDUCE", raising=False)
+    full, total = _dbias_plan(var, mods, prob, True)
+    assert (full, total and total[:2]) == expect
+    assert total is None or total[2] == bf16
+    monkeypatch.setenv("CUFLASH_DBIAS_REDUCE", "0")
+    assert _dbias_plan(var, mods, prob, True) == (False, None)
+    assert _dbias_plan(var, mods, prob, False) == (False, None)
+    mods.bias_dtype = numpy.dtype(numpy.float64)     # no kernel T for it: the CuPy sum
+    monkeypatch.delenv("CUFLASH_DBIAS_REDUCE")
+    assert _dbias_plan(var, mods, prob, True)[1] is None
+    monkeypatch.setenv("CUFLASH_DBIAS_REDUCE", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_DBIAS_REDUCE"):
+        _dbias_plan(var, mods, prob, True)
+
+
+def test_dbias_plan_refuses_32_bit_overflow_on_bwd_sm90():
+    """bwd_sm90 writes dbias with 32-bit offsets inside an item: Lq * Lk >= 2**31 is a
+    ValueError naming the lengths (bwd_sm80 keeps 64-bit offsets: accepted)."""
+    from types import SimpleNamespace
+    from cuflash._plan_mods import dbias_plan
+    from cuflash._variant import Variant
+    prob = SimpleNamespace(batch_shape=(1,), Lq=65536, Lk=32768)
+    mods = SimpleNamespace(bias_shape=(65536, 32768), bias_dtype=numpy.float32, block_mask=None)
+    var = Variant(causal=False, bias="float")
+    with pytest.raises(ValueError, match="65536 \\* 32768"):
+        dbias_plan(var, mods, prob, True, "bwd_sm90")
+    assert dbias_plan(var, mods, prob, True, "bwd_sm80")[0]
