@@ -6,6 +6,9 @@
 # Parts (each prints its summary lines and appends them to $OUT/summary.txt):
 #   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}, spread over
 #             $TESTS_WORKERS processes, default 15, with pytest-xdist) -> tests.log
+#             (TESTS_VERBOSITY=-v names every test that passed, so a run cut by TESTS_TIMEOUT can
+#             be completed by a second one: TESTS_IDS_FILE=left.txt, the ids it did not reach;
+#             bench/tests_left.py writes that file from the first run's log)
 #             ~4-5 min (413 tests in 269 s on 15 processes, session 4); --dist load, not
 #             setup.cfg's loadfile, which sends a whole file (test_gpu_modifiers.py: 100+ tests
 #             of compile-heavy variants) to one worker
@@ -55,11 +58,14 @@ env_lines() {
 part_tests() {
   local log="$OUT/tests.log"
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
+  local ids=()
+  [ -n "${TESTS_IDS_FILE:-}" ] && mapfile -t ids < "$TESTS_IDS_FILE"
   # SIGINT, not SIGTERM: pytest then still prints its summary and the names of the failures.
   # In a process group of its own (setsid), killed whole afterwards: pytest-xdist workers left
   # running after the time limit loaded the machine under session 7's next (timed) call.
   HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} setsid timeout -s INT "${TESTS_TIMEOUT:-560}" \
-    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider -q --tb=short -rfE --durations=40 \
+    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider \
+    "${TESTS_VERBOSITY:--q}" --tb=short -rfE --durations=40 "${ids[@]}" \
     >> "$log" 2>&1 &
   local pg=$!
   wait "$pg"
