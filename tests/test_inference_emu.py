@@ -344,3 +344,23 @@ def test_emulated_stream_grid_matches_reference_and_is_reproducible(lib, case, n
     if case[8] == 0:                    # batch row 0: no key at all
         assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
     _check(c, o, lse)
+
+
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_merge_past_its_prefetched_splits_equals_combine(lib, family, monkeypatch):
+    """19 splits: more than the 16 partials decode_mma's merge loads ahead with the lse
+    (merge_splits_if_last's PRE), so its phase B continues past them; decode_split's merge
+    (PRE = 0) alike. Bitwise the result of decode_combine's launch (CUFLASH_DECODE_FUSE=0)."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")
+    seqlens = [0, 333, 698]
+    outs = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("CUFLASH_DECODE_FUSE", fuse)
+        c = _call(MMA_SPLIT_CASE, seqlens=seqlens, splits=19)
+        spec = _inference_gpu.spec_or_reason(c, SMALL)
+        assert spec.split[0] == family and spec.fuse == (fuse == "1") and spec.splits == 19
+        outs.append(_emu_decode.run_spec(lib, spec, c, order=3))
+    assert numpy.array_equal(outs[0][0].view(numpy.uint16), outs[1][0].view(numpy.uint16))
+    assert numpy.array_equal(outs[0][1], outs[1][1])
+    _check(c, *outs[0])
