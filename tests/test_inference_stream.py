@@ -5,12 +5,13 @@ emulation (tests/test_inference_emu.py) and the GPU tests (tests/test_gpu_infere
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cuflash import _families, _inference_gpu, _inference_grid, _traits
 
 H200 = _families.PROFILES["h200"]
-
 
 
 def _stream_pieces_brute(groups, blocks):
@@ -48,9 +49,11 @@ def test_stream_grid_pieces_partition_the_groups(groups, blocks):
 
 
 def test_stream_grid_choices_on_an_h200(monkeypatch):
-    """Where the stream grid runs by default on an H200 (bf16, d 128, Hq 32, 1 row tile): the
-    cost model's picks (bench/NOTES.md "decode: the stream grid"); "all" wherever it applies;
-    "0" nowhere; never where the even splits fill whole waves or the cache is short."""
+    """Where the stream grid runs on an H200 (bf16, d 128, Hq 32, 1 row tile) under
+    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "all" wherever it applies; "0"
+    (the default) nowhere; never where the even splits fill whole waves or the cache is
+    short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2 hints")."""
+    assert _inference_grid.stream_mode() == "0" or "CUFLASH_DECODE_STREAM" in os.environ
     t = _traits.DECODE_SM80[128]
     expect = {  # (B, Hkv, L): blocks under "1"; "all" also takes the zeros marked so
         (1, 8, 8192): 0, (1, 8, 65536): 132, (1, 8, 131072): 132, (1, 32, 65536): 0,
