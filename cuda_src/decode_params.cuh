@@ -175,10 +175,30 @@ template <typename T, int THREADS, int PRE = 0>
 __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int bh,
                                                      int rows_total, int row0, int nrows,
                                                      float* sw, int* sflag, int nsplit) {
+#if defined(CUFLASH_DECODE_RELEASE_ARRIVAL) && CUFLASH_DECODE_RELEASE_ARRIVAL
+  // A/B build (CUFLASH_DECODE_ARRIVE=release, a define the host puts before decode_mma.cu):
+  // the arrival as CUTLASS's block barrier makes it. The block barrier orders every thread's
+  // partial stores before thread 0's release fence (fence.acq_rel, cumulative), which orders
+  // them before its arrival; the last arrival's acquire fence then orders the others' stores
+  // before the block's reads (after the next barrier). One acq_rel fence by one thread where
+  // publish_block_writes has every thread wait on a fence.sc.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = reinterpret_cast<unsigned*>(p.counters) + group;
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const bool last = atomicAdd(count, 1u) == unsigned(nsplit) - 1u;
+    if (last) {
+      atomicExch(count, 0u);                 // (the counter is left at 0 for the next call)
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    *sflag = last;
+  }
+#else
   publish_block_writes();
   if (threadIdx.x == 0)   // (reset: the counter is left at 0 for the next call on the stream)
     *sflag = arrive_is_last(reinterpret_cast<unsigned*>(p.counters) + group,
                             unsigned(nsplit), true);
+#endif
   __syncthreads();
   if (!*sflag) return;                     // the same for the whole block (shared memory)
   const int S = nsplit, stride = p.num_splits;

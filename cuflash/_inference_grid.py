@@ -52,6 +52,16 @@ def merge_prefetch_wanted() -> bool:
     return value != "0"
 
 
+def release_arrival_wanted() -> bool:
+    """CUFLASH_DECODE_ARRIVE: "release" makes decode_mma's fused-merge arrival one thread's
+    acq_rel fence after the block barrier (CUTLASS's barrier) instead of every thread's
+    fence.sc (A/B runs; decode_params.cuh); unset or "fence": the latter."""
+    value = os.environ.get("CUFLASH_DECODE_ARRIVE", "").strip().lower()
+    if value not in ("", "fence", "release"):
+        raise ValueError(f"CUFLASH_DECODE_ARRIVE={value!r}: expected fence or release")
+    return value == "release"
+
+
 def prelude() -> str:
     """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
     the builds the compile gate checks)."""
@@ -60,6 +70,8 @@ def prelude() -> str:
         out += f"#define CUFLASH_DECODE_L2 {l2_mode()}\n"
     if not merge_prefetch_wanted():
         out += "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
+    if release_arrival_wanted():
+        out += "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n"
     return out
 
 
