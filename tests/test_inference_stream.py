@@ -1,7 +1,8 @@
 """decode_mma's stream grid on the host (no GPU): the arithmetic of its pieces (which blocks
 cover which groups' key iterations, cuda_src/decode_mma.cu) and where the cost model of
 ``cuflash._inference_grid.stream_grid`` runs it on an H200. The kernels themselves: the
-emulation (tests/test_inference_emu.py) and the GPU tests (tests/test_gpu_inference.py)."""
+emulation (tests/test_inference_emu.py) and the GPU tests (tests/test_gpu_inference.py); here,
+on the GPU, decode_sm80's A/B builds (prelude defines) against its default, bitwise."""
 
 from __future__ import annotations
 
@@ -72,3 +73,50 @@ def test_stream_grid_choices_on_an_h200(monkeypatch):
     monkeypatch.setenv("CUFLASH_DECODE_STREAM", "maybe")
     with pytest.raises(ValueError, match="CUFLASH_DECODE_STREAM"):
         _inference_grid.stream_mode()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{"CUFLASH_DECODE_MERGE": "0"}, {"CUFLASH_DECODE_L2": "256b"},
+                                 {"CUFLASH_DECODE_L2": "evict_first"},
+                                 {"CUFLASH_DECODE_ARRIVE": "release"}],
+                         ids=lambda e: "-".join(f"{k[15:]}={v}" for k, v in e.items()))
+def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
+    """decode_sm80's A/B builds (prelude defines: the merge without its prefetch, the L2 hints,
+    the release arrival) compute the same operations in the same order as the default build:
+    bitwise its output and lse, with 1 split (no merge), 7 and 19 (the fused merge, 19 past its
+    16 prefetched partials), call after call (the counters left at 0), batch row 0 empty."""
+    import cupy
+    import ml_dtypes
+    import numpy
+    from cuflash import _api, _inference
+    rng = numpy.random.default_rng(5)
+    B, Hkv, G, L, d = 3, 8, 4, 4096, 128
+    bf16 = ml_dtypes.bfloat16
+    q = cupy.asarray(rng.standard_normal((B, Hkv, G, 1, d)).astype(bf16))
+    kc = cupy.asarray(rng.standard_normal((B, Hkv, 1, L, d)).astype(bf16))
+    vc = cupy.asarray(rng.standard_normal((B, Hkv, 1, L, d)).astype(bf16))
+    s = cupy.asarray(numpy.array([0, L, 1234], numpy.int32))
+
+    def run(splits):
+        outs = [_inference.attention_with_kvcache(q, kc, vc, cache_seqlens=s, num_splits=splits,
+                                                  return_lse=True) for _ in range(2)]
+        (o0, l0), (o1, l1) = [(cupy.asnumpy(o).view(numpy.uint16), cupy.asnumpy(lse))
+                              for o, lse in outs]
+        assert numpy.array_equal(o0, o1) and numpy.array_equal(l0, l1)
+        return o0, l0
+    try:
+        _api.clear_plans()
+        want = {n: run(n) for n in (1, 7, 19)}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        _api.clear_plans()
+        c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 7, None, False, True)
+        spec = _inference_gpu.spec_or_reason(c)
+        assert not isinstance(spec, str) and spec.prelude, spec
+        for n, (o, lse) in want.items():
+            got = run(n)
+            assert numpy.array_equal(got[0], o) and numpy.array_equal(got[1], lse), n
+    finally:
+        for k in env:
+            monkeypatch.delenv(k, raising=False)
+        _api.clear_plans()
