@@ -418,7 +418,7 @@ def spec_or_reason(c, dev=None):
         else:
             reasons.append(f"  {splits} splits merged by decode_combine (a second launch; "
                            f"CUFLASH_DECODE_FUSE=0)")
-    defines = prelude() if choice.family.name == "decode_sm80" else ""
+    defines = prelude(fuse) if choice.family.name == "decode_sm80" else ""
     if defines:
         reasons.append("  A/B build: " + defines.replace("#define ", "").strip().replace("\n", ", "))
     return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse, stream, defines)

@@ -62,15 +62,16 @@ def release_arrival_wanted() -> bool:
     return value == "release"
 
 
-def prelude() -> str:
+def prelude(fused: bool = True) -> str:
     """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
-    the builds the compile gate checks)."""
+    the builds the compile gate checks); those of the fused merge only for a ``fused`` build
+    (the others would compile the same machine code again)."""
     out = ""
     if l2_mode():
         out += f"#define CUFLASH_DECODE_L2 {l2_mode()}\n"
-    if not merge_prefetch_wanted():
+    if fused and not merge_prefetch_wanted():
         out += "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
-    if release_arrival_wanted():
+    if fused and release_arrival_wanted():
         out += "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n"
     return out
 

@@ -112,7 +112,7 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
         _api.clear_plans()
         c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 7, None, False, True)
         spec = _inference_gpu.spec_or_reason(c)
-        assert not isinstance(spec, str) and spec.prelude, spec
+        assert not isinstance(spec, str) and spec.prelude, spec     # (a fused build: 7 splits)
         for n, (o, lse) in want.items():
             got = run(n)
             assert numpy.array_equal(got[0], o) and numpy.array_equal(got[1], lse), n
@@ -120,3 +120,24 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
         for k in env:
             monkeypatch.delenv(k, raising=False)
         _api.clear_plans()
+
+
+def test_ab_switches_make_the_prelude(monkeypatch):
+    """The A/B switches' defines (none by default: the gate's builds); the fused merge's only
+    for fused builds; a bad value names the variable."""
+    for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE"):
+        monkeypatch.delenv(k, raising=False)
+    assert _inference_grid.prelude(True) == _inference_grid.prelude(False) == ""
+    monkeypatch.setenv("CUFLASH_DECODE_MERGE", "0")
+    monkeypatch.setenv("CUFLASH_DECODE_L2", "256b")
+    monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "release")
+    assert _inference_grid.prelude(True) == ("#define CUFLASH_DECODE_L2 1\n"
+                                             "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
+                                             "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n")
+    assert _inference_grid.prelude(False) == "#define CUFLASH_DECODE_L2 1\n"
+    for k, bad in (("CUFLASH_DECODE_MERGE", "2"), ("CUFLASH_DECODE_L2", "128b"),
+                   ("CUFLASH_DECODE_ARRIVE", "acquire")):
+        monkeypatch.setenv(k, bad)
+        with pytest.raises(ValueError, match=k):
+            _inference_grid.prelude(True)
+        monkeypatch.delenv(k)
