@@ -249,7 +249,7 @@ decode_split(const DecodeParams p) {
       lsum = fmaf(s_l[g2][r], f, lsum);
       osum += s_acc[g2][r][c];
     }
-    store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum);
+    store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum, p.num_splits);
   }
   // -- the combine of the splits, by the group's last block: the accumulators' region holds the
   //    weights (ROWS x (num_splits + 1) floats <= 516 ROWS bytes, of >= 4 KB ROWS), the maxima's
@@ -258,7 +258,7 @@ decode_split(const DecodeParams p) {
     merge_splits_if_last<T, Tr::kThreads>(p, rest, bh, rows_total, tile * ROWS,
                                           min(ROWS, rows_total - tile * ROWS),
                                           reinterpret_cast<float*>(smem_),
-                                          reinterpret_cast<int*>(&s_l[0][0]));
+                                          reinterpret_cast<int*>(&s_l[0][0]), p.num_splits);
 }
 
 // One block of 128 threads per (batch row, kv head, appended row t); threads over the columns. Writes

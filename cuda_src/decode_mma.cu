@@ -116,6 +116,33 @@ __device__ __forceinline__ TileSrc<T> tile_src(const DecodeParams& p, int b, int
           reinterpret_cast<const T*>(p.v_cache) + vo + lane_v};
 }
 
+// The K/V copies. CUFLASH_DECODE_L2 (a define the host puts before this source when the
+// environment variable CUFLASH_DECODE_L2 asks for it; A/B runs, no build of the gate): 1, the
+// L2 fetches the 256-byte block around each copy (.L2::256B: a K/V row is 256 bytes at d 128,
+// read by the next lanes anyway: bigger DRAM bursts); 2, the same with an evict-first policy
+// (the cache is read once a call: its lines should not push out the partials and counters).
+// Without the define, cp_async_16's plain cp.async.cg (the machine code from before).
+__device__ __forceinline__ void cp_async_kv(unsigned dst, const void* src, int src_bytes) {
+#if defined(CUFLASH_DECODE_L2) && CUFLASH_DECODE_L2 == 1
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+               ::"r"(dst), "l"(src), "r"(src_bytes));
+#elif defined(CUFLASH_DECODE_L2) && CUFLASH_DECODE_L2 == 2
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
+               ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+#else
+  cp_async_16(dst, src, src_bytes);
+#endif
+}
+
+// The fused merge's partials loaded ahead of its weights (merge_splits_if_last's PRE): 16
+// splits a thread; 0 (the merge of session 7) where the host defines it so
+// (CUFLASH_DECODE_MERGE=0, A/B runs).
+#ifndef CUFLASH_DECODE_MERGE_PREFETCH
+#define CUFLASH_DECODE_MERGE_PREFETCH 16
+#endif
+
 // Issue the cp.async copies of one warp tile: keys [key0, key0 + 16), `valid` of which exist
 // (the others land as zeros and read nothing), K into shared `ks` and V into `ks + kTileBytes`.
 // `src`: this lane's first row; it copies rows lane_row + i * kRowStep, i < kPasses, to the
@@ -131,8 +158,8 @@ __device__ __forceinline__ void issue_tile(const TileSrc<T>& src, unsigned ks, c
   if (CUFLASH_HOT(valid >= 16)) {                  // every tile but a split's last
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      cp_async_16(ks + soff[i], src.k + i * kstep, k_bytes);
-      cp_async_16(ks + kTileBytes + soff[i], src.v + i * vstep, v_bytes);
+      cp_async_kv(ks + soff[i], src.k + i * kstep, k_bytes);
+      cp_async_kv(ks + kTileBytes + soff[i], src.v + i * vstep, v_bytes);
     }
   } else {
     // rows past `valid` read nothing; their address is the tile's row 0 (inside the cache)
@@ -141,19 +168,35 @@ __device__ __forceinline__ void issue_tile(const TileSrc<T>& src, unsigned ks, c
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const bool in = lane_row + i * kRowStep < valid;
-      cp_async_16(ks + soff[i], in ? src.k + i * kstep : k0, in ? k_bytes : 0);
-      cp_async_16(ks + kTileBytes + soff[i], in ? src.v + i * vstep : v0, in ? v_bytes : 0);
+      cp_async_kv(ks + soff[i], in ? src.k + i * kstep : k0, in ? k_bytes : 0);
+      cp_async_kv(ks + kTileBytes + soff[i], in ? src.v + i * vstep : v0, in ? v_bytes : 0);
     }
   }
 }
 
-// FUSE: with num_splits > 1, the block that writes a group's last partial merges the group's
-// splits itself (merge_splits_if_last, decode_params.cuh) and decode_combine is not launched.
-// A template flag rather than a run-time test, so that the build without it (one split: the
-// host compiles FUSE only for num_splits > 1) keeps its machine code exactly.
-template <typename T, int HEAD_DIM, typename Variant, bool FUSE = false>
+// The kernel. Without STREAM: blockIdx.x = ((b * Hkv + h) * row_tiles + tile) * num_splits +
+// split, one group and split a block (num_splits even key ranges of every group).
+//   STREAM (a FUSE build, opt-in: CUFLASH_DECODE_STREAM, cuflash/_inference_grid.py; for where
+// the even splits leave SMs idle, e.g. B = 1, 8 KV heads: 15 splits = 120 blocks on 132 SMs):
+// the grid is stream_blocks (e.g. one block an SM) and the groups' key iterations are cut into stream_blocks equal shares, "stream-K"
+// style: think of the groups laid end to end, group g as units [g den, (g + 1) den) with den =
+// stream_blocks, and block i as units [i Gt, (i + 1) Gt), Gt = the number of groups. Block i
+// runs, in group order, the piece of every group its units overlap; a group's partials are the
+// blocks that overlap it, in block order (first = floor(g den / Gt)), so each group has its own
+// count (floor(Gt / den) + 1 or 2 blocks; num_splits is the largest: the partials' stride) and
+// the last of them to finish merges them. Every block reads the same number of keys (to a key
+// iteration) when the batch rows are equally long; a group's fraction is of its own length, so
+// short rows still spread over their blocks. Bitwise reproducible for a given grid.
+//   FUSE: with more than one partial in a group, the block that writes the group's last
+// partial merges them itself (merge_splits_if_last, decode_params.cuh) and decode_combine is
+// not launched. A template flag rather than a run-time test, so that the build without it (one
+// split: the host compiles FUSE only for num_splits > 1) keeps its machine code exactly; the
+// loop over a block's groups (one trip without STREAM) likewise folds away there.
+template <typename T, int HEAD_DIM, typename Variant, bool FUSE = false, bool STREAM = false>
 __global__ void __launch_bounds__(128, (DecodeMmaTraits<T, HEAD_DIM>::kMinBlocks))
 decode_mma(const DecodeParams p) {
+  static_assert(!STREAM || FUSE, "the stream build merges its own partials");
+  static_assert(!STREAM || HEAD_DIM == 128, "at 64, 4 blocks an SM: 128 registers, it spills");
   using Tr = DecodeMmaTraits<T, HEAD_DIM>;
   using Tile = typename Tr::Tile;
   constexpr int S = Tr::kStages, KSTEPS = HEAD_DIM / 16, NO = HEAD_DIM / 8;
@@ -165,9 +208,35 @@ decode_mma(const DecodeParams p) {
   pin(warp_s);
   // stage s of this warp: K tile at warp_s + 2 s kTileBytes, V tile right after it
 
-  // blockIdx.x = ((b * Hkv + h) * row_tiles + tile) * num_splits + split
-  const int split = blockIdx.x % p.num_splits;
-  const int rest = blockIdx.x / p.num_splits;
+  // STREAM: this block's units [u0, u1) and the groups they overlap; else one trip
+  long long den = 1, groups = 1, u0 = 0, u1 = 1;
+  int g_first = 0, g_last = 0;
+  if (STREAM) {
+    den = p.stream_blocks;
+    groups = static_cast<long long>(p.B) * p.Hkv * p.row_tiles;
+    u0 = static_cast<long long>(blockIdx.x) * groups;
+    u1 = u0 + groups;
+    g_first = static_cast<int>(u0 / den);
+    g_last = static_cast<int>((u1 - 1) / den);
+  }
+  for (int g = g_first; g <= g_last; ++g) {
+  // (the loop body keeps the indentation of the one-group kernel it was)
+  // STREAM: the previous group's epilogue and merge read the shared memory this one refills;
+  // the piece of group g: units [lo, hi) of its den, partial `piece` of `pieces`
+  int piece = 0, pieces = 0, lo = 0, hi = 0;
+  if (STREAM) {
+    if (g > g_first) __syncthreads();
+    const long long gu = g * den;                             // the group's first unit
+    lo = static_cast<int>(max(u0 - gu, 0ll));
+    hi = static_cast<int>(min(u1 - gu, den));
+    const int first = static_cast<int>(gu / groups);
+    piece = blockIdx.x - first;
+    pieces = static_cast<int>((gu + den - 1) / groups) - first + 1;
+  }
+  // blockIdx.x = ((b * Hkv + h) * row_tiles + tile) * num_splits + split without STREAM
+  const int split = STREAM ? piece : blockIdx.x % p.num_splits;
+  const int rest = STREAM ? g : blockIdx.x / p.num_splits;
+#define CUFLASH_NSPLIT (STREAM ? pieces : p.num_splits)   // (read where used, as before the flag)
   const int tile = rest % p.row_tiles;
   const int bh = rest / p.row_tiles;
   const int b = bh / p.Hkv, h = bh % p.Hkv;
@@ -175,9 +244,16 @@ decode_mma(const DecodeParams p) {
 
   const int n = total_keys(p, b);
   const int iters = (n + Tr::kKeysPerIter - 1) / Tr::kKeysPerIter;
-  const int per_split = (iters + p.num_splits - 1) / p.num_splits;
-  const int start = min(n, split * per_split * Tr::kKeysPerIter);
-  const int end = min(n, start + per_split * Tr::kKeysPerIter);
+  int start, end;
+  if (STREAM) {
+    // whole iterations: consecutive fractions of a group share their boundary (a partition)
+    start = min(n, static_cast<int>(static_cast<long long>(lo) * iters / den) * Tr::kKeysPerIter);
+    end = min(n, static_cast<int>(static_cast<long long>(hi) * iters / den) * Tr::kKeysPerIter);
+  } else {
+    const int per_split = (iters + p.num_splits - 1) / p.num_splits;
+    start = min(n, split * per_split * Tr::kKeysPerIter);
+    end = min(n, start + per_split * Tr::kKeysPerIter);
+  }
   // this warp's tiles: key0 = start + 64 t + 16 warp < end
   const int first = start + warp * Tr::kKeys;
   const int ntiles = first < end ? (end - first + Tr::kKeysPerIter - 1) / Tr::kKeysPerIter : 0;
@@ -389,15 +465,16 @@ decode_mma(const DecodeParams p) {
       lsum = fmaf(wb[mo + Tr::kRows + r], f, lsum);
       osum = fmaf(wb[r * Tr::kORowFloats + c], f, osum);
     }
-    store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum);
+    store_row<T>(p, b, h, bh, rows_total, row, split, c, mx, lsum, osum, CUFLASH_NSPLIT);
   }
   // -- the combine of the splits, by the group's last block (the Q tile's region holds the
   //    flag, the warps' regions the weights: nothing reads either any more)
-  if (FUSE && p.num_splits > 1)
-    merge_splits_if_last<T, Tr::kThreads>(p, rest, bh, rows_total, tile * 16,
-                                          min(16, rows_total - tile * 16),
-                                          reinterpret_cast<float*>(smem + Tr::kTileBytes),
-                                          reinterpret_cast<int*>(smem));
+  if (FUSE && CUFLASH_NSPLIT > 1)
+    merge_splits_if_last<T, Tr::kThreads, CUFLASH_DECODE_MERGE_PREFETCH>(
+        p, rest, bh, rows_total, tile * 16, min(16, rows_total - tile * 16),
+        reinterpret_cast<float*>(smem + Tr::kTileBytes), reinterpret_cast<int*>(smem), CUFLASH_NSPLIT);
+#undef CUFLASH_NSPLIT
+  }
 }
 
 }  // namespace decode

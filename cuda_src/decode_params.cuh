@@ -51,7 +51,8 @@ struct DecodeParams {
   int num_pages;     // num_blocks of a paged cache: page indices are clamped to it
   int num_splits;    // key splits of one (batch row, kv head)
   int row_tiles;     // ceil(G * Lq / ROWS)
-  int pad_;
+  int stream_blocks; // decode_mma's STREAM build: its grid (the flattened key ranges, see
+                     // there); num_splits is then the partials' stride. 0 in other builds
   // -- appended last, so that every field above keeps its offset (and the kernels that do not
   //    read it their machine code): the arrival counters of the fused combine
   //    (merge_splits_if_last), one unsigned int per (batch row, KV head, row tile), 0 between
@@ -125,15 +126,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // exponentials `lsum` and the output sum `osum` of this block's key range. With one split it is
 // the result (o in T, lse in natural log); with several, the float32 partials decode_combine
 // merges: o_part [(bh * rows_total + row) * num_splits + split][dv], lse_part [...][split].
+// `nsplit`: the partials of this group (num_splits, except in decode_mma's STREAM build, where
+// groups have their own counts and num_splits is the largest: the stride).
 template <typename T>
 __device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, int bh,
                                           int rows_total, int row, int split, int c, float mx,
-                                          float lsum, float osum) {
+                                          float lsum, float osum, int nsplit) {
   // lsum == 0: no visible key in this range: output 0 and lse -inf (no 0/0)
   const float out = lsum > 0.f ? osum / lsum : 0.f;
   const float lse = lsum > 0.f ? (mx + __log2f(lsum)) * 0.6931471805599453f : kNegInf;
   const int g = row / p.Lq, i = row % p.Lq;
-  if (p.num_splits == 1) {
+  if (nsplit == 1) {
     T* o = reinterpret_cast<T*>(p.o);
     o[b * p.o_b + h * p.o_h + g * p.o_g + i * p.o_row + c] = from_float<T>(out);
     if (c == 0)
@@ -162,28 +165,65 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, i
 //   Loads: phase A one warp a row, lanes over the splits (lse_s: one round trip); phase B one
 // thread a (row, 4 columns), float4 partials, 8 splits unrolled: ~16 KB in flight a block, so
 // the merge of 15 splits x 4 rows x 128 columns (30 KB) costs ~2 L2 round trips.
-template <typename T, int THREADS>
+//   `nsplit`: the group's partials (store_row's); the partials' stride is num_splits.
+//   PRE > 0 (decode_mma's default, 16): phase B's first PRE partials of each thread's first
+// (row, 4 columns) are loaded before phase A, so that their round trip overlaps the lse's: one
+// L2 round trip for S <= PRE where phase A then phase B took two or three (the merging block
+// is the kernel's last work: its latency is the call's). The same operations in the same
+// order: bitwise the result of PRE = 0 (decode_split's, and CUFLASH_DECODE_MERGE=0's).
+template <typename T, int THREADS, int PRE = 0>
 __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int bh,
                                                      int rows_total, int row0, int nrows,
-                                                     float* sw, int* sflag) {
+                                                     float* sw, int* sflag, int nsplit) {
+#if defined(CUFLASH_DECODE_RELEASE_ARRIVAL) && CUFLASH_DECODE_RELEASE_ARRIVAL
+  // A/B build (CUFLASH_DECODE_ARRIVE=release, a define the host puts before decode_mma.cu):
+  // the arrival as CUTLASS's block barrier makes it. The block barrier orders every thread's
+  // partial stores before thread 0's release fence (fence.acq_rel, cumulative), which orders
+  // them before its arrival; the last arrival's acquire fence then orders the others' stores
+  // before the block's reads (after the next barrier). One acq_rel fence by one thread where
+  // publish_block_writes has every thread wait on a fence.sc.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* count = reinterpret_cast<unsigned*>(p.counters) + group;
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const bool last = atomicAdd(count, 1u) == unsigned(nsplit) - 1u;
+    if (last) {
+      atomicExch(count, 0u);                 // (the counter is left at 0 for the next call)
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    *sflag = last;
+  }
+#else
   publish_block_writes();
   if (threadIdx.x == 0)   // (reset: the counter is left at 0 for the next call on the stream)
     *sflag = arrive_is_last(reinterpret_cast<unsigned*>(p.counters) + group,
-                            unsigned(p.num_splits), true);
+                            unsigned(nsplit), true);
+#endif
   __syncthreads();
   if (!*sflag) return;                     // the same for the whole block (shared memory)
-  const int S = p.num_splits;
+  const int S = nsplit, stride = p.num_splits;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* lse_part = reinterpret_cast<const float*>(p.lse_part);
   const float* o_part = reinterpret_cast<const float*>(p.o_part);
   float* sinv = sw + nrows * S;
+  // -- phase B's first partials (PRE > 0), in registers: static indices only
+  float4 pre[PRE > 0 ? PRE : 1];
+  if (PRE > 0 && static_cast<int>(threadIdx.x) < nrows * (p.dv / 4)) {
+    const int quads = p.dv / 4;
+    const int r = threadIdx.x / quads, c = (threadIdx.x % quads) * 4;
+    const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
+    const float4* src = reinterpret_cast<const float4*>(o_part + prow * stride * p.dv + c);
+#pragma unroll
+    for (int s = 0; s < PRE; ++s)
+      if (s < S) pre[s] = __ldcg(src + s * quads);
+  }
   // -- phase A, a row a warp: M = max_s lse_s (a -inf M, no visible key in any split, is
   //    replaced by 0: no -inf - -inf), w_s = exp(lse_s - M), L = sum_s w_s in split order
   for (int r = warp; r < nrows; r += THREADS / 32) {
     const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
     float mx = kNegInf;
     for (int s = lane; s < S; s += 32) {  // lse_s kept in sw (one L2 round trip, not two)
-      const float x = __ldcg(lse_part + prow * S + s);
+      const float x = __ldcg(lse_part + prow * stride + s);
       sw[r * S + s] = x;
       mx = fmaxf(mx, x);
     }
@@ -208,11 +248,24 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
   for (int idx = threadIdx.x; idx < nrows * quads; idx += THREADS) {
     const int r = idx / quads, c = (idx % quads) * 4;
     const long long prow = static_cast<long long>(bh) * rows_total + row0 + r;
-    const float4* src = reinterpret_cast<const float4*>(o_part + prow * S * p.dv + c);
+    const float4* src = reinterpret_cast<const float4*>(o_part + prow * stride * p.dv + c);
     const float* w = sw + r * S;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int s0 = 0;
+    if (PRE > 0 && idx == static_cast<int>(threadIdx.x)) {   // the first item: pre[] holds
+#pragma unroll                                                 // its first partials
+      for (int s = 0; s < PRE; ++s) {
+        if (s < S) {
+          a0 = fmaf(w[s], pre[s].x, a0);
+          a1 = fmaf(w[s], pre[s].y, a1);
+          a2 = fmaf(w[s], pre[s].z, a2);
+          a3 = fmaf(w[s], pre[s].w, a3);
+        }
+      }
+      s0 = min(S, PRE);
+    }
 #pragma unroll 8
-    for (int s = 0; s < S; ++s) {
+    for (int s = s0; s < S; ++s) {
       const float4 x = __ldcg(src + s * quads);
       a0 = fmaf(w[s], x.x, a0);
       a1 = fmaf(w[s], x.y, a1);

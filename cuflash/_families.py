@@ -407,10 +407,10 @@ REGISTRY: tuple[Family, ...] = (
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
     Family("decode_sm80", "decode", "decode_mma.cu",
-           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}, {fuse}>",
+           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}, {fuse}{stream}>",
            min_cc=80, dtypes=HALF, head_dims=(1, 128),
            smem_expr="cuflash::decode::DecodeMmaTraits<{T}, {head_dim}>::kSmemBytes",
-           select=_isel.decode_sm80_select, instances=_isel.decode_fuse_instances,
+           select=_isel.decode_sm80_select, instances=_isel.decode_sm80_instances,
            summary="tensor-core split-KV decode: GQA rows as mma.sync's M, cp.async K/V pipeline"),
     Family("decode", "decode", "decode.cu",
            "cuflash::decode::decode_split<{T}, {head_dim}, {rows}, {variant}, {fuse}>",

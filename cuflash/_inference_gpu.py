@@ -23,6 +23,11 @@ as the smallest count whose last wave is at least 85% as full as the best count'
 least 4 key iterations a split (fewer keys make the combine cost more than the split saves).
 The heuristic sees the cache capacity, not the device-side lengths: each block divides its
 batch row's actual keys evenly among the splits, so short rows still use every split.
+
+A/B switches of decode_sm80, read when a plan is built (``cuflash/_inference_grid.py``):
+``CUFLASH_DECODE_STREAM`` (the stream grid, opt-in), ``CUFLASH_DECODE_L2`` (L2 hints on the K/V
+copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the fused merge of session 7, two or three L2
+round trips instead of one).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import numpy
 
 from . import _families, _launch
+from ._inference_grid import STREAM_HEAD_DIM, prelude, stream_grid, stream_mode, stream_spans
 from ._plan import PlanCache
 from ._variant import LOG2E, VARIANT_PARAMS, Variant
 
@@ -44,7 +50,7 @@ STRIDES = ("q_b", "q_h", "q_g", "q_row", "o_b", "o_h", "o_g", "o_row", "lse_b", 
            "k_b", "k_h", "k_row", "v_b", "v_h", "v_row", "kn_b", "kn_h", "kn_row", "kn_col",
            "vn_b", "vn_h", "vn_row", "vn_col", "bt_b")
 INTS = ("B", "Hkv", "G", "Lq", "d", "dv", "Lnew", "capacity", "paged", "page_size", "page_shift",
-        "num_pages", "num_splits", "row_tiles", "pad_")
+        "num_pages", "num_splits", "row_tiles", "stream_blocks")
 DECODE_PARAMS = numpy.dtype([(n, "<u8") for n in POINTERS] + [(n, "<i8") for n in STRIDES]
                             + [("var", VARIANT_PARAMS)] + [(n, "<i4") for n in INTS]
                             + [("counters", "<u8")], align=True)
@@ -156,8 +162,14 @@ class DecodeSpec:
     the three kernels' name expressions, grids, threads and shared memory, and the reasons.
     :class:`DecodePlan` loads the kernels; the CPU emulation tests launch the same spec."""
 
-    def __init__(self, c, Hkv, G, st, choice, splits, reasons, fuse=False):
+    def __init__(self, c, Hkv, G, st, choice, splits, reasons, fuse=False, stream=0,
+                 prelude=""):
         t = choice.traits
+        #: source put before the split kernel's (decode_mma's A/B defines), or ""
+        self.prelude = prelude
+        #: decode_mma's STREAM build: its grid (``stream_grid``; ``splits`` is then the
+        #: partials' stride, the most blocks a group spans); 0: one block a (group, split)
+        self.stream = stream
         #: the split kernel merges its own splits (decode_sm80's fuse build); then ``groups``
         #: arrival counters (one a (batch row, KV head, row tile), zeroed once, left zeroed by
         #: every call) must be patched into DecodeParams::counters
@@ -191,7 +203,7 @@ class DecodeSpec:
                             ("page_shift", ps.bit_length() - 1 if c.paged and ps & (ps - 1) == 0
                              else -1),
                             ("num_pages", c.num_blocks), ("num_splits", splits),
-                            ("row_tiles", self.row_tiles)):
+                            ("row_tiles", self.row_tiles), ("stream_blocks", stream)):
             p[name] = value
         self.params = p
         T = _families.ctype(c.dtype)
@@ -199,8 +211,8 @@ class DecodeSpec:
         # (source, expr, grid, threads, smem) of each kernel, in launch order; None: not run
         self.append = (("decode.cu", f"cuflash::decode::decode_append<{T}>",
                         c.B * Hkv * c.Lnew, 128, 0) if c.Lnew else None)
-        self.split = (choice.family.source, choice.expr, c.B * Hkv * self.row_tiles * splits, t.threads,
-                      t.smem_bytes)
+        self.split = (choice.family.source, choice.expr,
+                      stream or c.B * Hkv * self.row_tiles * splits, t.threads, t.smem_bytes)
         self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
                          128, 0) if splits > 1 and not fuse else None)
         self.groups = c.B * Hkv * self.row_tiles
@@ -236,13 +248,14 @@ class DecodePlan:
         self.spec = spec
         self.device_id = device_id
 
-        def launch(k, name):
+        def launch(k, name, prelude=""):
             if k is None:
                 return None
             source, expr, grid, threads, smem = k
-            return _launch.Launch(_launch.kernel(source, expr, device_id, smem), grid, threads,
-                                  smem, spec.params, name=name)
-        self.launches = [launch(spec.append, "decode_append"), launch(spec.split, "decode_split"),
+            return _launch.Launch(_launch.kernel(source, expr, device_id, smem, prelude), grid,
+                                  threads, smem, spec.params, name=name)
+        self.launches = [launch(spec.append, "decode_append"),
+                         launch(spec.split, "decode_split", spec.prelude),
                          launch(spec.combine, "decode_combine")]
         # one allocation a call: o, then lse, then the partials (256-byte aligned each)
         self.dtype, self.dv = dtype, spec.out_shape[-1]
@@ -374,7 +387,26 @@ def spec_or_reason(c, dev=None):
         f"  {'paged, page_size=' + str(c.page_size) if c.paged else 'dense cache'}, "
         f"capacity {c.capacity} keys"]
     fuse = False
-    if splits > 1:
+    stream = 0
+    if (c.num_splits is None and choice.family.name == "decode_sm80" and fuse_wanted()
+            and t.head_dim == STREAM_HEAD_DIM):
+        stream = stream_grid(c.B * Hkv * tiles, splits, c.capacity, keys_per_iter,
+                             keys_per_iter * (c.d + c.dv) * c.dtype.itemsize, dev.num_sms,
+                             t.split_wave or t.min_blocks, t.min_blocks, stream_mode())
+    if stream:
+        groups = c.B * Hkv * tiles
+        even = splits
+        splits = stream_spans(groups, stream)[0]
+        flags = dict(choice.flags, fuse=True, stream=", true")
+        choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),
+                                     expr=choice.family.expr(shape.dtype, t, shape.variant,
+                                                             **flags))
+        fuse = True
+        reasons.append(f"  stream grid: {stream} blocks share the {groups} groups' key "
+                       f"iterations equally (even splits: {groups * even} blocks on "
+                       f"{stream} slots); up to {splits} partials a group, merged by its last "
+                       f"block (CUFLASH_DECODE_STREAM=0: the even splits)")
+    elif splits > 1:
         if fuse_wanted():
             fuse = True
             flags = dict(choice.flags, fuse=True)
@@ -386,14 +418,17 @@ def spec_or_reason(c, dev=None):
         else:
             reasons.append(f"  {splits} splits merged by decode_combine (a second launch; "
                            f"CUFLASH_DECODE_FUSE=0)")
-    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse)
+    defines = prelude(fuse) if choice.family.name == "decode_sm80" else ""
+    if defines:
+        reasons.append("  A/B build: " + defines.replace("#define ", "").strip().replace("\n", ", "))
+    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse, stream, defines)
 
 
 def decode_plan(c):
     """The cached DecodePlan of call ``c``, or None when the decode family does not apply."""
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
-           c.num_splits, c.scale, c.causal, _forced(), fuse_wanted())
+           c.num_splits, c.scale, c.causal, _forced(), fuse_wanted(), stream_mode(), prelude())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

@@ -35,9 +35,11 @@ def decode_sm80_select(fam, shape, dev):
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device has {dev.smem_optin}"
     tiles = -(-shape.Lq // 16)
-    # fuse: the splits merged by the kernel's last block of a group; set by the caller
+    # fuse: the splits merged by the kernel's last block of a group; stream: ", true" for the
+    # flattened key ranges (decode_mma's STREAM build, a fuse build), "" for even splits (the
+    # expression of the builds from before the flag). Both set by the caller
     # (_inference_gpu.spec_or_reason), which knows the split count
-    return t, {"fuse": False}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
+    return t, {"fuse": False, "stream": ""}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
 
 
 def decode_fuse_instances(fam, arch):
@@ -46,3 +48,13 @@ def decode_fuse_instances(fam, arch):
     for t in _traits.TABLES[fam.name].values():
         for fuse in (False, True):
             yield t, {"fuse": fuse}
+
+
+def decode_sm80_instances(fam, arch):
+    """decode_fuse_instances, plus the STREAM build (fuse and stream: the flattened key ranges
+    of _inference_gpu.stream_grid) of the head-dim bucket 128 (_inference_gpu.STREAM_HEAD_DIM:
+    at 64, 4 blocks an SM cap the registers at 128 and the stream build spills on sm_80)."""
+    for t in _traits.TABLES[fam.name].values():
+        for fuse, stream in ((False, ""), (True, ""), (True, ", true")):
+            if not stream or t.head_dim == 128:
+                yield t, {"fuse": fuse, "stream": stream}

@@ -175,6 +175,49 @@ def test_fused_combine_equals_the_combine_launch_bitwise(monkeypatch):
     _check_rows([x[1:] for x in host[:4]] + [None], o1[1:], l1[1:], 0, False, 16)
 
 
+@pytest.mark.parametrize("B,L,page_size,seqlens", [(1, 32768, 0, [32768]),
+                                                     (3, 16384, 16, [0, 16384, 5000])])
+def test_stream_grid_matches_reference_and_is_reproducible(B, L, page_size, seqlens,
+                                                           monkeypatch):
+    """decode_sm80's stream grid (CUFLASH_DECODE_STREAM=all: the groups' key iterations shared
+    by one wave of blocks, pieces of two groups a block, per-group partial counts) against the
+    reference, bitwise the same call after call, and against the even splits
+    (CUFLASH_DECODE_STREAM=0) within the reference's tolerance; batch row 0 of the second case
+    is empty (o = 0, lse = -inf)."""
+    import cupy
+    from cuflash import _api
+    case = (BF16, 8, 4, 1, 128, L, page_size, 0, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=seqlens, B=B)
+    try:
+        for mode in ("0", "all"):
+            monkeypatch.setenv("CUFLASH_DECODE_STREAM", mode)
+            _api.clear_plans()
+            c = _inference.check_kvcache(*dev[:5], None, None, None, None, False, True)
+            spec = _inference_gpu.spec_or_reason(c)
+            assert not isinstance(spec, str), spec
+            if mode == "0":
+                assert spec.stream == 0
+            elif not spec.stream:
+                pytest.skip("this GPU's even splits fill whole waves: no stream grid")
+            runs = []
+            for _ in range(3):
+                o, lse = _run_device(dev[:5] + [None, None], kw)
+                runs.append((cupy.asnumpy(o), cupy.asnumpy(lse)))
+            for o, lse in runs[1:]:
+                assert numpy.array_equal(o.view(numpy.uint16), runs[0][0].view(numpy.uint16))
+                assert numpy.array_equal(lse, runs[0][1])
+            o, lse = runs[0]
+            q, kc, vc, s, bt = host[:5]
+            if seqlens[0] == 0:                 # batch row 0: no key; the others checked
+                assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
+                q, s, o, lse = q[1:], s[1:], o[1:], lse[1:]
+                kc, vc, bt = ((kc, vc, bt[1:]) if page_size else (kc[1:], vc[1:], None))
+            _check_rows([q, kc, vc, s, bt], o, lse, 0, False, page_size or 16)
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_STREAM", raising=False)
+        _api.clear_plans()
+
+
 def test_paged_equals_dense_bitwise():
     import cupy
     dense = (F16, 4, 4, 1, 128, 4000, 0, 1, False, 5)

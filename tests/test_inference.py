@@ -449,7 +449,9 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
         # the tensor-core decode on an H200: 16 packed rows a tile, whatever G
         # (fused: with several splits the kernel merges them itself, no decode_combine)
+        # (the stream grid is opt-in: CUFLASH_DECODE_STREAM, tests/test_inference_stream.py)
         fused = "true" if spec.splits > 1 else "false"
+        assert spec.stream == 0 and spec.prelude == ""
         assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
                                   f"128, cuflash::Variant<false>, {fused}>")
         assert spec.row_tiles == 1
@@ -487,3 +489,4 @@ def test_cuflash_decode_split_forces_the_generic_kernel(monkeypatch):
     monkeypatch.setenv("CUFLASH_DECODE", "split")
     spec = _inference_gpu.spec_or_reason(c, H200)
     assert spec.split[0] == "decode.cu" and "CUFLASH_DECODE=split" in spec.explain()
+

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy
 import pytest
 
-from cuflash import _families, _inference, _inference_gpu, _problem, reference
+from cuflash import _families, _inference, _inference_gpu, _inference_grid, _problem, reference
 from _tolerance import assert_attention_close
 from test_inference import dense_rows, make_cache
 
@@ -55,6 +55,12 @@ STRADDLE_CASE = (F16, 1, 4, 1, 64, 60, True, 8, 1, False, 2)
 _DV_EXPRS = [f"cuflash::decode::decode_mma<__half, 128, cuflash::Variant<false>, {f}>"
              for f in ("false", "true")]
 CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
+#: decode_mma's stream grid (d = 128, the bucket with a STREAM build): dense and paged, causal
+#: chunked prefill (Lq = 2: 8 rows); the first appends nothing (batch row 0 is empty)
+STREAM_CASES = [(BF16, 2, 4, 1, 128, 700, True, 16, 0, False, None),
+                (F16, 2, 4, 2, 128, 500, False, 0, 2, True, None)]
+_STREAM_EXPRS = [f"cuflash::decode::decode_mma<{T}, 128, cuflash::Variant<{cz}>, true, true>"
+                 for T, cz in (("__nv_bfloat16", "false"), ("__half", "true"))]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +82,7 @@ def lib():
                     for fuse in (False, True) if "fuse" in flags else (None,):
                         kw = {} if fuse is None else dict(flags, fuse=fuse)
                         exprs.add(fam.expr(dtype.name, t, v, **kw))
-    exprs.update(_DV_EXPRS)
+    exprs.update(_DV_EXPRS + _STREAM_EXPRS)
     return _emu_decode.build(sorted(exprs))
 
 
@@ -301,3 +307,60 @@ def test_emulated_fused_combine_with_rows_that_see_no_key(lib, splits, family, m
     prob = _problem.make_problem(c.q[1], kb, vb, scale=None, causal=False)
     ro, rl = reference.attention(c.q[1], kb, vb, return_lse=True)
     assert_attention_close(prob, o[1], lse[1], ro, rl)
+
+
+@pytest.mark.parametrize("num_sms", [2, 4, 5, 13])
+@pytest.mark.parametrize("case", STREAM_CASES, ids=["bf16-paged16", "f16-dense-causal"])
+def test_emulated_stream_grid_matches_reference_and_is_reproducible(lib, case, num_sms,
+                                                                    monkeypatch):
+    """decode_mma's stream grid (CUFLASH_DECODE_STREAM=all, the size limits lowered to these
+    short caches): 6 groups (3 batch rows x 2 KV heads) shared by 4, 5 or 13 blocks (one an
+    SM) or by 2 x 2 (two an SM once the groups fill the slots), so blocks run pieces of two or
+    three groups and groups have 1 to 4 partials of their own counts; a batch row of length 0
+    (every piece empty). Within the reference's tolerance, bitwise the same whichever block of
+    a group finishes last (blocks shuffled), the counters left at 0, and the block's keys
+    (K/V read) only inside the cache (the emulation checks every cp.async source)."""
+    monkeypatch.setenv("CUFLASH_DECODE_STREAM", "all")
+    monkeypatch.setattr(_inference_grid, "STREAM_MIN_ITERS", 1)
+    monkeypatch.setattr(_inference_grid, "STREAM_MIN_GROUP_ITERS", 1)
+    dev = _families.DeviceInfo(90, num_sms, 232448, f"emulated, {num_sms} SMs")
+    seqlens = [0, 333, case[5] - case[8]]
+    counters, outs = None, []
+    for order in (0, 1, 7):
+        c = _call(case, seqlens=seqlens)
+        spec = _inference_gpu.spec_or_reason(c, dev)
+        assert not isinstance(spec, str), spec
+        assert spec.stream == num_sms * (2 if num_sms == 2 else 1), spec.explain()
+        assert spec.split[1].endswith(", true, true>") and spec.split[2] == spec.stream
+        assert spec.fuse and spec.combine is None and "stream grid" in spec.explain()
+        assert spec.splits == _inference_grid.stream_spans(6, spec.stream)[0] > 1
+        if counters is None:
+            counters = numpy.zeros(spec.groups, numpy.uint32)
+        outs.append(_emu_decode.run_spec(lib, spec, c, order=order, counters=counters))
+    for o, lse in outs[1:]:
+        assert numpy.array_equal(o.view(numpy.uint16), outs[0][0].view(numpy.uint16))
+        assert numpy.array_equal(lse, outs[0][1])
+    o, lse = outs[0]
+    if case[8] == 0:                    # batch row 0: no key at all
+        assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
+    _check(c, o, lse)
+
+
+@pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])
+def test_emulated_fused_merge_past_its_prefetched_splits_equals_combine(lib, family, monkeypatch):
+    """19 splits: more than the 16 partials decode_mma's merge loads ahead with the lse
+    (merge_splits_if_last's PRE), so its phase B continues past them; decode_split's merge
+    (PRE = 0) alike. Bitwise the result of decode_combine's launch (CUFLASH_DECODE_FUSE=0)."""
+    if family == "decode.cu":
+        monkeypatch.setenv("CUFLASH_DECODE", "split")
+    seqlens = [0, 333, 698]
+    outs = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("CUFLASH_DECODE_FUSE", fuse)
+        c = _call(MMA_SPLIT_CASE, seqlens=seqlens, splits=19)
+        spec = _inference_gpu.spec_or_reason(c, SMALL)
+        assert spec.split[0] == family and spec.fuse == (fuse == "1") and spec.splits == 19
+        outs.append(_emu_decode.run_spec(lib, spec, c, order=3))
+    assert numpy.array_equal(outs[0][0].view(numpy.uint16), outs[1][0].view(numpy.uint16))
+    assert numpy.array_equal(outs[0][1], outs[1][1])
+    _check(c, *outs[0])

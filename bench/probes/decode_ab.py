@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Question: do decode_sm80's opt-in variants (session 8) beat its default, and the peers?
+
+At each point of issue 11's decode table (dense cache, bf16, d 128), in one process, plans
+forgotten (``cuflash._api.clear_plans()``) between the variants:
+  cuflash_old       CUFLASH_DECODE_MERGE=0: session 7's kernel (the fused merge loads its
+                    partials after the weights: two or three L2 round trips);
+  cuflash           the default: the fused merge's partials loaded with its lse (one round
+                    trip); the even splits and plain copies as before;
+  cuflash_stream    CUFLASH_DECODE_STREAM=all: the stream grid (one wave of blocks sharing the
+                    groups' key iterations equally) wherever it applies (the row's ``stream``
+                    says whether it ran; where not, it is the default's plan again);
+  cuflash_l2_256b   CUFLASH_DECODE_L2=256b: K/V copies with the .L2::256B prefetch;
+  cuflash_l2_evict  CUFLASH_DECODE_L2=evict_first: the same plus an evict-first L2 policy;
+  cuflash_release   CUFLASH_DECODE_ARRIVE=release: the fused merge's arrival as one thread's
+                    acq_rel fence after the block barrier (not every thread's fence.sc);
+(the last four on top of the default's merge), then SDPA cuDNN and SDPA flash (skipped without
+torch). Random N(0, 1) bf16 data; inputs rotate past the L2 as in bench/suite_decode.py. Each
+variant compiles its kernels once at its first point (~5-10 s each on a fresh machine).
+
+Two timings a row: ``ms`` = suite_decode's (median CUDA-event time around each call, calls
+issued back to back), and ``iso_ms`` = one call at a time (device synchronised before each:
+the latency a B = 1 decode step sees, launch included). TB/s = K/V bytes / ``ms``.
+
+    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~60 s on an H200)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import suite_decode as sd  # noqa: E402  (bench/)
+
+POINTS = [  # B, Hq, Hkv, Lk
+    (1, 32, 8, 8192), (1, 32, 8, 65536), (1, 32, 8, 131072), (1, 32, 32, 65536),
+    (1, 32, 32, 131072), (8, 32, 8, 8192), (8, 32, 8, 65536), (8, 32, 8, 131072),
+    (8, 32, 32, 8192), (64, 32, 8, 8192), (64, 32, 8, 65536), (64, 32, 32, 8192)]
+MODES = (("cuflash_old", {"CUFLASH_DECODE_MERGE": "0"}), ("cuflash", {}),
+         ("cuflash_stream", {"CUFLASH_DECODE_STREAM": "all"}),
+         ("cuflash_l2_256b", {"CUFLASH_DECODE_L2": "256b"}),
+         ("cuflash_l2_evict", {"CUFLASH_DECODE_L2": "evict_first"}),
+         ("cuflash_release", {"CUFLASH_DECODE_ARRIVE": "release"}))
+SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2",
+            "CUFLASH_DECODE_ARRIVE")
+
+
+def precompile(modes) -> float:
+    """Compile every variant's decode_mma builds (one split, fused, stream) at once, in parallel
+    processes that fill CuPy's kernel cache on disk, so that the timed loop does not wait on
+    NVRTC a variant after another (~6 s a compile). Returns the seconds it took."""
+    import concurrent.futures
+    import subprocess
+    from cuflash import _inference_grid
+    t0 = time.perf_counter()
+    expr = "cuflash::decode::decode_mma<__nv_bfloat16, 128, cuflash::Variant<false>, {}>"
+    jobs = set()
+    saved = {k: os.environ.get(k) for k in SWITCHES}
+    try:
+        for _, env in modes:
+            for k in SWITCHES:
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            for flags, fused in (("false", False), ("true", True), ("true, true", True)):
+                jobs.add((expr.format(flags), _inference_grid.prelude(fused)))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    code = ("import sys\nfrom cuflash import _jit\n"
+            "_jit.get_kernel('decode_mma.cu', sys.argv[1], 0, sys.argv[2])\n")
+
+    def one(job):
+        return subprocess.run([sys.executable, "-c", code, *job], capture_output=True,
+                              text=True, timeout=240).returncode
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+        codes = list(ex.map(one, sorted(jobs)))
+    if any(codes):
+        print(f"precompile: {sum(map(bool, codes))} of {len(jobs)} jobs failed (the timed loop "
+              f"compiles those itself)")
+    return time.perf_counter() - t0
+
+
+def isolated_ms(fn, n_sets: int, iters: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of one call with the device idle before it."""
+    import cupy
+    for i in range(warmup):
+        fn(i % n_sets)
+    ts = []
+    for i in range(iters):
+        cupy.cuda.Device().synchronize()
+        s, e = cupy.cuda.Event(), cupy.cuda.Event()
+        s.record()
+        fn(i % n_sets)
+        e.record()
+        e.synchronize()
+        ts.append(cupy.cuda.get_elapsed_time(s, e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None) -> int:
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a.add_argument("--json", help="write the rows here")
+    a.add_argument("--max-gb", type=float, default=20.0, help="skip points with more K/V")
+    a.add_argument("--no-precompile", action="store_true",
+                   help="compile each variant when first timed (sequentially)")
+    args = a.parse_args(argv)
+    import cupy
+    import numpy
+    import cuflash._inference as inf
+    from cuflash._api import clear_plans
+    peers = {}
+    for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+        fn, why = sd._sdpa(backend)
+        peers[name] = fn
+        if fn is None:
+            print(f"{name}: skipped ({why})")
+    t_start = time.perf_counter()
+    if not args.no_precompile:
+        print(f"precompiled the variants in {precompile(MODES):.0f} s", flush=True)
+    rows = []
+    saved = {k: os.environ.get(k) for k in SWITCHES}
+    for B, Hq, Hkv, Lk in POINTS:
+        G, D = Hq // Hkv, sd.D
+        nbytes = B * Hkv * Lk * D * 4
+        if nbytes > args.max_gb * 1e9:
+            print(f"B={B} Hq={Hq} Hkv={Hkv} Lk={Lk}: skipped ({nbytes / 1e9:.0f} GB)")
+            continue
+        n_sets = max(1, min(64, -(-sd.ROTATE_BYTES // nbytes)))
+        qs = [sd._fill(cupy, (B, Hq, 1, D), 10 + i) for i in range(n_sets)]
+        ks = [sd._fill(cupy, (B, Hkv, Lk, D), 100 + i) for i in range(n_sets)]
+        vs = [sd._fill(cupy, (B, Hkv, Lk, D), 200 + i) for i in range(n_sets)]
+        seqlens = cupy.full((B,), Lk, numpy.int32)
+
+        def arrays(i):    # as bench/suite_decode.py: GQA as (B, Hkv, G, 1, d) on (B, Hkv, 1, Lk, d)
+            if G == 1:
+                return qs[i], ks[i], vs[i]
+            return qs[i].reshape(B, Hkv, G, 1, D), ks[i][:, :, None], vs[i][:, :, None]
+
+        def ours(i):
+            return inf.attention_with_kvcache(*arrays(i), cache_seqlens=seqlens)
+        line = []
+
+        def add(impl, fn, **extra):
+            ms, iso = sd._time(fn, n_sets), isolated_ms(fn, n_sets)
+            rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, impl=impl, ms=ms, iso_ms=iso,
+                             tbps=nbytes / ms / 1e9, **extra))
+            line.append(f"{impl} {nbytes / ms / 1e9:.2f} TB/s {ms * 1e3:.1f} us "
+                        f"(iso {iso * 1e3:.1f})")
+        try:
+            for impl, env in MODES:
+                for k in SWITCHES:
+                    os.environ.pop(k, None)
+                os.environ.update(env)
+                clear_plans()
+                kernel = sd._kernel(inf, *arrays(0), seqlens, None)
+                add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            clear_plans()
+        if any(peers.values()):
+            import torch
+            tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
+            for name, fn in peers.items():
+                if fn is not None:
+                    try:
+                        add(name, lambda i, fn=fn: fn(tq[i], tk[i], tv[i]))
+                    except Exception as exc:      # a backend that refuses the shape
+                        rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, impl=name, ms=None,
+                                         note=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            del tq, tk, tv
+            torch.cuda.empty_cache()
+        print(f"B={B} Hq={Hq} Hkv={Hkv} Lk={Lk}: " + "; ".join(line), flush=True)
+        del qs, ks, vs
+        cupy.get_default_memory_pool().free_all_blocks()
+    meta = {"probe": "decode_ab", "seconds": time.perf_counter() - t_start}
+    try:
+        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:
+        pass
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{len(rows)} rows in {meta['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""decode_sm80's opt-in grid and copy variants (A/B switches read when a decode plan is built,
+``cuflash/_inference_gpu.py``): the stream grid (decode_mma.cu's STREAM build: the groups' key
+iterations shared equally by one wave of blocks) and the L2 hints of its K/V copies."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy
+
+#: the stream grid (``stream_grid``): fewest key iterations a block and a group; the cost of
+#: one more piece of a group in a block (its pipeline drain and ramp, epilogue, fence and
+#: arrival: ~3 us, ~100 KB of one SM's stream at ~34 GB/s) in K/V bytes; the gain it must
+#: promise over the even splits
+STREAM_MIN_ITERS, STREAM_MIN_GROUP_ITERS = 16, 32
+STREAM_PIECE_BYTES = 96 * 1024
+STREAM_MIN_GAIN = 0.02
+#: the head-dim bucket with a stream build (decode_mma.cu: at 64 it would spill)
+STREAM_HEAD_DIM = 128
+
+
+def stream_mode() -> str:
+    """CUFLASH_DECODE_STREAM: unset or "0" the even splits; "1" the stream grid where
+    ``stream_grid``'s cost model predicts a gain; "all" wherever it applies (A/B runs). Off by
+    default: the H200's HBM is saturated by ~96 streaming SMs (bench/NOTES.md, "decode: the
+    stream grid (session 8)"), so filling the last 12 is predicted to gain nothing."""
+    value = os.environ.get("CUFLASH_DECODE_STREAM", "").strip().lower()
+    if value not in ("", "0", "1", "all"):
+        raise ValueError(f"CUFLASH_DECODE_STREAM={value!r}: expected 0, 1 or all")
+    return value or "0"
+
+
+def l2_mode() -> int:
+    """CUFLASH_DECODE_L2: decode_mma's K/V copies with an L2 hint (A/B runs; decode_mma.cu's
+    cp_async_kv): unset or "0" none (the gate's build), "256b" the 256-byte L2 prefetch,
+    "evict_first" that and an evict-first policy. Returns the define's value (0, 1, 2)."""
+    value = os.environ.get("CUFLASH_DECODE_L2", "").strip().lower()
+    modes = {"": 0, "0": 0, "256b": 1, "evict_first": 2}
+    if value not in modes:
+        raise ValueError(f"CUFLASH_DECODE_L2={value!r}: expected 0, 256b or evict_first")
+    return modes[value]
+
+
+def merge_prefetch_wanted() -> bool:
+    """CUFLASH_DECODE_MERGE: "0" compiles decode_mma's fused merge as in session 7 (phase A's
+    round trip, then phase B's: A/B runs); unset or "1": phase B's first partials loaded with
+    phase A's (merge_splits_if_last's PRE, decode_params.cuh)."""
+    value = os.environ.get("CUFLASH_DECODE_MERGE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_DECODE_MERGE={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+def release_arrival_wanted() -> bool:
+    """CUFLASH_DECODE_ARRIVE: "release" makes decode_mma's fused-merge arrival one thread's
+    acq_rel fence after the block barrier (CUTLASS's barrier) instead of every thread's
+    fence.sc (A/B runs; decode_params.cuh); unset or "fence": the latter."""
+    value = os.environ.get("CUFLASH_DECODE_ARRIVE", "").strip().lower()
+    if value not in ("", "fence", "release"):
+        raise ValueError(f"CUFLASH_DECODE_ARRIVE={value!r}: expected fence or release")
+    return value == "release"
+
+
+def prelude(fused: bool = True) -> str:
+    """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
+    the builds the compile gate checks); those of the fused merge only for a ``fused`` build
+    (the others would compile the same machine code again)."""
+    out = ""
+    if l2_mode():
+        out += f"#define CUFLASH_DECODE_L2 {l2_mode()}\n"
+    if fused and not merge_prefetch_wanted():
+        out += "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
+    if fused and release_arrival_wanted():
+        out += "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n"
+    return out
+
+
+def stream_spans(groups: int, blocks: int) -> tuple[int, int]:
+    """(the most blocks one group overlaps: the partials' stride; the most groups one block
+    overlaps) in a stream grid of ``blocks`` over ``groups`` (decode_mma.cu: group g is units
+    [g blocks, (g + 1) blocks), block i units [i groups, (i + 1) groups))."""
+    g = numpy.arange(groups, dtype=numpy.int64)
+    i = numpy.arange(blocks, dtype=numpy.int64)
+    per_group = ((g + 1) * blocks - 1) // groups - g * blocks // groups + 1
+    per_block = ((i + 1) * groups - 1) // blocks - i * groups // blocks + 1
+    return int(per_group.max()), int(per_block.max())
+
+
+def stream_grid(groups: int, splits: int, capacity: int, keys_per_iter: int, iter_bytes: int,
+                num_sms: int, split_wave: int, min_blocks: int, mode: str = "1") -> int:
+    """decode_mma's stream grid for ``groups`` (batch rows x KV heads x row tiles) whose even
+    split count is ``splits``, or 0 to keep the even splits. The even splits leave part of the
+    last wave idle where groups x splits is not a multiple of the slots (B = 1, 8 KV heads:
+    15 splits of ceil(iters / 15) iterations, 120 blocks on 132 SMs; B = 64: 3.9 waves); the
+    stream grid shares the groups' key iterations equally among exactly one wave of blocks:
+    one an SM (``split_wave``) while the groups are fewer than the resident slots, else
+    ``min_blocks`` an SM (many groups a block; two resident blocks overlap one's ramp with the
+    other's stream). Cost model, key iterations of the busiest SM: even, ceil(groups x splits
+    / SMs) blocks of ceil(iters / splits); stream, blocks an SM x (the share + one piece's cost
+    (STREAM_PIECE_BYTES) for every group past a block's first). ``mode`` "1": the stream grid
+    where it is STREAM_MIN_GAIN cheaper; "all": wherever it applies (A/B runs)."""
+    iters = max(1, -(-capacity // keys_per_iter))
+    per_sm = min_blocks if groups >= num_sms * min_blocks else split_wave
+    blocks = num_sms * per_sm
+    share = groups * iters / blocks
+    if (mode == "0" or (groups * splits) % blocks == 0 or share < STREAM_MIN_ITERS
+            or iters < STREAM_MIN_GROUP_ITERS):
+        return 0
+    if mode == "all":
+        return blocks
+    even = -(-groups * splits // num_sms) * -(-iters // splits)
+    pieces = stream_spans(groups, blocks)[1]
+    stream = per_sm * (math.ceil(share) + (pieces - 1) * STREAM_PIECE_BYTES / iter_bytes)
+    return blocks if stream <= (1 - STREAM_MIN_GAIN) * even else 0

@@ -1,0 +1,143 @@
+"""decode_mma's stream grid on the host (no GPU): the arithmetic of its pieces (which blocks
+cover which groups' key iterations, cuda_src/decode_mma.cu) and where the cost model of
+``cuflash._inference_grid.stream_grid`` runs it on an H200. The kernels themselves: the
+emulation (tests/test_inference_emu.py) and the GPU tests (tests/test_gpu_inference.py); here,
+on the GPU, decode_sm80's A/B builds (prelude defines) against its default, bitwise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cuflash import _families, _inference_gpu, _inference_grid, _traits
+
+H200 = _families.PROFILES["h200"]
+
+
+def _stream_pieces_brute(groups, blocks):
+    """(group, block) pairs whose units overlap (decode_mma.cu's stream grid), the slow way."""
+    return {(g, i) for g in range(groups) for i in range(blocks)
+            if max(g * blocks, i * groups) < min((g + 1) * blocks, (i + 1) * groups)}
+
+
+@pytest.mark.parametrize("groups,blocks", [(8, 132), (6, 4), (6, 5), (6, 13), (64, 132),
+                                           (512, 264), (7, 7), (1, 3)])
+def test_stream_grid_pieces_partition_the_groups(groups, blocks):
+    """The stream grid's arithmetic (decode_mma.cu), done on the host: every group is covered
+    by consecutive blocks first(g) .. last(g), each block by consecutive groups, the pieces of
+    a group partition its key iterations (any length), and stream_spans gives the most
+    partials a group (the partials' stride) and the most pieces a block."""
+    pairs = _stream_pieces_brute(groups, blocks)
+    per_group = [sorted(i for g2, i in pairs if g2 == g) for g in range(groups)]
+    for g, blocks_g in enumerate(per_group):
+        first, last = g * blocks // groups, ((g + 1) * blocks - 1) // groups
+        assert blocks_g == list(range(first, last + 1))
+        for iters in (0, 1, 5, 37, 2048):
+            ends = []
+            for i in blocks_g:
+                u0, u1 = i * groups, (i + 1) * groups
+                lo, hi = max(u0 - g * blocks, 0), min(u1 - g * blocks, blocks)
+                ends.append((lo * iters // blocks, hi * iters // blocks))
+            assert ends[0][0] == 0 and ends[-1][1] == iters
+            assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    for i in range(blocks):
+        gs = sorted(g for g, i2 in pairs if i2 == i)
+        u0, u1 = i * groups, (i + 1) * groups
+        assert gs == list(range(u0 // blocks, (u1 - 1) // blocks + 1))
+    assert _inference_grid.stream_spans(groups, blocks) == (
+        max(map(len, per_group)), max(sum(1 for g, i2 in pairs if i2 == i) for i in range(blocks)))
+
+
+def test_stream_grid_choices_on_an_h200(monkeypatch):
+    """Where the stream grid runs on an H200 (bf16, d 128, Hq 32, 1 row tile) under
+    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "all" wherever it applies; "0"
+    (the default) nowhere; never where the even splits fill whole waves or the cache is
+    short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2 hints")."""
+    assert _inference_grid.stream_mode() == "0" or "CUFLASH_DECODE_STREAM" in os.environ
+    t = _traits.DECODE_SM80[128]
+    expect = {  # (B, Hkv, L): blocks under "1"; "all" also takes the zeros marked so
+        (1, 8, 8192): 0, (1, 8, 65536): 132, (1, 8, 131072): 132, (1, 32, 65536): 0,
+        (1, 32, 131072): 132, (8, 8, 8192): 0, (8, 8, 65536): 132, (8, 32, 8192): 0,
+        (64, 8, 8192): 0, (64, 8, 65536): 264, (64, 32, 1024): 0, (1, 8, 1024): 0}
+    for (B, Hkv, L), blocks in expect.items():
+        s = _inference_gpu.num_splits_heuristic(B * Hkv, L, t.block_n, H200.num_sms,
+                                                t.split_wave)
+        args = (B * Hkv, s, L, t.block_n, t.block_n * 256 * 2, H200.num_sms, t.split_wave,
+                t.min_blocks)
+        assert _inference_grid.stream_grid(*args) == blocks, (B, Hkv, L)
+        assert _inference_grid.stream_grid(*args, mode="0") == 0
+        every = _inference_grid.stream_grid(*args, mode="all")
+        assert every == (0 if L <= 8192 and B == 1 and Hkv == 8 or L == 1024 else
+                         H200.num_sms * (t.min_blocks if B * Hkv >= 264 else 1)), (B, Hkv, L)
+    monkeypatch.setenv("CUFLASH_DECODE_STREAM", "maybe")
+    with pytest.raises(ValueError, match="CUFLASH_DECODE_STREAM"):
+        _inference_grid.stream_mode()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{"CUFLASH_DECODE_MERGE": "0"}, {"CUFLASH_DECODE_L2": "256b"},
+                                 {"CUFLASH_DECODE_L2": "evict_first"},
+                                 {"CUFLASH_DECODE_ARRIVE": "release"}],
+                         ids=lambda e: "-".join(f"{k[15:]}={v}" for k, v in e.items()))
+def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
+    """decode_sm80's A/B builds (prelude defines: the merge without its prefetch, the L2 hints,
+    the release arrival) compute the same operations in the same order as the default build:
+    bitwise its output and lse, with 1 split (no merge), 7 and 19 (the fused merge, 19 past its
+    16 prefetched partials), call after call (the counters left at 0), batch row 0 empty."""
+    import cupy
+    import ml_dtypes
+    import numpy
+    from cuflash import _api, _inference
+    rng = numpy.random.default_rng(5)
+    B, Hkv, G, L, d = 3, 8, 4, 4096, 128
+    bf16 = ml_dtypes.bfloat16
+    q = cupy.asarray(rng.standard_normal((B, Hkv, G, 1, d)).astype(bf16))
+    kc = cupy.asarray(rng.standard_normal((B, Hkv, 1, L, d)).astype(bf16))
+    vc = cupy.asarray(rng.standard_normal((B, Hkv, 1, L, d)).astype(bf16))
+    s = cupy.asarray(numpy.array([0, L, 1234], numpy.int32))
+
+    def run(splits):
+        outs = [_inference.attention_with_kvcache(q, kc, vc, cache_seqlens=s, num_splits=splits,
+                                                  return_lse=True) for _ in range(2)]
+        (o0, l0), (o1, l1) = [(cupy.asnumpy(o).view(numpy.uint16), cupy.asnumpy(lse))
+                              for o, lse in outs]
+        assert numpy.array_equal(o0, o1) and numpy.array_equal(l0, l1)
+        return o0, l0
+    try:
+        _api.clear_plans()
+        want = {n: run(n) for n in (1, 7, 19)}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        _api.clear_plans()
+        c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 7, None, False, True)
+        spec = _inference_gpu.spec_or_reason(c)
+        assert not isinstance(spec, str) and spec.prelude, spec     # (a fused build: 7 splits)
+        for n, (o, lse) in want.items():
+            got = run(n)
+            assert numpy.array_equal(got[0], o) and numpy.array_equal(got[1], lse), n
+    finally:
+        for k in env:
+            monkeypatch.delenv(k, raising=False)
+        _api.clear_plans()
+
+
+def test_ab_switches_make_the_prelude(monkeypatch):
+    """The A/B switches' defines (none by default: the gate's builds); the fused merge's only
+    for fused builds; a bad value names the variable."""
+    for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE"):
+        monkeypatch.delenv(k, raising=False)
+    assert _inference_grid.prelude(True) == _inference_grid.prelude(False) == ""
+    monkeypatch.setenv("CUFLASH_DECODE_MERGE", "0")
+    monkeypatch.setenv("CUFLASH_DECODE_L2", "256b")
+    monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "release")
+    assert _inference_grid.prelude(True) == ("#define CUFLASH_DECODE_L2 1\n"
+                                             "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
+                                             "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n")
+    assert _inference_grid.prelude(False) == "#define CUFLASH_DECODE_L2 1\n"
+    for k, bad in (("CUFLASH_DECODE_MERGE", "2"), ("CUFLASH_DECODE_L2", "128b"),
+                   ("CUFLASH_DECODE_ARRIVE", "acquire")):
+        monkeypatch.setenv(k, bad)
+        with pytest.raises(ValueError, match=k):
+            _inference_grid.prelude(True)
+        monkeypatch.delenv(k)
