@@ -185,13 +185,121 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
                      q_full_count=_frozen(qfc), q_full_index=_frozen(qfi))
 
 
-def device_kind(bm: BlockMask, batch_shape: tuple[int, ...]):
-    """``bm.kind`` on the current CUDA device (copied once per device and kept with the block
-    mask), broadcast to ``batch_shape + (Tq, Tk)``: what the kernels read (int8 TileKind)."""
+# ---------------------------------------------------------------------------------------------
+# The kernels' tile lists (FlexAttention's kv_num_blocks / kv_indices on the kernel's tiles)
+# ---------------------------------------------------------------------------------------------
+
+#: a list entry is ``tile << LIST_SHIFT | kinds``: the kind (2 bits, EMPTY / PARTIAL / FULL) of
+#: each of up to 8 row slices of the block (slice s in bits 2s, 2s + 1); cuda_src/modifiers.cuh
+LIST_SHIFT = 16
+MAX_SLICES = 8
+
+
+def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
+    """:meth:`BlockMask.tile_kinds` without a Python loop over tiles: the map's non-empty and
+    non-full blocks counted over each kernel tile's rectangle by 2-D prefix sums (a tile is
+    empty iff it covers no non-empty block, full iff it covers no non-full one)."""
+    Bm, Bn = bm.block
+    Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
+    a = numpy.arange(Tq)
+    c = numpy.arange(Tk)
+    r0, r1 = a * m // Bm, (numpy.minimum((a + 1) * m, bm.Lq) - 1) // Bm + 1
+    c0, c1 = c * n // Bn, (numpy.minimum((c + 1) * n, bm.Lk) - 1) // Bn + 1
+
+    def rect(x):   # per tile: the number of blocks of the map where x holds
+        P = numpy.zeros(x.shape[:-2] + (x.shape[-2] + 1, x.shape[-1] + 1), numpy.int64)
+        P[..., 1:, 1:] = x.astype(numpy.int64).cumsum(-2).cumsum(-1)
+        R0, R1, C0, C1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
+        return P[..., R1, C1] - P[..., R0, C1] - P[..., R1, C0] + P[..., R0, C0]
+
+    out = numpy.full(bm.kind.shape[:-2] + (Tq, Tk), PARTIAL, numpy.int8)
+    out[rect(bm.kind != FULL) == 0] = FULL
+    out[rect(bm.kind != EMPTY) == 0] = EMPTY
+    return out
+
+
+def _compact(visit: numpy.ndarray, entry: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Per row (last axis): how many tiles ``visit`` holds, and their ``entry`` values in
+    ascending tile order, padded with 0 (never read: past the count)."""
+    count = visit.sum(axis=-1).astype(numpy.int32)
+    order = numpy.argsort(~visit, axis=-1, kind="stable")
+    packed = numpy.take_along_axis(entry, order, axis=-1)
+    cols = numpy.arange(visit.shape[-1])
+    return count, numpy.where(cols < count[..., None], packed, 0).astype(numpy.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLists:
+    """The lists of one kernel tile shape, one int32 row per batch item of the map (``data``,
+    ``batch_shape + (size,)``), laid out as cuda_src/modifiers.cuh reads them:
+
+    - ``[0, Tq)``: per query tile (``m`` rows) the number of key tiles (``n`` keys) to visit;
+    - ``[Tq, Tq + Tq Tk)``: their entries, row a at ``Tq + a Tk``, ascending; an entry is
+      ``key tile << LIST_SHIFT`` | the kind of each ``sub``-row slice of the query tile;
+    - ``[bwd, bwd + Tk)``: per key tile the number of query tiles to visit (the transpose);
+    - ``[bwd + Tk, bwd + Tk + Tk Tq)``: their entries, key tile c at ``bwd + Tk + c Tq``:
+      ``query tile << LIST_SHIFT`` | the kind of the whole (m x n) tile.
+
+    A tile is visited iff some slice of it is not empty; the kinds are those of
+    :func:`kernel_tile_kinds` (exact for any map block and kernel tile: empty and full only
+    where every map block under it is). Rows past Lq are empty slices."""
+    m: int
+    n: int
+    sub: int
+    tq: int
+    tk: int
+    bwd: int
+    data: numpy.ndarray
+
+
+def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
+    """The lists of ``m x n`` kernel tiles with ``sub``-row slices (``m`` by default; ``m`` a
+    multiple of ``sub``, at most 8 slices). See :class:`TileLists`."""
+    sub = m if sub is None else sub
+    if m % sub or m // sub > MAX_SLICES:
+        raise ValueError(f"tile_lists: {m} rows in slices of {sub} (at most {MAX_SLICES})")
+    Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
+    if max(Tq, Tk) >= 1 << (31 - LIST_SHIFT):
+        raise ValueError(f"block mask over {Tq} x {Tk} tiles: the kernels' lists take fewer "
+                         f"than {1 << (31 - LIST_SHIFT)} a side")
+    batch = bm.kind.shape[:-2]
+    ns = m // sub
+    ks = kernel_tile_kinds(bm, sub, n).astype(numpy.int32)          # batch + (Ts, Tk)
+    pad = Tq * ns - ks.shape[-2]
+    ks = numpy.concatenate([ks, numpy.zeros(batch + (pad, Tk), numpy.int32)], axis=-2)
+    ks = ks.reshape(batch + (Tq, ns, Tk))
+    bits = (ks << (2 * numpy.arange(ns))[:, None]).sum(axis=-2)      # batch + (Tq, Tk)
+    tiles_k = numpy.arange(Tk, dtype=numpy.int32) << LIST_SHIFT
+    fc, fe = _compact(bits != 0, tiles_k + bits)
+    kt = kernel_tile_kinds(bm, m, n).astype(numpy.int32).swapaxes(-1, -2)   # batch + (Tk, Tq)
+    tiles_q = numpy.arange(Tq, dtype=numpy.int32) << LIST_SHIFT
+    bc, be = _compact(kt != EMPTY, tiles_q + kt)
+    parts = [fc, fe.reshape(batch + (Tq * Tk,)), bc, be.reshape(batch + (Tk * Tq,))]
+    data = numpy.concatenate(parts, axis=-1).astype(numpy.int32)
+    data.flags.writeable = False
+    return TileLists(m=m, n=n, sub=sub, tq=Tq, tk=Tk, bwd=Tq + Tq * Tk, data=data)
+
+
+def host_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
+    """:func:`tile_lists`, built once per (block mask, tile shape) and kept with the block mask."""
+    cache = bm.__dict__.setdefault("_tile_lists", {})
+    key = (m, n, m if sub is None else sub)
+    if key not in cache:
+        cache[key] = tile_lists(bm, m, n, sub)
+    return cache[key]
+
+
+def device_lists(bm: BlockMask, batch_shape: tuple[int, ...], m: int, n: int,
+                 sub: int | None = None):
+    """(:class:`TileLists`, its ``data`` on the current CUDA device broadcast to
+    ``batch_shape + (size,)``): uploaded once per device and tile shape, kept with the block
+    mask (what a plan's kernels read)."""
     import cupy
+    lists = host_lists(bm, m, n, sub)
     dev = cupy.cuda.runtime.getDevice()
-    cache = bm.__dict__.setdefault("_device_kind", {})
-    if dev not in cache:
-        cache[dev] = cupy.asarray(numpy.ascontiguousarray(bm.kind))
-    k = cache[dev]
-    return cupy.broadcast_to(k, tuple(batch_shape) + k.shape[-2:])
+    cache = bm.__dict__.setdefault("_device_lists", {})
+    key = (dev, lists.m, lists.n, lists.sub)
+    if key not in cache:
+        cache[key] = cupy.asarray(lists.data)
+    d = cache[key]
+    return lists, cupy.broadcast_to(d, tuple(batch_shape) + d.shape[-1:])

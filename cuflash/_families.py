@@ -301,6 +301,9 @@ def _bwd_tc_select(fam, shape, dev):
     if fam.name == "bwd_sm90":
         # its modifiers all in one of the bucket's sets (the plain path's, the per-element one's)
         feats, sets = shape.variant.features - {"causal"}, _traits.BWD_SM90_MODIFIERS[bucket]
+        if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
+                and os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "1").strip() != "0"):
+            sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
             missing = feats - frozenset().union(*sets)
             what = (f"does not implement {', '.join(sorted(missing))}" if missing else
