@@ -10,11 +10,13 @@ lengths. For every batch item and every (query tile, key tile) pair of ``block =
 - full (2): every pair visible: the kernel skips the mask_mod.
 
 The last tile of each axis may be shorter (``Lq % bm``, ``Lk % bn``); it is classified on the
-pairs that exist. From this the object derives FlexAttention-style lists, which the kernels
-read: per query tile the key tiles that are partial (``partial_count``, ``partial_index``) and
-full (``full_count``, ``full_index``), and per key tile the query tiles (``q_partial_*``,
-``q_full_*``, for the backward, which walks key tiles). Index lists are ascending; entries past
-the count are -1. All arrays are read-only.
+pairs that exist. From this the object derives FlexAttention-style lists: per query tile the
+key tiles that are partial (``partial_count``, ``partial_index``) and full (``full_count``,
+``full_index``), and per key tile the query tiles (``q_partial_*``, ``q_full_*``). Index lists
+are ascending; entries past the count are -1. All arrays are read-only. The GPU kernels read
+the same lists on their OWN tiles (:func:`tile_lists`: per row block of the kernel the key tiles
+to visit with the kind of each row slice, per key tile the query tiles), built once per kernel
+tile shape and kept with the block mask.
 
 Kernels with other tiles: a kernel tile of ``m x n`` is classified from the block-mask tiles it
 overlaps (:meth:`BlockMask.tile_kinds`): empty if all of them are empty, full if all are full,
