@@ -231,10 +231,14 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       //    the keys or this slice's mask boundary pay for it.
       Var::transform_tile(p.var, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
+      // (a block mask: the bounds' mask where they cross the tile, the pair masks where its
+      // kind is not full)
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                             (Var::kBlockMask ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
+                                              : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
       if constexpr (Var::kNatural || Var::kPairMask)
-        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
+        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk,
+                               Var::kBlockMask ? pair_tile : need_mask && pair_tile);
       if (need_mask) {
         // the first and last visible key of each of this thread's two rows, relative to this
         // thread's first column in the tile

@@ -231,8 +231,10 @@ struct ModVariant {
     return (e >> kListShift) < end ? e : kListEnd;
   }
   __device__ __forceinline__ static int entry_tile(int e) { return e >> kListShift; }
+  // (a mask array besides the block mask: its pairs are evaluated in every tile the list holds)
   __device__ __forceinline__ static TileKind entry_kind(int e, int slice) {
-    return static_cast<TileKind>((e >> (2 * slice)) & 3);
+    const int k = (e >> (2 * slice)) & 3;
+    return static_cast<TileKind>(kMask && k == kTileFull ? kTilePartial : k);
   }
 
   // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (the
