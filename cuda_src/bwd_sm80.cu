@@ -191,7 +191,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   [[maybe_unused]] int list_n = 0, v = 0;
   if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<false>(p.mod, item, n_block, list_n);
   const int m_tiles = ((Var::kKeyLo ? m_end : p.Lq) + BLOCK_M - 1) / BLOCK_M;
-  auto entry = [&](int u) { return Var::Mod::list_entry(list, list_n, u, m_tiles); };
+  auto entry = [&](int u) { return Var::Mod::list_entry(list, u, m_tiles); };
   if constexpr (Var::kBlockMask)   // (entries before the analytic range: none without causal)
     while (Var::Mod::entry_tile(entry(v)) < m_first / BLOCK_M) ++v;
   int e_cur = Var::kBlockMask ? entry(v) : 0, e_next = Var::kBlockMask ? entry(v + 1) : 0;

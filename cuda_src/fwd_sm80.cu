@@ -104,7 +104,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   [[maybe_unused]] const int* list = nullptr;
   [[maybe_unused]] int list_n = 0;
   if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<true>(p.mod, item, tile.m_block, list_n);
-  auto entry = [&](int v) { return Var::Mod::list_entry(list, list_n, v, n_blocks); };
+  auto entry = [&](int v) { return Var::Mod::list_entry(list, v, n_blocks); };
   int e_cur = Var::kBlockMask ? entry(0) : 0;
   int e_walk = Var::kBlockMask ? entry(1) : 0;
   const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;

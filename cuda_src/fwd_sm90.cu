@@ -101,7 +101,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // row block (Mod::tile_list: those some row of the block may see; the others are never
   // loaded nor computed), each with the kind of every warpgroup's 64 rows. The loop visits the
   // list's first entry j0, then the next, and so on: after(j), the tile visited after j
-  // (j_walk, from entry e_walk), is prefetched during j; the entry after that (e_ahead) is
+  // (j_walk, from entry e_walk), is prefetched during j; the entry after that is
   // read during j as well (walk_ahead, once on every path through the body: after the S
   // wgmma is issued, so that its load runs while the tensor cores compute S), so every list
   // load has a whole tile to land. `visit` counts the visits and picks the K/V stage (slot %
@@ -111,17 +111,18 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   [[maybe_unused]] const int* list = nullptr;
   [[maybe_unused]] int list_n = 0;
   if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<true>(p.mod, item, tile.m_block, list_n);
-  auto entry = [&](int v) { return Var::Mod::list_entry(list, list_n, v, n_blocks); };
+  auto entry = [&](int v) { return Var::Mod::list_entry(list, v, n_blocks); };
   int e_cur = Var::kBlockMask ? entry(0) : 0;
-  int e_walk = Var::kBlockMask ? entry(1) : 0, e_ahead = 0;
+  int e_walk = Var::kBlockMask ? entry(1) : 0;
   const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;
   int j_walk = Var::kBlockMask ? Var::Mod::entry_tile(e_walk) : 0, visit = 0;
-  auto walk_ahead = [&]() {
-    if constexpr (Var::kBlockMask) e_ahead = entry(visit + 2);
+  auto walk_ahead = [&]() {   // (the current entry is dead by then: its register takes it)
+    if constexpr (Var::kBlockMask) e_cur = entry(visit + 2);
   };
   auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
-  auto advance = [&](int) {   // the tile just reached is j_walk; the entry after it, e_ahead
+  auto advance = [&](int) {   // the tile just reached is j_walk; the entry after it, in e_cur
     if constexpr (Var::kBlockMask) {
+      const int e_ahead = e_cur;
       e_cur = e_walk;
       e_walk = e_ahead;
       j_walk = Var::Mod::entry_tile(e_walk);

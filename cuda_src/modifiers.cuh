@@ -213,21 +213,23 @@ struct ModVariant {
   //      and the backward's are the same, and a key tile's transpose list holds query tile a
   //      exactly when a's list holds it (the deterministic backward's count).
   static constexpr int kListShift = 16;
-  static constexpr int kListEnd = 0x7fffffff;      // past the list: its tile >= any end
+  static constexpr int kListEnd = 0x7fffffff;      // after a list's last entry: its tile >= any end
+  // The list of tile t (its entries, then kListEnd at least twice: a loop reads the entry after
+  // next without a count); `count` its length (the deterministic backward's and the tests').
   template <bool kKeys, class It>
   __device__ __forceinline__ static const int* tile_list(const ModifierParams& m, const It& it,
                                                          int t, int& count) {
     if (kKeys) {
       count = it.list[t];
-      return it.list + m.list_tq + (long long)t * m.list_tk;
+      return it.list + m.list_tq + (long long)t * (m.list_tk + 2);
     }
     count = it.list[m.list_bwd + t];
-    return it.list + m.list_bwd + m.list_tk + (long long)t * m.list_tq;
+    return it.list + m.list_bwd + m.list_tk + (long long)t * (m.list_tq + 2);
   }
-  // Entry v of a list of `count`; kListEnd past the count or from the first tile >= end on
-  // (the analytic causal / window bound of the loop).
-  __device__ __forceinline__ static int list_entry(const int* list, int count, int v, int end) {
-    const int e = v < count ? list[v] : kListEnd;
+  // Entry v (at most the list's length + 1); kListEnd from the first tile >= end on (the
+  // analytic causal / window bound of the loop).
+  __device__ __forceinline__ static int list_entry(const int* list, int v, int end) {
+    const int e = list[v];
     return (e >> kListShift) < end ? e : kListEnd;
   }
   __device__ __forceinline__ static int entry_tile(int e) { return e >> kListShift; }

@@ -220,14 +220,20 @@ def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
     return out
 
 
+#: the entry after a list's last: its tile is past every loop's end (modifiers.cuh kListEnd)
+LIST_END = 0x7FFFFFFF
+
+
 def _compact(visit: numpy.ndarray, entry: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
     """Per row (last axis): how many tiles ``visit`` holds, and their ``entry`` values in
-    ascending tile order, padded with 0 (never read: past the count)."""
+    ascending tile order followed by LIST_END up to 2 past the row's length (a loop reads the
+    entry after next without comparing with the count)."""
     count = visit.sum(axis=-1).astype(numpy.int32)
     order = numpy.argsort(~visit, axis=-1, kind="stable")
     packed = numpy.take_along_axis(entry, order, axis=-1)
-    cols = numpy.arange(visit.shape[-1])
-    return count, numpy.where(cols < count[..., None], packed, 0).astype(numpy.int32)
+    packed = numpy.concatenate([packed, numpy.zeros(packed.shape[:-1] + (2,), packed.dtype)], -1)
+    cols = numpy.arange(packed.shape[-1])
+    return count, numpy.where(cols < count[..., None], packed, LIST_END).astype(numpy.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +242,13 @@ class TileLists:
     ``batch_shape + (size,)``), laid out as cuda_src/modifiers.cuh reads them:
 
     - ``[0, Tq)``: per query tile (``m`` rows) the number of key tiles (``n`` keys) to visit;
-    - ``[Tq, Tq + Tq Tk)``: their entries, row a at ``Tq + a Tk``, ascending; an entry is
-      ``key tile << LIST_SHIFT`` | the kind of each ``sub``-row slice of the query tile;
+    - ``[Tq, Tq + Tq (Tk + 2))``: their entries, row a at ``Tq + a (Tk + 2)``, ascending, then
+      LIST_END to the row's end; an entry is ``key tile << LIST_SHIFT`` | the kind of each
+      ``sub``-row slice of the query tile;
     - ``[bwd, bwd + Tk)``: per key tile the number of query tiles to visit (the transpose);
-    - ``[bwd + Tk, bwd + Tk + Tk Tq)``: their entries, key tile c at ``bwd + Tk + c Tq``:
-      ``query tile << LIST_SHIFT`` | the kind of the whole (m x n) tile.
+    - ``[bwd + Tk, bwd + Tk + Tk (Tq + 2))``: their entries, key tile c at
+      ``bwd + Tk + c (Tq + 2)``: ``query tile << LIST_SHIFT`` | the kind of the whole (m x n)
+      tile, then LIST_END.
 
     A tile is visited iff some slice of it is not empty; the kinds are those of
     :func:`kernel_tile_kinds` (exact for any map block and kernel tile: empty and full only
@@ -276,10 +284,10 @@ def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLis
     kt = kernel_tile_kinds(bm, m, n).astype(numpy.int32).swapaxes(-1, -2)   # batch + (Tk, Tq)
     tiles_q = numpy.arange(Tq, dtype=numpy.int32) << LIST_SHIFT
     bc, be = _compact(kt != EMPTY, tiles_q + kt)
-    parts = [fc, fe.reshape(batch + (Tq * Tk,)), bc, be.reshape(batch + (Tk * Tq,))]
+    parts = [fc, fe.reshape(batch + (Tq * (Tk + 2),)), bc, be.reshape(batch + (Tk * (Tq + 2),))]
     data = numpy.concatenate(parts, axis=-1).astype(numpy.int32)
     data.flags.writeable = False
-    return TileLists(m=m, n=n, sub=sub, tq=Tq, tk=Tk, bwd=Tq + Tq * Tk, data=data)
+    return TileLists(m=m, n=n, sub=sub, tq=Tq, tk=Tk, bwd=Tq + Tq * (Tk + 2), data=data)
 
 
 def host_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:

@@ -144,18 +144,23 @@ def test_a_broadcast_block_mask_serves_every_head():
 def _decode_lists(tl, batch):
     """(per query tile: [(key tile, [slice kinds])], per key tile: [(query tile, kind)]) of
     every batch item, read back from ``tl.data`` as cuda_src/modifiers.cuh reads it."""
-    from cuflash._block_mask import LIST_SHIFT
+    from cuflash._block_mask import LIST_END, LIST_SHIFT
     ns = tl.m // tl.sub
     fwd, bwd = {}, {}
     for idx in numpy.ndindex(batch):
         row = tl.data[idx]
+        starts = [tl.tq + a * (tl.tk + 2) for a in range(tl.tq)]
         fwd[idx] = [[(int(e) >> LIST_SHIFT, [(int(e) >> 2 * s) & 3 for s in range(ns)])
-                     for e in row[tl.tq + a * tl.tk:tl.tq + a * tl.tk + row[a]]]
-                    for a in range(tl.tq)]
-        base = tl.bwd + tl.tk
-        bwd[idx] = [[(int(e) >> LIST_SHIFT, int(e) & 3)
-                     for e in row[base + c * tl.tq:base + c * tl.tq + row[tl.bwd + c]]]
-                    for c in range(tl.tk)]
+                     for e in row[s0:s0 + row[a]]] for a, s0 in enumerate(starts)]
+        # after the count: LIST_END to the row's end (2 past Tk at least)
+        assert all((row[s0 + row[a]:s0 + tl.tk + 2] == LIST_END).all()
+                   for a, s0 in enumerate(starts))
+        starts = [tl.bwd + tl.tk + c * (tl.tq + 2) for c in range(tl.tk)]
+        bwd[idx] = [[(int(e) >> LIST_SHIFT, int(e) & 3) for e in row[s0:s0 + row[tl.bwd + c]]]
+                    for c, s0 in enumerate(starts)]
+        assert all((row[s0 + row[tl.bwd + c]:s0 + tl.tq + 2] == LIST_END).all()
+                   for c, s0 in enumerate(starts))
+        assert row.size == starts[-1] + tl.tq + 2 if starts else True
     return fwd, bwd
 
 

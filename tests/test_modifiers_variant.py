@@ -153,13 +153,13 @@ void lists_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems,
       int count;
       const int* l = V::template tile_list<true>(*m, it, a, count);
       kc[n * Tq + a] = count;
-      for (int v = 0; v <= Tk; ++v) ke[((long long)n * Tq + a) * (Tk + 1) + v] = V::list_entry(l, count, v, kend);
+      for (int v = 0; v <= Tk; ++v) ke[((long long)n * Tq + a) * (Tk + 1) + v] = V::list_entry(l, v, kend);
     }
     for (int c = 0; c < Tk; ++c) {
       int count;
       const int* l = V::template tile_list<false>(*m, it, c, count);
       qc[n * Tk + c] = count;
-      for (int v = 0; v <= Tq; ++v) qe[((long long)n * Tk + c) * (Tq + 1) + v] = V::list_entry(l, count, v, qend);
+      for (int v = 0; v <= Tq; ++v) qe[((long long)n * Tk + c) * (Tq + 1) + v] = V::list_entry(l, v, qend);
     }
   }
 }
@@ -440,8 +440,8 @@ def test_the_instantiations_compile_with_nvrtc(arch):
              " const It& it, int lo, int hi) {\n  int c0, c1;\n"
              "  const int* a = V::template tile_list<true>(m, it, lo, c0);\n"
              "  const int* b = V::template tile_list<false>(m, it, hi, c1);\n"
-             "  return V::entry_tile(V::list_entry(a, c0, 1, hi))"
-             " + V::entry_kind(V::list_entry(b, c1, 0, lo), 1);\n}\n")
+             "  return V::entry_tile(V::list_entry(a, 1, hi))"
+             " + V::entry_kind(V::list_entry(b, 0, lo), 1);\n}\n")
     src = _source(host=False) + "\n" + probe + "\n".join(kernels)
     log, lowered, _ = nvrtc.compile(src, "variant_probe.cu",
                                     [f"probe_{n}" for n in CONFIGS], _jit._options(arch))
