@@ -64,6 +64,12 @@ class BlockMask:
     q_partial_index: numpy.ndarray = dataclasses.field(repr=False)  # batch + (Tk, Tq)
     q_full_count: numpy.ndarray = dataclasses.field(repr=False)
     q_full_index: numpy.ndarray = dataclasses.field(repr=False)
+    #: the same classification on a finer grid (``fine_block``, at most 32 x 32, dividing
+    #: ``block``), recorded from the same evaluation: the kernels' tiles (64 rows a warpgroup,
+    #: 64-key tiles) are classified from it, so a 64 x 64 tile under a partial 128 x 128 block
+    #: (the diagonal of a causal document) can still be full or empty
+    fine: numpy.ndarray | None = dataclasses.field(repr=False, default=None)
+    fine_block: tuple[int, int] | None = None
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -87,7 +93,12 @@ class BlockMask:
 
     def tile_kinds(self, m: int, n: int) -> numpy.ndarray:
         """The kind (0 empty, 1 partial, 2 full) of every ``m x n`` kernel tile, per batch item:
-        shape ``batch_shape + (ceil(Lq / m), ceil(Lk / n))``."""
+        shape ``batch_shape + (ceil(Lq / m), ceil(Lk / n))`` (from the fine grid:
+        :func:`kernel_tile_kinds`)."""
+        return kernel_tile_kinds(self, m, n)
+
+    def coarse_tile_kinds(self, m: int, n: int) -> numpy.ndarray:
+        """:meth:`tile_kinds` from the ``block`` grid alone (a tile loop: the reference)."""
         bm, bn = self.block
         Tq, Tk = -(-self.Lq // m), -(-self.Lk // n)
         out = numpy.empty(self.batch_shape + (Tq, Tk), numpy.int8)
@@ -159,6 +170,8 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
     kind = numpy.full(batch_shape + (Tq, Tk), EMPTY, numpy.int8)
     b, h = _modifiers.batch_indices(batch_shape)
     b, h = b[..., None, None], h[..., None, None]
+    fm, fn = _fine(bm), _fine(bn)
+    fine = numpy.full(batch_shape + (-(-Lq // fm), -(-Lk // fn)), EMPTY, numpy.int8)
     items = max(1, int(numpy.prod(batch_shape, dtype=numpy.int64)))
     keys_per_chunk = max(bn, (_CHUNK // max(1, items * bm)) // bn * bn)
     for t in range(Tq):
@@ -174,6 +187,11 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
             all_ = numpy.logical_and.reduceat(vis.all(axis=-2), starts, axis=-1)
             kind[..., t, j0 // bn:j0 // bn + len(starts)] = numpy.where(
                 all_, FULL, numpy.where(any_, PARTIAL, EMPTY))
+            rs, cs = numpy.arange(0, i1 - i0, fm), numpy.arange(0, j1 - j0, fn)
+            f_any = numpy.logical_or.reduceat(numpy.logical_or.reduceat(vis, rs, axis=-2), cs, axis=-1)
+            f_all = numpy.logical_and.reduceat(numpy.logical_and.reduceat(vis, rs, axis=-2), cs, axis=-1)
+            fine[..., i0 // fm:i0 // fm + len(rs), j0 // fn:j0 // fn + len(cs)] = numpy.where(
+                f_all, FULL, numpy.where(f_any, PARTIAL, EMPTY))
     pc, pi = _lists(kind, PARTIAL)
     fc, fi = _lists(kind, FULL)
     kt = kind.swapaxes(-1, -2)
@@ -184,7 +202,13 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
                      partial_count=_frozen(pc), partial_index=_frozen(pi),
                      full_count=_frozen(fc), full_index=_frozen(fi),
                      q_partial_count=_frozen(qpc), q_partial_index=_frozen(qpi),
-                     q_full_count=_frozen(qfc), q_full_index=_frozen(qfi))
+                     q_full_count=_frozen(qfc), q_full_index=_frozen(qfi),
+                     fine=_frozen(fine), fine_block=(fm, fn))
+
+
+def _fine(b: int) -> int:
+    """The fine grid's side along a block side of ``b``: its largest divisor <= 32."""
+    return max(x for x in range(1, min(b, 32) + 1) if b % x == 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,10 +222,12 @@ MAX_SLICES = 8
 
 
 def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
-    """:meth:`BlockMask.tile_kinds` without a Python loop over tiles: the map's non-empty and
+    """The kind of every ``m x n`` kernel tile (:meth:`BlockMask.tile_kinds`) from the fine
+    grid's blocks (the ``block`` grid's for a BlockMask without one): their non-empty and
     non-full blocks counted over each kernel tile's rectangle by 2-D prefix sums (a tile is
-    empty iff it covers no non-empty block, full iff it covers no non-full one)."""
-    Bm, Bn = bm.block
+    empty iff it covers no non-empty block, full iff it covers no non-full one; exact, never
+    wrong, for any sizes)."""
+    kind, (Bm, Bn) = ((bm.fine, bm.fine_block) if bm.fine is not None else (bm.kind, bm.block))
     Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
     a = numpy.arange(Tq)
     c = numpy.arange(Tk)
@@ -214,9 +240,9 @@ def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
         R0, R1, C0, C1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
         return P[..., R1, C1] - P[..., R0, C1] - P[..., R1, C0] + P[..., R0, C0]
 
-    out = numpy.full(bm.kind.shape[:-2] + (Tq, Tk), PARTIAL, numpy.int8)
-    out[rect(bm.kind != FULL) == 0] = FULL
-    out[rect(bm.kind != EMPTY) == 0] = EMPTY
+    out = numpy.full(kind.shape[:-2] + (Tq, Tk), PARTIAL, numpy.int8)
+    out[rect(kind != FULL) == 0] = FULL
+    out[rect(kind != EMPTY) == 0] = EMPTY
     return out
 
 

@@ -186,6 +186,11 @@ def test_tile_lists_match_brute_force(which, B, H, Lq, Lk, block, tiles):
     assert (kernel_tile_kinds(bmask, m, n) == whole).all()
     exact = brute_kinds(mm, (B, H), Lq, Lk, sub, n)
     assert ((slices == EMPTY) <= (exact == EMPTY)).all() and ((slices == FULL) <= (exact == FULL)).all()
+    coarse = bmask.coarse_tile_kinds(sub, n)          # the fine grid: never less precise
+    assert ((coarse == EMPTY) <= (slices == EMPTY)).all() and ((coarse == FULL) <= (slices == FULL)).all()
+    fm, fn = bmask.fine_block
+    if sub % fm == 0 and n % fn == 0:                 # tiles of whole fine blocks: exact
+        assert (slices == exact).all()
     fwd, bwd = _decode_lists(tl, (B, H))
     ns = m // sub
     for idx in numpy.ndindex((B, H)):
