@@ -182,16 +182,21 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
             kj = numpy.arange(j0, j1)[None, :]
             vis = _pipeline.call_mask_mod(mask_mod, b, h, qi, kj,
                                           batch_shape + (i1 - i0, j1 - j0))
-            starts = numpy.arange(0, j1 - j0, bn)
-            any_ = numpy.logical_or.reduceat(vis.any(axis=-2), starts, axis=-1)
-            all_ = numpy.logical_and.reduceat(vis.all(axis=-2), starts, axis=-1)
-            kind[..., t, j0 // bn:j0 // bn + len(starts)] = numpy.where(
-                all_, FULL, numpy.where(any_, PARTIAL, EMPTY))
+            # the fine grid's kinds (rows first: the column pass then reads 32x fewer values)
             rs, cs = numpy.arange(0, i1 - i0, fm), numpy.arange(0, j1 - j0, fn)
-            f_any = numpy.logical_or.reduceat(numpy.logical_or.reduceat(vis, rs, axis=-2), cs, axis=-1)
-            f_all = numpy.logical_and.reduceat(numpy.logical_and.reduceat(vis, rs, axis=-2), cs, axis=-1)
+            r_any, r_all = (u.reduceat(vis, rs, axis=-2)
+                            for u in (numpy.logical_or, numpy.logical_and))
+            f_any = numpy.logical_or.reduceat(r_any, cs, axis=-1)
+            f_all = numpy.logical_and.reduceat(r_all, cs, axis=-1)
             fine[..., i0 // fm:i0 // fm + len(rs), j0 // fn:j0 // fn + len(cs)] = numpy.where(
                 f_all, FULL, numpy.where(f_any, PARTIAL, EMPTY))
+    # the block grid's kinds from the fine grid's (its blocks tile each block exactly)
+    if fine.size:
+        rb, cb = numpy.arange(0, fine.shape[-2], bm // fm), numpy.arange(0, fine.shape[-1], bn // fn)
+        f_nonempty, f_full = fine != EMPTY, fine == FULL
+        any_ = numpy.logical_or.reduceat(numpy.logical_or.reduceat(f_nonempty, rb, axis=-2), cb, axis=-1)
+        all_ = numpy.logical_and.reduceat(numpy.logical_and.reduceat(f_full, rb, axis=-2), cb, axis=-1)
+        kind[...] = numpy.where(all_, FULL, numpy.where(any_, PARTIAL, EMPTY))
     pc, pi = _lists(kind, PARTIAL)
     fc, fi = _lists(kind, FULL)
     kt = kind.swapaxes(-1, -2)
