@@ -179,14 +179,12 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
   // parameter itself, and the machine code of plain attention is unchanged)
   const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
-  // Within that range a block mask visits only the query tiles of its transpose list for K_j
-  // (Mod::tile_list<false>: the forward's list read the other way): the others' Q_i, dO_i,
-  // L_i, D_i are never loaded and nothing of them is computed. The loop visits m_start (the
-  // list's first entry at or after m_first), then the next entry, and so on: after(m0), the
-  // tile after m0 (m_walk, from entry e_next, read one tile earlier), is prefetched during
-  // m0, and the entry after it is read then. Without a block mask the walk is m_first,
-  // m_first + BLOCK_M, ... (spelled m0 + BLOCK_M where it was: a named copy of it changed the
-  // machine code).
+  // Within that range a block mask visits only the query tiles of K_j's transpose list
+  // (Mod::tile_list<false>): the others' Q_i, dO_i, L_i, D_i are never loaded nor computed.
+  // The loop visits m_start (the first entry at or after m_first), then the next: after(m0)
+  // (m_walk, from entry e_next, read one tile earlier) is prefetched during m0, and the entry
+  // after it read then. Without a block mask: m_first, m_first + BLOCK_M, ... (spelled
+  // m0 + BLOCK_M where it was: a named copy of it changed the machine code).
   [[maybe_unused]] const int* list = nullptr;
   [[maybe_unused]] int list_n = 0, v = 0;
   if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<false>(p.mod, item, n_block, list_n);
