@@ -132,8 +132,8 @@ struct BwdSm80Traits {
 // key-tile order 0, 1, 2, ..., each a fixed sequence of float operations: bitwise the same
 // dQ on every run. Under a block mask a key tile's walk passes over the query tiles the map
 // calls empty for it, so the block waits for the count of the key tiles before it that do
-// visit Q_i (the same map read along Q_i's rows, Mod::next_tile: the same question of the
-// same rectangles), still in key-tile order. No deadlock: the block waited on (key tile n - 1 of the same batch item)
+// visit Q_i (Q_i's own list of the same tiles, Mod::tile_list: built from the same kinds as
+// the transpose lists the key tiles walk), still in key-tile order. No deadlock: the block waited on (key tile n - 1 of the same batch item)
 // has the lower block index, and blocks are dispatched in index order, so it is resident or
 // done before block n starts; by induction on the block index, the lowest unfinished block
 // never waits. Memory stays O(nbatch * Lq * d) (one dQ buffer, no per-key-tile partials).
@@ -179,18 +179,21 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
   // parameter itself, and the machine code of plain attention is unchanged)
   const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
-  // Within that range a block mask leaves out the query tiles it calls empty for every key of
-  // K_j (Mod::next_tile, the forward's map read the other way): their Q_i, dO_i, L_i, D_i are
-  // never loaded and nothing of them is computed. The walk visits m_start, then the next
-  // non-empty tile after it, and so on: after(m0), the tile after m0, is found once a tile, at
-  // the prefetch (m_walk). Without a block mask the walk is m_first, m_first + BLOCK_M, ...
-  // (spelled m0 + BLOCK_M where it was: a named copy of it changed the machine code).
-  const int k_last = min(n0 + kBlockN, p.Lk);
-  auto walk = [&](int m) {   // m: a multiple of BLOCK_M
-    return BLOCK_M * Var::Mod::template next_tile<false>(p.mod, item, n0, k_last, m / BLOCK_M,
-                                                         (m_end + BLOCK_M - 1) / BLOCK_M, BLOCK_M, p.Lq);
-  };
-  const int m_start = Var::kBlockMask ? walk(m_first) : m_first;
+  // Within that range a block mask visits only the query tiles of K_j's transpose list
+  // (Mod::tile_list<false>): the others' Q_i, dO_i, L_i, D_i are never loaded nor computed.
+  // The loop visits m_start (the first entry at or after m_first), then the next: after(m0)
+  // (m_walk, from entry e_next, read one tile earlier) is prefetched during m0, and the entry
+  // after it read then. Without a block mask: m_first, m_first + BLOCK_M, ... (spelled
+  // m0 + BLOCK_M where it was: a named copy of it changed the machine code).
+  [[maybe_unused]] const int* list = nullptr;
+  [[maybe_unused]] int list_n = 0, v = 0;
+  if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<false>(p.mod, item, n_block, list_n);
+  const int m_tiles = ((Var::kKeyLo ? m_end : p.Lq) + BLOCK_M - 1) / BLOCK_M;
+  auto entry = [&](int u) { return Var::Mod::list_entry(list, u, m_tiles); };
+  if constexpr (Var::kBlockMask)   // (entries before the analytic range: none without causal)
+    while (Var::Mod::entry_tile(entry(v)) < m_first / BLOCK_M) ++v;
+  int e_cur = Var::kBlockMask ? entry(v) : 0, e_next = Var::kBlockMask ? entry(v + 1) : 0;
+  const int m_start = Var::kBlockMask ? BLOCK_M * Var::Mod::entry_tile(e_cur) : m_first;
   int m_walk = m_start;
   auto after = [&](int m0) { return Var::kBlockMask ? m_walk : m0 + BLOCK_M; };
 
@@ -264,7 +267,14 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       __syncthreads();
     }
     // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} (the next tile visited) into the other stage.
-    if constexpr (Var::kBlockMask) m_walk = walk(m0 + BLOCK_M);
+    [[maybe_unused]] int e_here = 0;   // this tile's entry
+    if constexpr (Var::kBlockMask) {
+      e_here = e_cur;
+      m_walk = BLOCK_M * Var::Mod::entry_tile(e_next);
+      e_cur = e_next;
+      e_next = entry(v + 2);
+      ++v;
+    }
     if (after(m0) < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(after(m0), stage ^ 1);
     cp_async_commit();
 
@@ -276,9 +286,7 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
     // keys past key_end (P = dS = 0); in one it keeps entirely the mask_mod is not evaluated.
     bool pair_tile = true;
     if constexpr (Var::kBlockMask) {
-      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, m0, min(m0 + BLOCK_M, p.Lq), n0, min(n0 + kBlockN, p.Lk));
-      if (kind == kTileEmpty) kv_warps = 0;
-      pair_tile = kind != kTileFull;
+      pair_tile = Var::Mod::entry_kind(e_here, 0) != kTileFull;   // (never empty: in the list)
     }
 
     if (warp < kv_warps) {
@@ -442,14 +450,17 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
         // (the key tiles before K_j that visit Q_i: all of them, or under a window's left
         // bound those from the one holding Q_i's first visible key on)
         const int n_lo = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / kBlockN : 0;
-        // (under a block mask only those whose walk does not pass over Q_i: the key tiles of
-        // [n_lo, n_block) that the map, read along Q_i's rows, does not call empty)
+        // (under a block mask only those whose transpose list holds Q_i: the key tiles of
+        // [n_lo, n_block) in Q_i's list of the same tiles)
         int n_wait = n_block - n_lo;
         if constexpr (Var::kBlockMask) {
-          const int r_last = min(m0 + BLOCK_M, p.Lq);
+          int count;
+          const int* const row = Var::Mod::template tile_list<true>(p.mod, item, m0 / BLOCK_M, count);
           n_wait = 0;
-          for (int t = n_lo; (t = Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, t, n_block, kBlockN, p.Lk)) < n_block; ++t)
-            ++n_wait;
+          for (int u = 0; u < count; ++u) {
+            const int t = Var::Mod::entry_tile(row[u]);
+            n_wait += t >= n_lo && t < n_block;
+          }
         }
         while (ld_acquire_gpu(sem) != n_wait) {
         }

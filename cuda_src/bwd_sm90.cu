@@ -208,6 +208,22 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // (read as Var::kKeyLo ? m_end : p.Lq below: without a window the loop bound stays the
   // parameter itself, as in bwd_sm80)
   const int m_end = Var::kKeyLo ? Var::query_end(p.var, p.mod, n0 + kBlockN, p.Lq) : p.Lq;
+  // Within that range a block mask visits only the query tiles of its transpose list for K_j
+  // (Mod::tile_list<false>, as bwd_sm80): the others' Q_i, dO_i, L_i, D_i are never loaded and
+  // nothing of them is computed. after(m0), the tile after m0 (m_walk, from entry e_next,
+  // read one tile earlier), is prefetched during m0, and the entry after it is read then. The
+  // kind comes with the entry. Without a block mask: m_first, m_first + BLOCK_M, ...
+  [[maybe_unused]] const int* list = nullptr;
+  [[maybe_unused]] int list_n = 0, v = 0;
+  if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<false>(p.mod, item, n_block, list_n);
+  const int m_tiles = ((Var::kKeyLo ? m_end : p.Lq) + BLOCK_M - 1) / BLOCK_M;
+  auto entry = [&](int u) { return Var::Mod::list_entry(list, u, m_tiles); };
+  if constexpr (Var::kBlockMask)   // (entries before the analytic range: none without causal)
+    while (Var::Mod::entry_tile(entry(v)) < m_first / BLOCK_M) ++v;
+  int e_cur = Var::kBlockMask ? entry(v) : 0, e_next = Var::kBlockMask ? entry(v + 1) : 0;
+  const int m_start = Var::kBlockMask ? BLOCK_M * Var::Mod::entry_tile(e_cur) : m_first;
+  int m_walk = m_start;
+  auto after = [&](int m0) { return Var::kBlockMask ? m_walk : m0 + BLOCK_M; };
 
   // -- 6: Load K_j, V_j from HBM to on-chip SRAM (zero past Lk and past d, dv)
   bwd_io::cp_async_rows<KVTile, kBlockN, kThreads>(sK, gmem.k, p.k_row_stride, n0, p.Lk, p.d);
@@ -230,7 +246,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       d_next = __ldg(reinterpret_cast<const float*>(p.dpsum) + row);
     }
   };
-  if (m_first < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_first, 0);
+  if (m_start < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_start, 0);
   cp_async_commit();
 
   // -- 7: Initialise dK_j = 0, dV_j = 0 on chip (wgmma accumulators: rows = this warpgroup's
@@ -288,7 +304,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 8: for 1 <= i <= T_r (the query tiles that can see K_j):
   int stage = 0;
-  for (int m0 = m_first; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 += BLOCK_M, stage ^= 1) {
+  for (int m0 = m_start; m0 < (Var::kKeyLo ? m_end : p.Lq); m0 = after(m0), stage ^= 1) {
     const unsigned stage_off = stage * Tr::kStageBytes;
     const unsigned long long sdesc = stage_off >> 4;
     float* const sL2 = sStats + stage * Tr::kStatStage;   // L_i * log2(e); +inf: no P here
@@ -306,20 +322,22 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       fence_proxy_async();
       __syncthreads();
     }
-    // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} into the other stage.
-    if (m0 + BLOCK_M < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m0 + BLOCK_M, stage ^ 1);
+    // Prefetch Q_{i+1}, dO_{i+1}, L_{i+1}, D_{i+1} (the next tile visited) into the other stage.
+    [[maybe_unused]] int e_here = 0;   // this tile's entry
+    if constexpr (Var::kBlockMask) {
+      e_here = e_cur;
+      m_walk = BLOCK_M * Var::Mod::entry_tile(e_next);
+      e_cur = e_next;
+      e_next = entry(v + 2);
+      ++v;
+    }
+    if (after(m0) < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(after(m0), stage ^ 1);
     cp_async_commit();
 
-    // A block mask: a (query tile, key tile) its mask_mod hides entirely changes nothing (P =
-    // dS = 0): the block skips its products and its dQ (the loop's barriers stay in step: the
-    // kind is the same for every thread); in one it keeps entirely the mask_mod is not
-    // evaluated.
+    // A block mask: in a (query tile, key tile) its mask_mod keeps entirely the mask_mod is not
+    // evaluated (the list holds no tile it hides entirely).
     bool pair_tile = true;
-    if constexpr (Var::kBlockMask) {
-      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, m0, min(m0 + BLOCK_M, p.Lq), n0, min(n0 + kBlockN, p.Lk));
-      if (kind == kTileEmpty) continue;
-      pair_tile = kind != kTileFull;
-    }
+    if constexpr (Var::kBlockMask) pair_tile = Var::Mod::entry_kind(e_here, 0) != kTileFull;
 
     // -- 10: S_ij^T = K_j Q_i^T;  13: dP_ij^T = V_j dO_i^T  (this warpgroup's 64 keys x BLOCK_M
     //        queries; a thread holds keys kw0 + g (+8) x queries 8t + 2 t4 (+1)), two commit

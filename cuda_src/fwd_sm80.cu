@@ -92,24 +92,29 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int n_end = Var::key_end(p.var, p.mod, m0 + kBlockM, p.Lk);
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int j_first = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
-  // Within that range a block mask leaves out the key tiles it calls empty for every row of
-  // the block (Mod::next_tile): they are never loaded nor computed. The loop visits j0, then
-  // the next non-empty tile after it, and so on: after(j), the tile visited after j, is
-  // prefetched during j, so the walk finds it one iteration ahead (j_walk), in the loop's
-  // increment, where S and P are dead (in the body it made ptxas spill). `visit` counts the
-  // visits and picks the K/V stage, so the tile being loaded never shares the stage being
-  // computed on. Without a block mask the walk is j_first, j_first + 1, ... and the stage is
-  // j's parity, spelled as they were (j + 1 through a lambda changed the machine code).
-  const int r_last = min(m0 + kBlockM, p.Lq);
-  auto next_tile = [&](int j) {
-    return Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, j, n_blocks, BLOCK_N, p.Lk);
-  };
-  const int j0 = Var::kBlockMask ? next_tile(j_first) : j_first;
-  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0;
+  // Within that range a block mask visits only the key tiles of its list for this row block
+  // (Mod::tile_list: those some row of the block may see; the others are never loaded nor
+  // computed), each with the kind of every warp's rows. The loop visits the list's first entry
+  // j0, then the next, and so on: after(j), the tile visited after j (j_walk, from entry
+  // e_walk), is prefetched during j, and the entry after it is read in the loop's increment,
+  // where S and P are dead (in the body the walk made ptxas spill). `visit` counts the visits
+  // and picks the K/V stage, so the tile being loaded never shares the stage being computed
+  // on. Without a block mask the walk is j_first, j_first + 1, ... and the stage is j's parity,
+  // spelled as they were (j + 1 through a lambda changed the machine code).
+  [[maybe_unused]] const int* list = nullptr;
+  [[maybe_unused]] int list_n = 0;
+  if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<true>(p.mod, item, tile.m_block, list_n);
+  auto entry = [&](int v) { return Var::Mod::list_entry(list, v, n_blocks); };
+  int e_cur = Var::kBlockMask ? entry(0) : 0;
+  int e_walk = Var::kBlockMask ? entry(1) : 0;
+  const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;
+  int j_walk = Var::kBlockMask ? Var::Mod::entry_tile(e_walk) : 0, visit = 0;
   auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
-  auto advance = [&](int j) {   // j: the tile just reached
+  auto advance = [&](int) {   // the tile just reached is j_walk
     if constexpr (Var::kBlockMask) {
-      j_walk = next_tile(j + 1);
+      e_cur = e_walk;
+      e_walk = entry(visit + 2);
+      j_walk = Var::Mod::entry_tile(e_walk);
       ++visit;
     }
   };
@@ -183,10 +188,8 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
     // A block mask: a tile its mask_mod hides entirely changes nothing either; in a tile it
     // keeps entirely the mask_mod is not evaluated (pair_tile false).
     bool pair_tile = true;
-    if constexpr (Var::kBlockMask) {
-      const int r0 = m0 + warp * Tr::kWarpRows, r1 = min(r0 + Tr::kWarpRows, p.Lq);
-      if (r1 <= r0) continue;   // rows past Lq only: never stored
-      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, r0, r1, n0, min(n0 + BLOCK_N, p.Lk));
+    if constexpr (Var::kBlockMask) {   // (the list entry's kind for this warp's rows; rows past Lq: empty)
+      const TileKind kind = Var::Mod::entry_kind(e_cur, warp);
       if (kind == kTileEmpty) continue;
       pair_tile = kind != kTileFull;
     }
@@ -228,10 +231,14 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       //    the keys or this slice's mask boundary pay for it.
       Var::transform_tile(p.var, s[ms]);
       const int warp_row_first = m0 + warp * Tr::kWarpRows + 16 * ms;
+      // (a block mask: the bounds' mask where they cross the tile, the pair masks where its
+      // kind is not full)
       const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                             Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                             (Var::kBlockMask ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
+                                              : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
       if constexpr (Var::kNatural || Var::kPairMask)
-        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
+        modify_score_tile<Var>(s[ms], p.var, p.mod, item, row0 + 16 * ms, n0 + col_in_tile, p.Lq, p.Lk,
+                               Var::kBlockMask ? pair_tile : need_mask && pair_tile);
       if (need_mask) {
         // the first and last visible key of each of this thread's two rows, relative to this
         // thread's first column in the tile

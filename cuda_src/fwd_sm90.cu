@@ -97,31 +97,35 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int j_first_wg = Var::kKeyLo ? Var::key_begin(p.var, p.mod, wg_row_first) / BLOCK_N : 0;
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
-  // Within [j_first, n_blocks) a block mask leaves out the key tiles it calls empty for every
-  // row of the block (the union over its warpgroups, which share the loads; Mod::next_tile):
-  // they are never loaded nor computed. The loop visits j0, then the next non-empty tile after
-  // it, and so on: after(j), the tile visited after j, is prefetched during j, so the walk finds
-  // it one iteration ahead (j_walk), in the loop's increment (as fwd_sm80). `visit` counts the
-  // visits and picks the K/V stage (slot % kStages), so the tile being loaded never shares the
-  // stage being computed on. Without a block mask the walk is j_first, j_first + 1, ... and the
-  // slot is j, spelled as they were (through a lambda they changed the machine code).
-  const int r_last = min(m0 + kBlockM, p.Lq);
-  auto next_tile = [&](int j) {
-    return Var::Mod::template next_tile<true>(p.mod, item, m0, r_last, j, n_blocks, BLOCK_N, p.Lk);
-  };
-  // The walk one tile further, j_ahead = after(after(j)), is found during tile j
-  // (walk_ahead, once on every path through the body: after the S wgmma is issued, so that the
-  // map loads and the walk's divisions run while the tensor cores compute S), not in the
-  // increment, where it sat between P V and the next barrier with nothing to overlap it.
-  const int j0 = Var::kBlockMask ? next_tile(j_first) : j_first;
-  int j_walk = Var::kBlockMask ? next_tile(j0 + 1) : 0, visit = 0, j_ahead = 0;
-  auto walk_ahead = [&]() {
-    if constexpr (Var::kBlockMask) j_ahead = next_tile(j_walk + 1);
+  // Within [j_first, n_blocks) a block mask visits only the key tiles of its list for this
+  // row block (Mod::tile_list: those some row of the block may see; the others are never
+  // loaded nor computed), each with the kind of every warpgroup's 64 rows. The loop visits the
+  // list's first entry j0, then the next, and so on: after(j), the tile visited after j
+  // (j_walk, from entry e_walk), is prefetched during j; the entry after that is
+  // read during j as well (walk_ahead, once on every path through the body: after the S
+  // wgmma is issued, so that its load runs while the tensor cores compute S), so every list
+  // load has a whole tile to land. `visit` counts the visits and picks the K/V stage (slot %
+  // kStages), so the tile being loaded never shares the stage being computed on. Without a
+  // block mask the walk is j_first, j_first + 1, ... and the slot is j, spelled as they were
+  // (through a lambda they changed the machine code).
+  [[maybe_unused]] const int* list = nullptr;
+  [[maybe_unused]] int list_n = 0;
+  if constexpr (Var::kBlockMask) list = Var::Mod::template tile_list<true>(p.mod, item, tile.m_block, list_n);
+  auto entry = [&](int v) { return Var::Mod::list_entry(list, v, n_blocks); };
+  int e_cur = Var::kBlockMask ? entry(0) : 0;
+  int e_walk = Var::kBlockMask ? entry(1) : 0;
+  const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;
+  int j_walk = Var::kBlockMask ? Var::Mod::entry_tile(e_walk) : 0, visit = 0;
+  auto walk_ahead = [&]() {   // (the current entry is dead by then: its register takes it)
+    if constexpr (Var::kBlockMask) e_cur = entry(visit + 2);
   };
   auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
-  auto advance = [&](int) {   // the tile just reached is j_walk; the one after it, j_ahead
+  auto advance = [&](int) {   // the tile just reached is j_walk; the entry after it, in e_cur
     if constexpr (Var::kBlockMask) {
-      j_walk = j_ahead;
+      const int e_ahead = e_cur;
+      e_cur = e_walk;
+      e_walk = e_ahead;
+      j_walk = Var::Mod::entry_tile(e_walk);
       ++visit;
     }
   };
@@ -167,11 +171,16 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     const int n0 = j * BLOCK_N;
     Var::transform_tile(p.var, s);
     const int warp_row_first = wg_row_first + 16 * warp;
+    // (a block mask: the bounds' mask where they cross the tile, the pair masks where its kind
+    // is not full; in the predicated build every tile masks, as before: the branch on the
+    // bounds spilled 16 bytes at the 168-register cap of 3 warpgroups with causal)
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
+                           (Var::kBlockMask && EVEN ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
+                                            : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
     // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
     if constexpr (Var::kNatural || Var::kPairMask)
-      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask && pair_tile);
+      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk,
+                             Var::kBlockMask && EVEN ? pair_tile : need_mask && pair_tile);
     if (need_mask) {
       int first[2], last[2];
 #pragma unroll
@@ -213,15 +222,11 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       continue;
     }
     // A block mask: a tile its mask_mod hides from all of this warpgroup's rows changes
-    // nothing for them; in one it keeps entirely the mask_mod is not evaluated.
+    // nothing for them (rows past Lq included); in one it keeps entirely the mask_mod is not
+    // evaluated. The kind is the list entry's, for this warpgroup's slice.
     bool pair_tile = true;
     if constexpr (Var::kBlockMask) {
-      const int r1 = min(wg_row_first + 64, p.Lq);
-      if (r1 <= wg_row_first) {   // rows past Lq only: never stored
-        walk_ahead();
-        continue;
-      }
-      const TileKind kind = Var::Mod::tile_kind(p.mod, item, p.var.causal_offset, wg_row_first, r1, j * BLOCK_N, min((j + 1) * BLOCK_N, p.Lk));
+      const TileKind kind = Var::Mod::entry_kind(e_cur, wg);
       if (kind == kTileEmpty) {
         walk_ahead();
         continue;

@@ -36,7 +36,7 @@ struct ModifierParams {
   const bool* mask;                 // likewise with the mask_* strides
   const void* alibi_slopes;         // the kernel's accumulation type (float, or double for
   const void* sink;                 // float64 inputs), one per batch item (broadcast by strides)
-  const signed char* block_kind;    // block mask kinds (TileKind), item x Tq x block_tk, or null
+  const int* block_list;            // block mask tile lists (ModVariant::tile_list), or null
   float* dbias;                     // backward with a bias: dL/dbias of every (item, i, j),
                                     // item x Lq x Lk float32, C order (the host sums it over the
                                     // bias's broadcast dims); null otherwise
@@ -52,7 +52,7 @@ struct ModifierParams {
   int diag;                         // Lk - Lq: the diagonal of ALiBi and of the window
   int heads;                        // H: the user functions' b = item / H, h = item % H
   int batch_base;                   // global flat index of this launch's first batch item
-  int block_m, block_n, block_tk;   // block mask tile sizes, its number of key tiles
+  int list_tq, list_tk, list_bwd;   // block mask lists: query tiles, key tiles, transpose's start
   int mask_mod_captured_base;       // slot of mask_mod's first captured array
   int pad_;
 };
@@ -87,7 +87,7 @@ struct ItemState {
   Acc slope, sink;
   const BiasT* bias;            // this item's bias at (0, 0)
   const bool* mask;
-  const signed char* kinds;     // this item's block mask kinds
+  const int* list;              // this item's block mask tile lists
 };
 
 template <bool kCausal = false, bool kWindow = false, bool kSoftcap = false,
@@ -134,7 +134,7 @@ struct ModVariant {
     it.sink = kSink ? static_cast<const Acc*>(m.sink)[osk] : mod_detail::neg_inf_of<Acc>();
     it.bias = kHasBias ? static_cast<const Bias*>(m.bias) + ob : nullptr;
     it.mask = kMask ? m.mask + om : nullptr;
-    it.kinds = kBlockMask ? m.block_kind + obk : nullptr;
+    it.list = kBlockMask ? m.block_list + obk : nullptr;
     return it;
   }
 
@@ -173,9 +173,10 @@ struct ModVariant {
     hi = static_cast<int>(h);
   }
 
-  // (3) The kind of the tile rows [i0, i1) x keys [j0, j1) (ends clipped to Lq, Lk): empty
-  //     (never load it), full (skip visible()), else partial. Causal and window analytically;
-  //     a mask array is always partial; a mask_mod through the block mask (partial without).
+  // (3) The kind of the tile rows [i0, i1) x keys [j0, j1) (ends clipped to Lq, Lk) that
+  //     causal and the window give analytically: empty (never load it), full (skip visible()),
+  //     else partial. A mask array or a mask_mod is always partial here: a block mask's kinds
+  //     come with its tile lists (3b).
   template <class It>
   __device__ __forceinline__ static TileKind tile_kind(const ModifierParams& m, const It& it,
                                                        int causal_offset, int i0, int i1,
@@ -194,80 +195,48 @@ struct ModVariant {
       empty |= b0 > a1 + m.diag + m.window_right;
       full &= b1 <= a0 + m.diag + m.window_right;
     }
-    if (kMask) full = false;
-    if (kHasMaskMod) {
-      if (kBlockMask) {                              // all covering blocks empty / all full
-        bool all_empty = true, all_full = true;
-        for (int r = i0 / m.block_m; r <= (i1 - 1) / m.block_m; ++r)
-          for (int c = j0 / m.block_n; c <= (j1 - 1) / m.block_n; ++c) {
-            const int k = it.kinds[(long long)r * m.block_tk + c];
-            all_empty &= k == kTileEmpty;
-            all_full &= k == kTileFull;
-          }
-        empty |= all_empty;
-        full &= all_full;
-      } else {
-        full = false;
-      }
-    }
+    if (kMask || kHasMaskMod) full = false;
     return empty ? kTileEmpty : (full ? kTileFull : kTilePartial);
   }
 
-  // (3b) The block mask's walk over the tiles of one axis, for a fixed range of the other:
-  //      kKeys, the key tiles t (keys [t size, (t + 1) size) clipped to len = Lk) of the
-  //      query rows [a0, a1) (the forward's loop); otherwise the query tiles t (rows, clipped
-  //      to len = Lq) of the keys [a0, a1) (the backward's). Returns the first tile t' >= t,
-  //      t' < end, that covers some block the mask does not call empty, or end if there is
-  //      none (t itself where t >= end). A tile it passes over has every block under it empty:
-  //      no pair of it is visible, so the kernel neither loads nor computes it ("empty tiles
-  //      are never loaded"). Without a block mask it returns t: every tile of the analytic
-  //      (causal / window) range is visited, as before. The same map and the same question
-  //      (some non-empty block in the rectangle) serve both directions, so the forward and
-  //      the backward skip exactly the same (query tile, key tile) pairs of a given tiling.
+  // (3b) A block mask's tile lists, FlexAttention's kv_num_blocks / kv_indices on the
+  //      kernel's own tiles (cuflash/_block_mask.py TileLists: built on the host once per block
+  //      mask and kernel tile shape, from the map's empty / partial / full blocks). kKeys: the
+  //      key tiles query tile t visits (the forward); otherwise the query tiles key tile t
+  //      visits (the backward). A list holds only tiles that some of their pairs may be
+  //      visible in ("empty tiles are never loaded"), ascending; an entry is
+  //      tile << kListShift | the kind (TileKind, 2 bits) of each row slice of the query tile
+  //      (a warpgroup's or warp's rows in the forward; the whole tile in the transpose). A loop
+  //      reads entry v + 1 or v + 2 while it computes on entry v: no division and no walk
+  //      over empty tiles, and the kind (full: no mask_mod) comes with the entry. Both
+  //      directions are read from one kind matrix of the same tiles, so the forward's pairs
+  //      and the backward's are the same, and a key tile's transpose list holds query tile a
+  //      exactly when a's list holds it (the deterministic backward's count).
+  static constexpr int kListShift = 16;
+  static constexpr int kListEnd = 0x7fffffff;      // after a list's last entry: its tile >= any end
+  // The list of tile t (its entries, then kListEnd at least twice: a loop reads the entry after
+  // next without a count); `count` its length (the deterministic backward's and the tests').
   template <bool kKeys, class It>
-  __device__ __forceinline__ static int next_tile(const ModifierParams& m, const It& it,
-                                                  int a0, int a1, int t, int end, int size,
-                                                  int len) {
-    if constexpr (kBlockMask) {
-      if (t >= end) return t;
-      if (a1 <= a0) return end;                      // no row (key) at all: nothing visible
-      const int across = kKeys ? m.block_m : m.block_n;   // block size across the walk
-      const int along = kKeys ? m.block_n : m.block_m;    // and along it
-      const int f0 = a0 / across, f1 = (a1 - 1) / across;
-      // kinds[r * block_tk + c]: a step along the walk, a step across it
-      const long long step_along = kKeys ? 1 : m.block_tk, step_across = kKeys ? m.block_tk : 1;
-      const signed char* const first = it.kinds + f0 * step_across;
-      // The map's blocks along the walk, from the one holding tile t's first row (key) to the
-      // last one a tile before `end` reaches, 4 at a time (independent loads: one latency for
-      // four, where one at a time the walk over a long empty stretch costs ~40 cycles a block).
-      // The first non-empty block w makes the tile holding its first element the answer (or t,
-      // if that is t's own block): every tile before it lies in empty blocks.
-      const int stop = (long long)end * size < len ? end * size : len;
-      const int w_end = (stop - 1) / along + 1;
-      for (int w = t * size / along; w < w_end; w += 4) {
-        // the map rows (columns) across the walk outside, the four blocks along it inside:
-        // the four loads of one row are issued together and waited for once (with the loop
-        // over rows innermost each load was consumed before the next block's was issued)
-        bool hit[4] = {false, false, false, false};
-        const signed char* k = first + w * step_along;
-        for (int f = f0; f <= f1; ++f, k += step_across) {
-          signed char kind[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) kind[u] = (w + u < w_end) ? k[u * step_along] : static_cast<signed char>(kTileEmpty);
-#pragma unroll
-          for (int u = 0; u < 4; ++u) hit[u] |= kind[u] != kTileEmpty;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (hit[u]) {
-            const int tw = (w + u) * along / size;
-            return tw > t ? tw : t;
-          }
-      }
-      return end;
-    } else {
-      return t;
+  __device__ __forceinline__ static const int* tile_list(const ModifierParams& m, const It& it,
+                                                         int t, int& count) {
+    if (kKeys) {
+      count = it.list[t];
+      return it.list + m.list_tq + (long long)t * (m.list_tk + 2);
     }
+    count = it.list[m.list_bwd + t];
+    return it.list + m.list_bwd + m.list_tk + (long long)t * (m.list_tq + 2);
+  }
+  // Entry v (at most the list's length + 1); kListEnd from the first tile >= end on (the
+  // analytic causal / window bound of the loop).
+  __device__ __forceinline__ static int list_entry(const int* list, int v, int end) {
+    const int e = list[v];
+    return (e >> kListShift) < end ? e : kListEnd;
+  }
+  __device__ __forceinline__ static int entry_tile(int e) { return e >> kListShift; }
+  // (a mask array besides the block mask: its pairs are evaluated in every tile the list holds)
+  __device__ __forceinline__ static TileKind entry_kind(int e, int slice) {
+    const int k = (e >> (2 * slice)) & 3;
+    return static_cast<TileKind>(kMask && k == kTileFull ? kTilePartial : k);
   }
 
   // (4) Steps 2-5 on s = scale * q.k (natural-log units), in the accumulation type Acc (the

@@ -182,8 +182,14 @@ struct Variant {
   }
   static __device__ __forceinline__ bool needs_mask(const VariantParams& v, const ModifierParams& m, const int& m_begin,
                                                     const int& m_end, const int& n_begin, const int& n_end) {
-    bool out = needs_mask(v, m_begin, m_end, n_begin, n_end);
     if (kPairMask) return true;   // a bool mask / mask_mod: every tile evaluates it
+    return needs_bound_mask(v, m, m_begin, m_end, n_begin, n_end);
+  }
+  // causal's and the window's bounds alone: what a block mask's tile needs besides the pair
+  // masks, which its list entry's kind switches (a full tile: none; fwd_sm90, fwd_sm80)
+  static __device__ __forceinline__ bool needs_bound_mask(const VariantParams& v, const ModifierParams& m, const int& m_begin,
+                                                          const int& m_end, const int& n_begin, const int& n_end) {
+    bool out = needs_mask(v, m_begin, m_end, n_begin, n_end);
     if (WINDOW && m.window_right >= 0) out = out || n_end - 1 > m_begin + m.diag + m.window_right;
     if (WINDOW && m.window_left >= 0) out = out || n_begin < m_end - 1 + m.diag - m.window_left;
     return out;

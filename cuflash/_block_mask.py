@@ -10,11 +10,13 @@ lengths. For every batch item and every (query tile, key tile) pair of ``block =
 - full (2): every pair visible: the kernel skips the mask_mod.
 
 The last tile of each axis may be shorter (``Lq % bm``, ``Lk % bn``); it is classified on the
-pairs that exist. From this the object derives FlexAttention-style lists, which the kernels
-read: per query tile the key tiles that are partial (``partial_count``, ``partial_index``) and
-full (``full_count``, ``full_index``), and per key tile the query tiles (``q_partial_*``,
-``q_full_*``, for the backward, which walks key tiles). Index lists are ascending; entries past
-the count are -1. All arrays are read-only.
+pairs that exist. From this the object derives FlexAttention-style lists: per query tile the
+key tiles that are partial (``partial_count``, ``partial_index``) and full (``full_count``,
+``full_index``), and per key tile the query tiles (``q_partial_*``, ``q_full_*``). Index lists
+are ascending; entries past the count are -1. All arrays are read-only. The GPU kernels read
+the same lists on their OWN tiles (:func:`tile_lists`: per row block of the kernel the key tiles
+to visit with the kind of each row slice, per key tile the query tiles), built once per kernel
+tile shape and kept with the block mask.
 
 Kernels with other tiles: a kernel tile of ``m x n`` is classified from the block-mask tiles it
 overlaps (:meth:`BlockMask.tile_kinds`): empty if all of them are empty, full if all are full,
@@ -62,6 +64,12 @@ class BlockMask:
     q_partial_index: numpy.ndarray = dataclasses.field(repr=False)  # batch + (Tk, Tq)
     q_full_count: numpy.ndarray = dataclasses.field(repr=False)
     q_full_index: numpy.ndarray = dataclasses.field(repr=False)
+    #: the same classification on a finer grid (``fine_block``, at most 32 x 32, dividing
+    #: ``block``), recorded from the same evaluation: the kernels' tiles (64 rows a warpgroup,
+    #: 64-key tiles) are classified from it, so a 64 x 64 tile under a partial 128 x 128 block
+    #: (the diagonal of a causal document) can still be full or empty
+    fine: numpy.ndarray | None = dataclasses.field(repr=False, default=None)
+    fine_block: tuple[int, int] | None = None
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -85,7 +93,12 @@ class BlockMask:
 
     def tile_kinds(self, m: int, n: int) -> numpy.ndarray:
         """The kind (0 empty, 1 partial, 2 full) of every ``m x n`` kernel tile, per batch item:
-        shape ``batch_shape + (ceil(Lq / m), ceil(Lk / n))``."""
+        shape ``batch_shape + (ceil(Lq / m), ceil(Lk / n))`` (from the fine grid:
+        :func:`kernel_tile_kinds`)."""
+        return kernel_tile_kinds(self, m, n)
+
+    def coarse_tile_kinds(self, m: int, n: int) -> numpy.ndarray:
+        """:meth:`tile_kinds` from the ``block`` grid alone (a tile loop: the reference)."""
         bm, bn = self.block
         Tq, Tk = -(-self.Lq // m), -(-self.Lk // n)
         out = numpy.empty(self.batch_shape + (Tq, Tk), numpy.int8)
@@ -157,6 +170,8 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
     kind = numpy.full(batch_shape + (Tq, Tk), EMPTY, numpy.int8)
     b, h = _modifiers.batch_indices(batch_shape)
     b, h = b[..., None, None], h[..., None, None]
+    fm, fn = _fine(bm), _fine(bn)
+    fine = numpy.full(batch_shape + (-(-Lq // fm), -(-Lk // fn)), EMPTY, numpy.int8)
     items = max(1, int(numpy.prod(batch_shape, dtype=numpy.int64)))
     keys_per_chunk = max(bn, (_CHUNK // max(1, items * bm)) // bn * bn)
     for t in range(Tq):
@@ -167,11 +182,21 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
             kj = numpy.arange(j0, j1)[None, :]
             vis = _pipeline.call_mask_mod(mask_mod, b, h, qi, kj,
                                           batch_shape + (i1 - i0, j1 - j0))
-            starts = numpy.arange(0, j1 - j0, bn)
-            any_ = numpy.logical_or.reduceat(vis.any(axis=-2), starts, axis=-1)
-            all_ = numpy.logical_and.reduceat(vis.all(axis=-2), starts, axis=-1)
-            kind[..., t, j0 // bn:j0 // bn + len(starts)] = numpy.where(
-                all_, FULL, numpy.where(any_, PARTIAL, EMPTY))
+            # the fine grid's kinds (rows first: the column pass then reads 32x fewer values)
+            rs, cs = numpy.arange(0, i1 - i0, fm), numpy.arange(0, j1 - j0, fn)
+            r_any, r_all = (u.reduceat(vis, rs, axis=-2)
+                            for u in (numpy.logical_or, numpy.logical_and))
+            f_any = numpy.logical_or.reduceat(r_any, cs, axis=-1)
+            f_all = numpy.logical_and.reduceat(r_all, cs, axis=-1)
+            fine[..., i0 // fm:i0 // fm + len(rs), j0 // fn:j0 // fn + len(cs)] = numpy.where(
+                f_all, FULL, numpy.where(f_any, PARTIAL, EMPTY))
+    # the block grid's kinds from the fine grid's (its blocks tile each block exactly)
+    if fine.size:
+        rb, cb = numpy.arange(0, fine.shape[-2], bm // fm), numpy.arange(0, fine.shape[-1], bn // fn)
+        f_nonempty, f_full = fine != EMPTY, fine == FULL
+        any_ = numpy.logical_or.reduceat(numpy.logical_or.reduceat(f_nonempty, rb, axis=-2), cb, axis=-1)
+        all_ = numpy.logical_and.reduceat(numpy.logical_and.reduceat(f_full, rb, axis=-2), cb, axis=-1)
+        kind[...] = numpy.where(all_, FULL, numpy.where(any_, PARTIAL, EMPTY))
     pc, pi = _lists(kind, PARTIAL)
     fc, fi = _lists(kind, FULL)
     kt = kind.swapaxes(-1, -2)
@@ -182,16 +207,140 @@ def block_mask(mask_mod: Callable, batch_shape: Any, Lq: int, Lk: int, *,
                      partial_count=_frozen(pc), partial_index=_frozen(pi),
                      full_count=_frozen(fc), full_index=_frozen(fi),
                      q_partial_count=_frozen(qpc), q_partial_index=_frozen(qpi),
-                     q_full_count=_frozen(qfc), q_full_index=_frozen(qfi))
+                     q_full_count=_frozen(qfc), q_full_index=_frozen(qfi),
+                     fine=_frozen(fine), fine_block=(fm, fn))
 
 
-def device_kind(bm: BlockMask, batch_shape: tuple[int, ...]):
-    """``bm.kind`` on the current CUDA device (copied once per device and kept with the block
-    mask), broadcast to ``batch_shape + (Tq, Tk)``: what the kernels read (int8 TileKind)."""
+def _fine(b: int) -> int:
+    """The fine grid's side along a block side of ``b``: its largest divisor <= 32."""
+    return max(x for x in range(1, min(b, 32) + 1) if b % x == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' tile lists (FlexAttention's kv_num_blocks / kv_indices on the kernel's tiles)
+# ---------------------------------------------------------------------------------------------
+
+#: a list entry is ``tile << LIST_SHIFT | kinds``: the kind (2 bits, EMPTY / PARTIAL / FULL) of
+#: each of up to 8 row slices of the block (slice s in bits 2s, 2s + 1); cuda_src/modifiers.cuh
+LIST_SHIFT = 16
+MAX_SLICES = 8
+
+
+def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
+    """The kind of every ``m x n`` kernel tile (:meth:`BlockMask.tile_kinds`) from the fine
+    grid's blocks (the ``block`` grid's for a BlockMask without one): their non-empty and
+    non-full blocks counted over each kernel tile's rectangle by 2-D prefix sums (a tile is
+    empty iff it covers no non-empty block, full iff it covers no non-full one; exact, never
+    wrong, for any sizes)."""
+    kind, (Bm, Bn) = ((bm.fine, bm.fine_block) if bm.fine is not None else (bm.kind, bm.block))
+    Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
+    a = numpy.arange(Tq)
+    c = numpy.arange(Tk)
+    r0, r1 = a * m // Bm, (numpy.minimum((a + 1) * m, bm.Lq) - 1) // Bm + 1
+    c0, c1 = c * n // Bn, (numpy.minimum((c + 1) * n, bm.Lk) - 1) // Bn + 1
+
+    def rect(x):   # per tile: the number of blocks of the map where x holds
+        P = numpy.zeros(x.shape[:-2] + (x.shape[-2] + 1, x.shape[-1] + 1), numpy.int64)
+        P[..., 1:, 1:] = x.astype(numpy.int64).cumsum(-2).cumsum(-1)
+        R0, R1, C0, C1 = r0[:, None], r1[:, None], c0[None, :], c1[None, :]
+        return P[..., R1, C1] - P[..., R0, C1] - P[..., R1, C0] + P[..., R0, C0]
+
+    out = numpy.full(kind.shape[:-2] + (Tq, Tk), PARTIAL, numpy.int8)
+    out[rect(kind != FULL) == 0] = FULL
+    out[rect(kind != EMPTY) == 0] = EMPTY
+    return out
+
+
+#: the entry after a list's last: its tile is past every loop's end (modifiers.cuh kListEnd)
+LIST_END = 0x7FFFFFFF
+
+
+def _compact(visit: numpy.ndarray, entry: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """Per row (last axis): how many tiles ``visit`` holds, and their ``entry`` values in
+    ascending tile order followed by LIST_END up to 2 past the row's length (a loop reads the
+    entry after next without comparing with the count)."""
+    count = visit.sum(axis=-1).astype(numpy.int32)
+    order = numpy.argsort(~visit, axis=-1, kind="stable")
+    packed = numpy.take_along_axis(entry, order, axis=-1)
+    packed = numpy.concatenate([packed, numpy.zeros(packed.shape[:-1] + (2,), packed.dtype)], -1)
+    cols = numpy.arange(packed.shape[-1])
+    return count, numpy.where(cols < count[..., None], packed, LIST_END).astype(numpy.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLists:
+    """The lists of one kernel tile shape, one int32 row per batch item of the map (``data``,
+    ``batch_shape + (size,)``), laid out as cuda_src/modifiers.cuh reads them:
+
+    - ``[0, Tq)``: per query tile (``m`` rows) the number of key tiles (``n`` keys) to visit;
+    - ``[Tq, Tq + Tq (Tk + 2))``: their entries, row a at ``Tq + a (Tk + 2)``, ascending, then
+      LIST_END to the row's end; an entry is ``key tile << LIST_SHIFT`` | the kind of each
+      ``sub``-row slice of the query tile;
+    - ``[bwd, bwd + Tk)``: per key tile the number of query tiles to visit (the transpose);
+    - ``[bwd + Tk, bwd + Tk + Tk (Tq + 2))``: their entries, key tile c at
+      ``bwd + Tk + c (Tq + 2)``: ``query tile << LIST_SHIFT`` | the kind of the whole (m x n)
+      tile, then LIST_END.
+
+    A tile is visited iff some slice of it is not empty; the kinds are those of
+    :func:`kernel_tile_kinds` (exact for any map block and kernel tile: empty and full only
+    where every map block under it is). Rows past Lq are empty slices."""
+    m: int
+    n: int
+    sub: int
+    tq: int
+    tk: int
+    bwd: int
+    data: numpy.ndarray
+
+
+def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
+    """The lists of ``m x n`` kernel tiles with ``sub``-row slices (``m`` by default; ``m`` a
+    multiple of ``sub``, at most 8 slices). See :class:`TileLists`."""
+    sub = m if sub is None else sub
+    if m % sub or m // sub > MAX_SLICES:
+        raise ValueError(f"tile_lists: {m} rows in slices of {sub} (at most {MAX_SLICES})")
+    Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
+    if max(Tq, Tk) >= 1 << (31 - LIST_SHIFT):
+        raise ValueError(f"block mask over {Tq} x {Tk} tiles: the kernels' lists take fewer "
+                         f"than {1 << (31 - LIST_SHIFT)} a side")
+    batch = bm.kind.shape[:-2]
+    ns = m // sub
+    ks = kernel_tile_kinds(bm, sub, n).astype(numpy.int32)          # batch + (Ts, Tk)
+    pad = Tq * ns - ks.shape[-2]
+    ks = numpy.concatenate([ks, numpy.zeros(batch + (pad, Tk), numpy.int32)], axis=-2)
+    ks = ks.reshape(batch + (Tq, ns, Tk))
+    bits = (ks << (2 * numpy.arange(ns))[:, None]).sum(axis=-2)      # batch + (Tq, Tk)
+    tiles_k = numpy.arange(Tk, dtype=numpy.int32) << LIST_SHIFT
+    fc, fe = _compact(bits != 0, tiles_k + bits)
+    kt = kernel_tile_kinds(bm, m, n).astype(numpy.int32).swapaxes(-1, -2)   # batch + (Tk, Tq)
+    tiles_q = numpy.arange(Tq, dtype=numpy.int32) << LIST_SHIFT
+    bc, be = _compact(kt != EMPTY, tiles_q + kt)
+    parts = [fc, fe.reshape(batch + (Tq * (Tk + 2),)), bc, be.reshape(batch + (Tk * (Tq + 2),))]
+    data = numpy.concatenate(parts, axis=-1).astype(numpy.int32)
+    data.flags.writeable = False
+    return TileLists(m=m, n=n, sub=sub, tq=Tq, tk=Tk, bwd=Tq + Tq * (Tk + 2), data=data)
+
+
+def host_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
+    """:func:`tile_lists`, built once per (block mask, tile shape) and kept with the block mask."""
+    cache = bm.__dict__.setdefault("_tile_lists", {})
+    key = (m, n, m if sub is None else sub)
+    if key not in cache:
+        cache[key] = tile_lists(bm, m, n, sub)
+    return cache[key]
+
+
+def device_lists(bm: BlockMask, batch_shape: tuple[int, ...], m: int, n: int,
+                 sub: int | None = None):
+    """(:class:`TileLists`, its ``data`` on the current CUDA device broadcast to
+    ``batch_shape + (size,)``): uploaded once per device and tile shape, kept with the block
+    mask (what a plan's kernels read)."""
     import cupy
+    lists = host_lists(bm, m, n, sub)
     dev = cupy.cuda.runtime.getDevice()
-    cache = bm.__dict__.setdefault("_device_kind", {})
-    if dev not in cache:
-        cache[dev] = cupy.asarray(numpy.ascontiguousarray(bm.kind))
-    k = cache[dev]
-    return cupy.broadcast_to(k, tuple(batch_shape) + k.shape[-2:])
+    cache = bm.__dict__.setdefault("_device_lists", {})
+    key = (dev, lists.m, lists.n, lists.sub)
+    if key not in cache:
+        cache[key] = cupy.asarray(lists.data)
+    d = cache[key]
+    return lists, cupy.broadcast_to(d, tuple(batch_shape) + d.shape[-1:])

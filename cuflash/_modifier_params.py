@@ -24,13 +24,13 @@ _CAPTURED = numpy.dtype([("ptr", "<u8"), ("shape", "<i8", (4,)), ("stride", "<i8
                         align=True)
 
 MODIFIER_PARAMS = numpy.dtype(
-    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_kind", "dbias")]
+    [(n, "<u8") for n in ("bias", "mask", "alibi_slopes", "sink", "block_list", "dbias")]
     + [(f"{n}_batch_stride", "<i8", (4,)) for n in ("bias", "mask", "slope", "sink", "block")]
     + [(n, "<i8") for n in ("bias_row", "bias_col", "mask_row", "mask_col")]
     + [("captured", _CAPTURED, (4,))]
     + [("softcap", "<f4"), ("inv_softcap", "<f4")]
     + [(n, "<i4") for n in ("window_left", "window_right", "diag", "heads", "batch_base",
-                            "block_m", "block_n", "block_tk", "mask_mod_captured_base", "pad_")],
+                            "list_tq", "list_tk", "list_bwd", "mask_mod_captured_base", "pad_")],
     align=True)
 
 
@@ -74,11 +74,12 @@ def _window_bound(x, limit: int) -> int:
 
 
 def pack(mods: Modifiers, *, pointer, batch_strides, batch_base: int = 0,
-         score_trace=None, mask_trace=None, block_kinds=None) -> numpy.void:
+         score_trace=None, mask_trace=None, block_lists=None) -> numpy.void:
     """``ModifierParams`` for one launch.
 
-    ``block_kinds`` is the block mask's ``kind`` array (as the device reads it, broadcast to the
-    batch shape); ``score_trace`` / ``mask_trace`` the traces whose captured arrays fill the
+    ``block_lists`` is ``(TileLists, data)``: the block mask's tile lists for the kernel's tiles
+    (``_block_mask.tile_lists``) and their data as the device reads it, broadcast to the batch
+    shape; ``score_trace`` / ``mask_trace`` the traces whose captured arrays fill the
     ``captured`` slots (score_mod's first).
     """
     p = numpy.zeros((), MODIFIER_PARAMS)
@@ -109,12 +110,11 @@ def pack(mods: Modifiers, *, pointer, batch_strides, batch_base: int = 0,
             # plan packs with pointer 0 and patches per_item_acc(x)'s address per call)
             p[name] = pointer(x)
             p[f"{short}_batch_stride"] = batch_strides(x)
-    if block_kinds is not None:
-        bm = mods.block_mask
-        p["block_kind"] = pointer(block_kinds)
-        p["block_batch_stride"] = batch_strides(block_kinds)
-        p["block_m"], p["block_n"] = bm.block
-        p["block_tk"] = bm.kind.shape[-1]
+    if block_lists is not None:
+        lists, data = block_lists
+        p["block_list"] = pointer(data)
+        p["block_batch_stride"] = batch_strides(data)
+        p["list_tq"], p["list_tk"], p["list_bwd"] = lists.tq, lists.tk, lists.bwd
     slot = 0
     for trace in (score_trace, mask_trace):
         if trace is mask_trace:

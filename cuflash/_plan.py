@@ -98,6 +98,8 @@ class ForwardPlan:
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, mods=mods)
         self.choice = _families.choose("fwd", shape, dev)
+        if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
+            self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         fam, t = self.choice.family, self.choice.traits
         self.copies = fam.tensor_core_rows and not all(
             _launch.tensor_core_ready(x) for x in (prob.q, prob.k, prob.v))
@@ -185,6 +187,8 @@ class BackwardPlan:
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, deterministic, mods)
         self.choice = _families.choose("bwd", shape, dev)
+        if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
+            self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         lse_contiguous = lse.flags.c_contiguous
         fam, t = self.choice.family, self.choice.traits
         self.tc = fam.tensor_core_rows

@@ -24,20 +24,38 @@ class ModifierPatch:
         self.word = {n: (base + mp.MODIFIER_PARAMS.fields[n][1]) // 8 for n in self.names}
         self.has_bias = mods.bias is not None
         self.block_mask = mods.block_mask is not None
-        self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_kind"][1]) // 8
+        self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_list"][1]) // 8
+        self.list_tiles = None   # (m, n, sub) of the kernel's tiles: set_tiles
         self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
         # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
         cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
         self.captured_words = [(cap + k * mp.MODIFIER_PARAMS["captured"].base.itemsize) // 8
                                for k in range(4)]
 
+    def set_tiles(self, family: str, traits) -> None:
+        """The kernel's tile shape, once the plan has chosen it: a block mask's lists are built
+        (once per block mask and shape, ``_block_mask.device_lists``) for these tiles. Row
+        slices: a warpgroup's 64 rows (fwd_sm90), a warp's (fwd_sm80), the whole tile (the
+        backwards, which read the transpose)."""
+        m, n = traits.block_m, traits.block_n
+        if family == "fwd_sm90":
+            sub = 64
+        elif family == "fwd_sm80":
+            sub = m // traits["warps"]
+        else:
+            sub = m
+        self.list_tiles = (m, n, sub)
+
+    def _lists(self, mods):
+        from ._block_mask import device_lists
+        return device_lists(mods.block_mask, mods.batch_shape, *self.list_tiles)
+
     def arrays(self, mods) -> list:
         """The call's modifier arrays (broadcast views), in ``names`` order, then the block
-        mask's kinds on the device: their batch strides join the batch layout's."""
+        mask's tile lists on the device: their batch strides join the batch layout's."""
         out = [getattr(mods, n) for n in self.names]
         if self.block_mask:
-            from ._block_mask import device_kind
-            out.append(device_kind(mods.block_mask, mods.batch_shape))
+            out.append(self._lists(mods)[1])
         return out
 
     def pack_into(self, p, layout, first: int, mods) -> None:
@@ -54,7 +72,8 @@ class ModifierPatch:
         score, mask = traces_of(mods)
         p["mod"] = mp.pack(mods, pointer=lambda x: 0, batch_strides=lambda x: strides[id(x)],
                            score_trace=score, mask_trace=mask,
-                           block_kinds=arrays[-1] if self.block_mask else None)
+                           block_lists=(self._lists(mods)[0], arrays[-1]) if self.block_mask
+                           else None)
 
     def pointer_arrays(self, mods) -> list:
         """The arrays whose pointers a call patches, slopes and sinks in the accumulation
@@ -72,8 +91,7 @@ class ModifierPatch:
         ``mods`` read."""
         out = [(self.word[n], x.data.ptr) for n, x in zip(self.names, arrays)]
         if self.block_mask and mods is not None:
-            from ._block_mask import device_kind
-            out.append((self.block_word, device_kind(mods.block_mask, mods.batch_shape).data.ptr))
+            out.append((self.block_word, self._lists(mods)[1].data.ptr))
         if mods is not None and (mods.score_mod is not None or mods.mask_mod is not None):
             from ._variant import traces_of
             caps = [c for t in traces_of(mods) if t is not None for c in t.captures]

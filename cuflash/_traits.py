@@ -331,6 +331,13 @@ BWD_SM90_MODIFIERS = {
 }
 #: ... and the sets a bucket adds for Variants without causal (the bias at d = 128)
 BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}
+#: ... and with a block mask (session 8), at d = 128 a mask_mod alone (with causal): the mods
+#: suite's window, document and prefix mask_mods compile at 255 registers with 0 spills (24
+#: specialisations: causal or not, deterministic or not, block mask or not); the testing kit's
+#: heavier ones spill 8-60 bytes (correct, slower). bwd_sm80 on a Hopper runs mma.sync where
+#: bwd_sm90 runs wgmma, and a block mask's backward is the suite's fwd+bwd gap to
+#: FlexAttention. ``CUFLASH_BWD90_BLOCK_MASK=0`` (read at plan time) keeps them on bwd_sm80.
+BWD_SM90_BLOCK_MASK = {128: frozenset({"mask_mod"})}
 
 # ---------------------------------------------------------------------------------------------
 # bwd_sm80 (cuda_src/bwd_sm80.cu), keyed by head-dim bucket (multiples of 32, at most 128:

@@ -268,21 +268,23 @@ def compile_host_library(src: str, prefix: str, includes, what: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=None,
-                **buffers):
+                list_tiles=None, **buffers):
     """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
     tensors ``strided`` (names q, k, v, o, dout), packed by ``cuflash._launch.pack`` as the GPU
     launcher packs them, and the pointers of the host arrays (the contiguous ``buffers``: lse,
     dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0). ``mods`` (a ``Modifiers`` record over
     NumPy arrays, slopes and sinks in float32) fills ``Params.mod`` as ``_plan`` does, with
-    their arrays' batch strides from the same merged layout."""
+    their arrays' batch strides from the same merged layout; a block mask's tile lists are
+    built for ``list_tiles`` = (m, n, sub), the kernel's tiles (``_plan_mods.set_tiles``)."""
     names = [n for n in _modifier_params.POINTER_FIELDS
              if mods is not None and getattr(mods, n) is not None]
     extra = [getattr(mods, n) for n in names]
-    kinds = None
+    lists = None
     if mods is not None and mods.block_mask is not None:   # as _plan does, on the host
-        kinds = numpy.broadcast_to(numpy.ascontiguousarray(mods.block_mask.kind),
-                                   prob.batch_shape + mods.block_mask.kind.shape[-2:])
-        extra.append(kinds)
+        from cuflash._block_mask import host_lists
+        tl = host_lists(mods.block_mask, *list_tiles)
+        lists = (tl, numpy.broadcast_to(tl.data, prob.batch_shape + tl.data.shape[-1:]))
+        extra.append(lists[1])
     layout = _launch.batch_layout(prob.batch_shape, list(strided.values()) + extra)
     if len(layout.outer) > 1:
         raise ValueError("the emulation launches one grid: at most 4 merged batch dims")
@@ -295,7 +297,7 @@ def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=Non
         p["mod"] = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data,
                                          batch_strides=lambda x: strides[id(x)],
                                          score_trace=score, mask_trace=mask,
-                                         block_kinds=kinds)
+                                         block_lists=lists)
     for name, t in strided.items():
         p[name] = t.ctypes.data
     for name, buf in buffers.items():
@@ -376,7 +378,8 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
     p, _ = pack_params(prob, {"q": q, "k": k, "v": v, "o": o, "dout": do},
                        num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
                        lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
-                       dq_sem=semaphore if deterministic else None, mods=mods)
+                       dq_sem=semaphore if deterministic else None, mods=mods,
+                       list_tiles=(tiles.block_m, tiles.block_n, tiles.block_m))
     if dbias_acc is not None:
         p["mod"]["dbias"] = dbias_acc.ctypes.data
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
@@ -432,9 +435,10 @@ def modifiers_of(prob, **modifiers):
 
 
 def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
-             causal=False, eager=False, **modifiers):
+             causal=False, eager=False, block_n: int | None = None, **modifiers):
     """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0), with
-    any built-in modifier keywords (``expr`` must be compiled for them). ``eager``: cp.async
+    any built-in modifier keywords (``expr`` must be compiled for them; ``block_n``, its key
+    tile, with a block mask). ``eager``: cp.async
     copies land when issued; ``lib.watched_copies`` counts the copies of K's data the kernel
     made."""
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
@@ -442,7 +446,8 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
     num_m_blocks = -(-prob.Lq // block_m)
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
-                            num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers))
+                            num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers),
+                            list_tiles=(block_m, block_n, block_m // (threads // 32)))
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v), watch=prob.k, eager=eager)
     return o, lse

@@ -128,7 +128,7 @@ def test_emulation_runs_the_forward_kernel(dtype, d, Lq, Lk, causal):
     choice = _families.choose("fwd", _families.Shape.of(prob), _families.PROFILES["a100"])
     tiles, expr = choice.traits, choice.expr
     lib = emu.build("fwd_sm80.cu", [("fwd", expr)])
-    o, lse = emu.fwd_sm80(lib, expr, q, k, v, block_m=tiles.block_m, threads=tiles.threads,
+    o, lse = emu.fwd_sm80(lib, expr, q, k, v, block_m=tiles.block_m, block_n=tiles.block_n, threads=tiles.threads,
                           smem_bytes=tiles.smem_bytes, causal=causal)
     o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True)
     assert_attention_close(prob, o, lse, o_ref, lse_ref)
@@ -216,7 +216,7 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
     choice, (q, k, v, causal, kw) = _modifier_choice(name, dtype)
     assert choice.family.name == "fwd_sm80" and "cuflash::Variant<" in choice.expr
     t = choice.traits
-    o, lse = emu.fwd_sm80(fwd_mods_lib, choice.expr, q, k, v, block_m=t.block_m,
+    o, lse = emu.fwd_sm80(fwd_mods_lib, choice.expr, q, k, v, block_m=t.block_m, block_n=t.block_n,
                           threads=t.threads, smem_bytes=t.smem_bytes, causal=causal, **kw)
     assert not numpy.isnan(o.astype(numpy.float32)).any() and not numpy.isnan(lse).any()
     naive.check_result(q, k, v, causal, kw, o, lse)
@@ -334,7 +334,7 @@ def test_user_functions_in_the_kernels_match_the_oracle(name):
     text = (emu.cuda_src_dir() / "fwd_sm80.cu").read_text()
     lib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)], kernel_text=shape.variant.prelude + text)
     t = fwd.traits
-    o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, threads=t.threads,
+    o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, block_n=t.block_n, threads=t.threads,
                           smem_bytes=t.smem_bytes, causal=causal, **kw)
     naive.check_result(q, k, v, causal, kw, o, lse)
     bwd = _families.choose("bwd", _families.Shape.of(prob, False, mods), _families.PROFILES["a100"])
@@ -424,7 +424,7 @@ def test_block_masks_never_load_empty_tiles(name):
                                       t.block_n, off, keys=True)
     assert want < everything
     for eager in (False, True):
-        o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, threads=t.threads,
+        o, lse = emu.fwd_sm80(lib, fwd.expr, q, k, v, block_m=t.block_m, block_n=t.block_n, threads=t.threads,
                               smem_bytes=t.smem_bytes, causal=causal, eager=eager, **kw)
         assert lib.watched_copies == want * chunks, (lib.watched_copies, want * chunks)
         naive.check_result(q, k, v, causal, kw, o, lse)

@@ -463,3 +463,29 @@ def test_block_masks_that_empty_most_tiles(family, dtype, name):
             naive.check_gradients(grads, q, k, v, o, lse, do, False, kw)
         again = run_gpu_backward(q, k, v, False, kw, deterministic=True)[3]
         assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, again))
+
+
+# Block masks as tile lists (session 8): the map's blocks (48 x 80) are neither the kernels'
+# tiles nor divide them, Lq and Lk are not multiples of either, and within one 192-row block
+# of fwd_sm90 the 64-row slices of its warpgroups differ (rows with (q // 64) % 3 != 1 before
+# 600 see nothing: empty slices beside partial and full ones; their rows are dead, o = 0 and
+# lse = -inf). Documents of 130 make whole tiles empty and others full.
+_SLICES = cuflash.block_mask(
+    lambda b, h, q, kv: (((q // 64) % 3 == 1) | (q >= 600)) & ((q // 130) == (kv // 130)),
+    (1, 1), 700, 650, block=(48, 80))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mask_lists_on_the_kernels_own_tiles(family, d, causal):
+    """The forward reads each warpgroup's (warp's) kind from its list entry and the backward
+    (bwd_sm90 at d = 64 and 128, bwd_sm80 elsewhere) the transpose list, with causal's bounds
+    on top: o, lse against the oracle; gradients (both modes) against the reference."""
+    q, k, v = _case(BF16, 700, 650, d=d)
+    kw = {"block_mask": _SLICES}
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    if family in ("default", "sm80"):
+        for det in (False, True):
+            o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw, deterministic=det)
+            naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)

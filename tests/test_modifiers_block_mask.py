@@ -137,3 +137,83 @@ def test_a_broadcast_block_mask_serves_every_head():
         _numpy.forward(prob, o, lse, mods=mods, block_m=64, block_n=32)
         res.append(o)
     numpy.testing.assert_allclose(res[0], res[1], rtol=1e-14, atol=1e-14)
+
+
+# -- the kernels' tile lists (session 8: _block_mask.tile_lists) ---------------------------------
+
+def _decode_lists(tl, batch):
+    """(per query tile: [(key tile, [slice kinds])], per key tile: [(query tile, kind)]) of
+    every batch item, read back from ``tl.data`` as cuda_src/modifiers.cuh reads it."""
+    from cuflash._block_mask import LIST_END, LIST_SHIFT
+    ns = tl.m // tl.sub
+    fwd, bwd = {}, {}
+    for idx in numpy.ndindex(batch):
+        row = tl.data[idx]
+        starts = [tl.tq + a * (tl.tk + 2) for a in range(tl.tq)]
+        fwd[idx] = [[(int(e) >> LIST_SHIFT, [(int(e) >> 2 * s) & 3 for s in range(ns)])
+                     for e in row[s0:s0 + row[a]]] for a, s0 in enumerate(starts)]
+        # after the count: LIST_END to the row's end (2 past Tk at least)
+        assert all((row[s0 + row[a]:s0 + tl.tk + 2] == LIST_END).all()
+                   for a, s0 in enumerate(starts))
+        starts = [tl.bwd + tl.tk + c * (tl.tq + 2) for c in range(tl.tk)]
+        bwd[idx] = [[(int(e) >> LIST_SHIFT, int(e) & 3) for e in row[s0:s0 + row[tl.bwd + c]]]
+                    for c, s0 in enumerate(starts)]
+        assert all((row[s0 + row[tl.bwd + c]:s0 + tl.tq + 2] == LIST_END).all()
+                   for c, s0 in enumerate(starts))
+        assert row.size == starts[-1] + tl.tq + 2 if starts else True
+    return fwd, bwd
+
+
+@given(st.sampled_from(range(len(MASK_MODS))), st.integers(1, 2), st.integers(1, 3),
+       st.integers(0, 300), st.integers(0, 300), st.sampled_from([(16, 8), (33, 64), (128, 128)]),
+       st.sampled_from([(64, 64, 64), (192, 64, 64), (128, 32, 16), (40, 24, 8), (64, 128, 64)]))
+def test_tile_lists_match_brute_force(which, B, H, Lq, Lk, block, tiles):
+    """Every kind, empty rows and columns (a mask_mod hiding everything; Lq or Lk 0), map blocks
+    that neither equal nor divide the kernel's tiles, Lq and Lk not multiples of either: per
+    query tile exactly the key tiles with some row slice not empty, ascending, each slice's
+    kind that of its own tile of the map's classification (never empty or full where the pairs
+    are not); per key tile exactly the query tiles not empty, with the whole tile's kind."""
+    from cuflash._block_mask import kernel_tile_kinds, tile_lists
+    mm = MASK_MODS[which]
+    m, n, sub = tiles
+    bmask = block_mask(mm, (B, H), Lq, Lk, block=block)
+    tl = tile_lists(bmask, m, n, sub)
+    assert (tl.tq, tl.tk) == (-(-Lq // m), -(-Lk // n))
+    assert not tl.data.flags.writeable and tl.data.dtype == numpy.int32
+    slices = bmask.tile_kinds(sub, n)                        # the loop's reference
+    assert (kernel_tile_kinds(bmask, sub, n) == slices).all()
+    whole = bmask.tile_kinds(m, n)
+    assert (kernel_tile_kinds(bmask, m, n) == whole).all()
+    exact = brute_kinds(mm, (B, H), Lq, Lk, sub, n)
+    assert ((slices == EMPTY) <= (exact == EMPTY)).all() and ((slices == FULL) <= (exact == FULL)).all()
+    coarse = bmask.coarse_tile_kinds(sub, n)          # the fine grid: never less precise
+    assert ((coarse == EMPTY) <= (slices == EMPTY)).all() and ((coarse == FULL) <= (slices == FULL)).all()
+    fm, fn = bmask.fine_block
+    if sub % fm == 0 and n % fn == 0:                 # tiles of whole fine blocks: exact
+        assert (slices == exact).all()
+    fwd, bwd = _decode_lists(tl, (B, H))
+    ns = m // sub
+    for idx in numpy.ndindex((B, H)):
+        for a in range(tl.tq):
+            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
+                     for s in range(a * ns, (a + 1) * ns)]   # slices past Lq: empty
+            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
+                    if any(k[c] != EMPTY for k in kinds)]
+            assert fwd[idx][a] == want, (idx, a)
+        for c in range(tl.tk):
+            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
+            assert bwd[idx][c] == want, (idx, c)
+    if which == 4:                                           # everything hidden: empty lists
+        assert not tl.data[..., :tl.tq].any() and not tl.data[..., tl.bwd:tl.bwd + tl.tk].any()
+
+
+def test_tile_lists_are_built_once_per_tile_shape_and_checked():
+    from cuflash._block_mask import host_lists, tile_lists
+    bmask = block_mask(MASK_MODS[3], (1, 1), 500, 400)
+    a = host_lists(bmask, 192, 64, 64)
+    assert host_lists(bmask, 192, 64, 64) is a and host_lists(bmask, 64, 128) is not a
+    assert host_lists(bmask, 64, 128).sub == 64
+    with pytest.raises(ValueError, match="slices"):
+        tile_lists(bmask, 192, 64, 50)
+    with pytest.raises(ValueError, match="slices"):
+        tile_lists(bmask, 16 * 9, 64, 16)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from cuflash import _captured, _jit, _modifier_params, _modifiers, _trace, _trace_cuda
-from cuflash._block_mask import block_mask
+from cuflash._block_mask import LIST_SHIFT, block_mask, tile_lists
 from cuflash._pipeline import ScorePipeline
 
 B, H, LQ, LK = 2, 3, 37, 29
@@ -141,22 +141,26 @@ void exp2_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, 
       }
   }
 }
-// next_tile from every start: the key walk of each query tile (knext, item x Tq x (Tk + 1)) and
-// the query walk of each key tile (qnext, item x Tk x (Tq + 1))
+// The block mask's tile lists as the kernels read them (tile_list, list_entry): per query
+// tile its count (kc, item x Tq) and entries 0 .. Tk (ke, item x Tq x (Tk + 1), list_entry's
+// value: kListEnd past the count or from tile kend on), per key tile the transpose's (qc, qe)
 template <class V>
-void walks_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, int Lq, int Lk,
-                int bm, int bn, int* knext, int* qnext) {
-  const int Tq = (Lq + bm - 1) / bm, Tk = (Lk + bn - 1) / bn;
+void lists_impl(const cuflash::ModifierParams* m, const int* bshape, int nitems, int Tq, int Tk,
+                int kend, int qend, int* kc, int* ke, int* qc, int* qe) {
   for (int n = 0; n < nitems; ++n) {
     typename V::Item it = V::item(*m, bshape, n);
-    for (int a = 0; a < Tq; ++a)
-      for (int t = 0; t <= Tk; ++t)
-        knext[((long long)n * Tq + a) * (Tk + 1) + t] = V::template next_tile<true>(
-            *m, it, a * bm, (a + 1) * bm < Lq ? (a + 1) * bm : Lq, t, Tk, bn, Lk);
-    for (int c = 0; c < Tk; ++c)
-      for (int t = 0; t <= Tq; ++t)
-        qnext[((long long)n * Tk + c) * (Tq + 1) + t] = V::template next_tile<false>(
-            *m, it, c * bn, (c + 1) * bn < Lk ? (c + 1) * bn : Lk, t, Tq, bm, Lq);
+    for (int a = 0; a < Tq; ++a) {
+      int count;
+      const int* l = V::template tile_list<true>(*m, it, a, count);
+      kc[n * Tq + a] = count;
+      for (int v = 0; v <= Tk; ++v) ke[((long long)n * Tq + a) * (Tk + 1) + v] = V::list_entry(l, v, kend);
+    }
+    for (int c = 0; c < Tk; ++c) {
+      int count;
+      const int* l = V::template tile_list<false>(*m, it, c, count);
+      qc[n * Tk + c] = count;
+      for (int v = 0; v <= Tq; ++v) qe[((long long)n * Tk + c) * (Tq + 1) + v] = V::list_entry(l, v, qend);
+    }
   }
 }
 """
@@ -174,9 +178,9 @@ def _entry_points() -> str:
             f'extern "C" void tiles_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
             f" int Lq, int Lk, int off, int bm, int bn, int* k, int* kr, int* qr) {{"
             f" tiles_impl<{v}>(m, bs, n, Lq, Lk, off, bm, bn, k, kr, qr); }}\n"
-            f'extern "C" void walks_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
-            f" int Lq, int Lk, int bm, int bn, int* kn, int* qn) {{"
-            f" walks_impl<{v}>(m, bs, n, Lq, Lk, bm, bn, kn, qn); }}\n"
+            f'extern "C" void lists_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
+            f" int Tq, int Tk, int ke_, int qe_, int* kc, int* ke, int* qc, int* qe) {{"
+            f" lists_impl<{v}>(m, bs, n, Tq, Tk, ke_, qe_, kc, ke, qc, qe); }}\n"
             f'extern "C" void exp2_{name}(const cuflash::ModifierParams* m, const int* bs, int n,'
             f" int Lq, int Lk, const float* s, float* out) {{"
             f" exp2_impl<{v}>(m, bs, n, Lq, Lk, s, out); }}")
@@ -225,7 +229,9 @@ def _problem(name):
     return mods, pipe, causal
 
 
-def _pack(mods):
+def _pack(mods, tiles=(8, 4, 8)):
+    """ModifierParams of ``mods`` over NumPy arrays; a block mask's lists for kernel tiles
+    ``tiles`` = (m, n, sub)."""
     def strides(x):
         st = [s // x.itemsize for s in x.strides[:2]]
         return [0, 0] + st
@@ -235,12 +241,13 @@ def _pack(mods):
         traces["score_trace"] = _trace.trace_score_mod(mods.score_mod)
     if mods.mask_mod is not None:
         traces["mask_trace"] = _trace.trace_mask_mod(mods.mask_mod)
-    kinds = None
+    lists = None
     if mods.block_mask is not None:
-        kinds = numpy.broadcast_to(mods.block_mask.kind, (B, H) + mods.block_mask.kind.shape[-2:])
+        tl = tile_lists(mods.block_mask, *tiles)
+        lists = (tl, numpy.broadcast_to(tl.data, (B, H) + tl.data.shape[-1:]))
     p = _modifier_params.pack(mods, pointer=lambda x: x.ctypes.data, batch_strides=strides,
-                              block_kinds=kinds, **traces)
-    return numpy.array(p), kinds
+                              block_lists=lists, **traces)
+    return numpy.array(p), lists
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -344,52 +351,68 @@ def test_tile_kinds_and_ranges_never_hide_a_visible_pair(name, bm, bn):
         assert (kinds == 0).any() and (kinds == 1).any()
 
 
+BLOCK_MASK_CONFIGS = [n for n, (_, kw, _) in CONFIGS.items() if "block_mask" in kw]
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("bm, bn", [(8, 4), (5, 7), (16, 16), (3, 64)])
-def test_next_tile_walks_exactly_the_tiles_the_block_mask_does_not_call_empty(name, bm, bn):
-    """Mod::next_tile (the kernels' walk over key tiles in the forward, query tiles in the
-    backward): from every start, the first tile at or after it whose rectangle holds a block the
-    map does not call empty (tiles of other sizes than the map's blocks: across and inside
-    them), the end if none; without a block mask, the start itself. A tile it passes over has no
-    visible pair."""
+@pytest.mark.parametrize("name", BLOCK_MASK_CONFIGS)
+@pytest.mark.parametrize("tiles", [(8, 4, 8), (8, 4, 2), (5, 7, 5), (16, 16, 4), (3, 64, 1),
+                                   (24, 12, 8)])
+def test_tile_lists_hold_exactly_the_tiles_the_block_mask_does_not_call_empty(name, tiles):
+    """Mod::tile_list / list_entry (the kernels' loops over key tiles in the forward, query
+    tiles in the backward) on the lists built for kernel tiles of other sizes than the map's
+    blocks (across and inside them; Lq, Lk not multiples): per query tile the key tiles with
+    some row slice not empty, ascending, each slice's kind that of the slice's own tile; per
+    key tile the query tiles, with the whole tile's kind; kListEnd past the count and from the
+    end bound on. A tile left out has no visible pair; a slice called full has every pair
+    visible."""
+    m, n, sub = tiles
     lib = _library()
     mods, pipe, causal = _problem(name)
-    params, keep = _pack(mods)
-    Tq, Tk = -(-LQ // bm), -(-LK // bn)
-    kn = numpy.full((B * H, Tq, Tk + 1), -7, numpy.int32)
-    qn = numpy.full((B * H, Tk, Tq + 1), -7, numpy.int32)
-    bshape = numpy.array([1, 1, B, H], numpy.int32)
-    getattr(lib, f"walks_{name}")(*(x.ctypes.data_as(ctypes.c_void_p) for x in (params, bshape)),
-                                  B * H, LQ, LK, bm, bn,
-                                  *(x.ctypes.data_as(ctypes.c_void_p) for x in (kn, qn)))
-    if mods.block_mask is None:
-        seen = numpy.ones((B * H, Tq, Tk), bool)
-    else:
-        seen = numpy.broadcast_to(mods.block_mask.tile_kinds(bm, bn) != 0,
-                                  (B, H, Tq, Tk)).reshape(B * H, Tq, Tk)
+    params, keep = _pack(mods, tiles)
+    Tq, Tk = -(-LQ // m), -(-LK // n)
+    end = 0x7FFFFFFF
     vis = pipe.visible(0, LQ, 0, LK)
     vis = numpy.ones((B, H, LQ, LK), bool) if vis is None else numpy.broadcast_to(
         vis, (B, H, LQ, LK))
     vis = vis.reshape(B * H, LQ, LK)
-
-    def first(row, t, end):   # the first True of row at or after t, else end
-        hits = numpy.flatnonzero(row[t:])
-        return t + int(hits[0]) if hits.size else end
-
-    for n in range(B * H):
-        for a in range(Tq):
-            for t in range(Tk + 1):
-                assert kn[n, a, t] == first(seen[n, a], t, Tk), (n, a, t)
-                skipped = slice(t * bn, kn[n, a, t] * bn)
-                assert not vis[n, a * bm:(a + 1) * bm, skipped].any(), (n, a, t)
-        for c in range(Tk):
-            for t in range(Tq + 1):
-                assert qn[n, c, t] == first(seen[n, :, c], t, Tq), (n, c, t)
-                skipped = slice(t * bm, qn[n, c, t] * bm)
-                assert not vis[n, skipped, c * bn:(c + 1) * bn].any(), (n, c, t)
-    if name == "blockdoc" and (bm, bn) == (8, 4):   # the walks skip something
-        assert (kn[:, :, :-1] > numpy.arange(Tk)).any() and (qn[:, :, :-1] > numpy.arange(Tq)).any()
+    bm = mods.block_mask
+    sub_kinds = numpy.broadcast_to(bm.tile_kinds(sub, n), (B, H) + (-(-LQ // sub), Tk))
+    sub_kinds = sub_kinds.reshape((B * H,) + sub_kinds.shape[-2:])
+    tile_kinds = numpy.broadcast_to(bm.tile_kinds(m, n), (B, H, Tq, Tk)).reshape(B * H, Tq, Tk)
+    for kend, qend in ((Tk, Tq), (Tk // 2, Tq // 2)):
+        kc, qc = numpy.zeros((B * H, Tq), numpy.int32), numpy.zeros((B * H, Tk), numpy.int32)
+        ke = numpy.zeros((B * H, Tq, Tk + 1), numpy.int32)
+        qe = numpy.zeros((B * H, Tk, Tq + 1), numpy.int32)
+        bshape = numpy.array([1, 1, B, H], numpy.int32)
+        getattr(lib, f"lists_{name}")(*(x.ctypes.data_as(ctypes.c_void_p) for x in (params, bshape)),
+                             B * H, Tq, Tk, kend, qend,
+                             *(x.ctypes.data_as(ctypes.c_void_p) for x in (kc, ke, qc, qe)))
+        for it in range(B * H):
+            for a in range(Tq):
+                slices = [sub_kinds[it, s] if s < sub_kinds.shape[1] else numpy.zeros(Tk, int)
+                          for s in range(a * (m // sub), (a + 1) * (m // sub))]
+                want = [c for c in range(Tk) if any(k[c] for k in slices)]
+                assert kc[it, a] == len(want)
+                got = [e for e in ke[it, a] if e != end]
+                assert [e >> LIST_SHIFT for e in got] == [c for c in want if c < kend], (it, a)
+                for e in got:
+                    c = e >> LIST_SHIFT
+                    assert [(e >> 2 * s) & 3 for s in range(len(slices))] == [k[c] for k in slices]
+                for c in set(range(Tk)) - set(want):   # left out: nothing visible
+                    assert not vis[it, a * m:(a + 1) * m, c * n:(c + 1) * n].any(), (it, a, c)
+                for s, k in enumerate(slices):         # full slices: everything visible
+                    r0 = a * m + s * sub
+                    for c in numpy.flatnonzero(k == 2):
+                        assert vis[it, r0:r0 + sub, c * n:(c + 1) * n].all()
+            for c in range(Tk):
+                want = [a for a in range(Tq) if tile_kinds[it, a, c]]
+                assert qc[it, c] == len(want)
+                got = [e for e in qe[it, c] if e != end]
+                assert [e >> LIST_SHIFT for e in got] == [a for a in want if a < qend], (it, c)
+                assert [e & 3 for e in got] == [tile_kinds[it, e >> LIST_SHIFT, c] for e in got]
+    if name == "blockdoc" and tiles == (8, 4, 8):   # the lists leave something out
+        assert (kc < Tk).any() and (qc < Tq).any()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -412,9 +435,14 @@ def test_the_instantiations_compile_with_nvrtc(arch):
             f"  if (V::tile_kind(m, it, 0, 0, 16, lo, hi) == cuflash::kTilePartial && "
             f"!V::visible(m, it, 0, i, j)) s = mx;\n"
             f"  out[i] = s + l + V::grad(m, it, s, out[j], i, j, db) + db"
-            f" + V::template next_tile<true>(m, it, 0, 16, lo, hi, 8, 64)"
-            f" + V::template next_tile<false>(m, it, 0, 16, lo, hi, 8, 64);\n}}")
-    src = _source(host=False) + "\n" + "\n".join(kernels)
+            f" + probe_lists<V>(m, it, lo, hi);\n}}")
+    probe = ("template <class V, class It> __device__ int probe_lists(const cuflash::ModifierParams& m,"
+             " const It& it, int lo, int hi) {\n  int c0, c1;\n"
+             "  const int* a = V::template tile_list<true>(m, it, lo, c0);\n"
+             "  const int* b = V::template tile_list<false>(m, it, hi, c1);\n"
+             "  return V::entry_tile(V::list_entry(a, 1, hi))"
+             " + V::entry_kind(V::list_entry(b, 0, lo), 1);\n}\n")
+    src = _source(host=False) + "\n" + probe + "\n".join(kernels)
     log, lowered, _ = nvrtc.compile(src, "variant_probe.cu",
                                     [f"probe_{n}" for n in CONFIGS], _jit._options(arch))
     assert lowered is not None, log[:5000]
