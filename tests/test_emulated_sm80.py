@@ -174,6 +174,8 @@ def _modifier_case(name, dtype):
         "window": (False, dict(window=(20, 5))),                     # rows < 45 see nothing
         "window-causal-top-left": ("top_left", dict(window=(33, None))),
         "softcap": (True, dict(softcap=2.0)),
+        # scores far beyond the cap on both sides and near 0 (q's rows scaled below)
+        "softcap-extreme": (False, dict(softcap=2.0)),
         "alibi": (True, dict(alibi_slopes=slopes)),
         "bias": (False, dict(bias=bias.astype(dtype))),
         "mask": (True, dict(mask=mask)),
@@ -182,11 +184,14 @@ def _modifier_case(name, dtype):
                            mask=mask, sink=sink)),
     }
     causal, kw = cases[name]
+    if name == "softcap-extreme":
+        row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
+        q = (q.astype(numpy.float32) * row_scale[:, None]).astype(dtype)
     return q, k, v, causal, kw
 
 
-MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "alibi", "bias", "mask", "sink",
-                  "all"]
+MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "softcap-extreme", "alibi", "bias",
+                  "mask", "sink", "all"]
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +238,7 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
 
 # -- the backward with the built-in modifiers: dq, dk, dv, dbias, dsink of bwd_sm80's Variant code
 
-BWD_MODIFIER_CASES = ["window", "softcap", "alibi", "bias", "mask", "sink", "all"]
+BWD_MODIFIER_CASES = ["window", "softcap", "softcap-extreme", "alibi", "bias", "mask", "sink", "all"]
 
 
 def _bwd_modifier_case(name, dtype):
