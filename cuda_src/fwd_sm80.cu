@@ -248,7 +248,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       // -- 9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_i rescaled + rowsum;
       //    10 (first half): O_i = diag(exp(m_i - m_ij)) O_i
-      online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
+      online_softmax_step<Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
     // -- 10: O_i += P~_ij V_j, with P taken straight from the S accumulators as the A operand

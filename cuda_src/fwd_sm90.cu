@@ -184,7 +184,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       mask_scores<Var::kKeyLo>(s, first, last);
     }
-    online_softmax_scores(s, m_i, l_i, alpha, sl2);
+    online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
   };
 
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM

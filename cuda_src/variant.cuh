@@ -57,8 +57,10 @@ struct VariantParams {
 // The modifiers issue adds further template parameters WITH DEFAULTS, so that the spelling
 // cuflash::Variant<true> / cuflash::Variant<false> (the launcher's name expressions) stays valid.
 // SOFTCAP is the softcap's build in the tensor-core families (softcap_of, bwd_io::p_ds_pair):
-// 0 none, 1 (spelled `true`) c tanh.approx(y), one MUFU operation a score, 2 the session-7 build
-// c - 2c / (2^{2y log2 e} + 1) on ex2.approx and rcp.approx (CUFLASH_SOFTCAP_TANH=0, _variant);
+// 0 none, 1 (spelled `true`) c tanh.approx(y), one MUFU operation a score, with a share of the
+// forward's exponentials on the FMA pipe (kPolyShare), 3 the same without that share
+// (CUFLASH_SOFTCAP_POLY=0), 2 the session-7 build c - 2c / (2^{2y log2 e} + 1) on ex2.approx
+// and rcp.approx (CUFLASH_SOFTCAP_TANH=0, and float16 always: _variant);
 // the other kernels compute tanhf (Mod::score_row) under both. ALIBI likewise: 0 none, 1 (`true`)
 // the forwards keep ALiBi-alone scores raw (kAlibiRawUnits), 2 in natural units as in session 7
 // (CUFLASH_ALIBI_RAW=0).
@@ -73,8 +75,15 @@ struct Variant {
   static constexpr bool kCausal = CAUSAL;
   static constexpr bool kWindow = WINDOW;
   static constexpr bool kSink = SINK;
-  // softcap on the special-function unit's tanh (SOFTCAP 1), else (2) on its ex2 and rcp
-  static constexpr bool kSoftcapTanh = SOFTCAP == 1;
+  // softcap on the special-function unit's tanh (SOFTCAP 1 or 3), else (2) on its ex2 and rcp
+  static constexpr bool kSoftcapTanh = SOFTCAP == 1 || SOFTCAP == 3;
+  // SOFTCAP 1 (the default) also computes a share of the softmax's exponentials on the FMA
+  // pipe (online_softmax.cuh ex2_poly): with tanh.approx the special-function unit does 2
+  // operations a score and is the forward's bottleneck (bench/NOTES.md, session 8). The
+  // number of 8-column tiles (of NT) a thread emulates: about 1 in 8 at d = 128, 3 in 8 at
+  // d <= 64 (where the tensor work a score halves); 0 for SOFTCAP 3 (CUFLASH_SOFTCAP_POLY=0).
+  template <int NT, int HEAD_DIM>
+  static constexpr int kPolyShare = SOFTCAP == 1 ? (HEAD_DIM <= 64 ? (3 * NT + 7) / 8 : (NT + 7) / 8) : 0;
   // softcap is the only score transform (and no sink starts the softmax): the tensor-core
   // kernels keep the scores in units of c, tanh(S tau / c), and fold c into the softmax's exp2
   // multiplier (sl2 = c log2(e) in place of log2(e)): one FMUL a score fewer, in both passes

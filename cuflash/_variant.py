@@ -60,6 +60,10 @@ class Variant:
     #: scale (C++ ``ALIBI`` = 1, ``true``); False, session 7's natural units (``ALIBI`` = 2).
     #: ``CUFLASH_ALIBI_RAW`` picks it per plan; meaningless without ``alibi_slopes``.
     alibi_raw: bool = True
+    #: with ``softcap_tanh``: a share of the forward's softmax exponentials on the FMA pipe
+    #: (online_softmax.cuh ``ex2_poly``; ``SOFTCAP`` = 1), else none (``SOFTCAP`` = 3);
+    #: ``CUFLASH_SOFTCAP_POLY=0`` turns it off
+    softcap_poly: bool = True
     alibi_slopes: bool = False
     bias: str | None = None
     mask: bool = False
@@ -102,7 +106,8 @@ class Variant:
             return "true" if x else "false"
         if not self.modified:
             return f"cuflash::Variant<{b(self.causal)}>"
-        softcap = "false" if not self.softcap else "true" if self.softcap_tanh else "2"
+        softcap = ("false" if not self.softcap else "2" if not self.softcap_tanh
+                   else "true" if self.softcap_poly else "3")
         alibi = "false" if not self.alibi_slopes else "true" if self.alibi_raw else "2"
         args = [b(self.causal), b(self.window), softcap, alibi,
                 self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
@@ -143,6 +148,7 @@ def variant_of(prob, mods=None) -> Variant:
                    softcap_tanh=mods.softcap is None or (_switch("CUFLASH_SOFTCAP_TANH")
                                                          and prob.dtype.name == "bfloat16"),
                    alibi_raw=mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_RAW"),
+                   softcap_poly=mods.softcap is None or _switch("CUFLASH_SOFTCAP_POLY"),
                    alibi_slopes=mods.alibi_slopes is not None,
                    bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
                    mask=mods.mask is not None, sink=mods.sink is not None,
@@ -158,6 +164,8 @@ def _switch(var: str) -> bool:
     two settings in one process); ``1`` or unset: the session-8 build.
     ``CUFLASH_SOFTCAP_TANH=0``: the softcap on ``ex2.approx`` and ``rcp.approx`` (two special-
     function operations a score) instead of ``tanh.approx`` (one).
+    ``CUFLASH_SOFTCAP_POLY=0``: no share of the forward's exponentials on the FMA pipe beside
+    ``tanh.approx``.
     ``CUFLASH_ALIBI_RAW=0``: ALiBi alone in natural units (one FMUL a score more) instead of
     the raw scores with the slope divided by the scale."""
     value = os.environ.get(var, "").strip()

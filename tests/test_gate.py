@@ -23,10 +23,10 @@ def test_the_modifier_builds_are_checked_and_the_softcap_at_d128_is_covered():
     7); CI's covering set, the softcap at d = 128 without causal in both families."""
     mods = _gate.modifier_records()
     assert {s.source for s in mods} == {"fwd_sm90.cu", "bwd_sm90.cu"}
-    assert 40 <= len(mods) <= 80
+    assert 40 <= len(mods) <= 100
     every = {(s.source, s.expr) for s in _gate.records("sm_90a")}
     assert {(s.source, s.expr) for s in mods} <= every
-    assert any("Variant<false, false, 2," in s.expr for s in mods)        # the old softcap build
+    assert any("Variant<false, false, 2, " in s.expr for s in mods)       # the old softcap build
     covered = [(src, e) for src, e, a in _gate.covering(_gate.ARCHS) if (src, e) in
                {(s.source, s.expr) for s in mods}]
     assert sorted({src for src, _ in covered}) == ["bwd_sm90.cu", "fwd_sm90.cu"]

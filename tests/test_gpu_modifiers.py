@@ -349,19 +349,22 @@ def test_modifier_gradients_on_bwd_sm90(bwd_family, name):
     assert bwd_family == ["bwd_sm90.cu" if hopper and not forced else "bwd_sm80.cu"]
 
 
-@pytest.mark.parametrize("tanh", ["1", "0"], ids=["tanh.approx", "ex2-rcp"])
+@pytest.mark.parametrize("tanh, poly", [("1", "1"), ("1", "0"), ("0", "1")],
+                         ids=["tanh.approx+ex2_poly", "tanh.approx", "ex2-rcp"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 @pytest.mark.parametrize("d, causal", [(128, False), (64, True)])
-def test_softcap_at_extreme_magnitudes(bwd_family, monkeypatch, tanh, dtype, d, causal):
+def test_softcap_at_extreme_magnitudes(bwd_family, monkeypatch, tanh, poly, dtype, d, causal):
     """softcap in both builds of the tensor-core kernels (CUFLASH_SOFTCAP_TANH: tanh.approx for
-    bfloat16, or ex2 / rcp, which float16 always takes; bench/NOTES.md "softcap and ALiBi cost
-    (session 8)"), forward and backward,
+    bfloat16, with or without a share of the forward's exponentials on the FMA pipe
+    (CUFLASH_SOFTCAP_POLY), or ex2 / rcp, which float16 always takes; bench/NOTES.md "softcap
+    and ALiBi cost (session 8)"), forward and backward,
     on rows whose scores lie far beyond the cap on both sides (q rows scaled by 30 and 300, cap
     2: tanh saturates to +-1 and its derivative 1 - tanh^2 to 0), around the cap (scale 1)
     and near 0 (scaled by 1e-2 and 1e-4: tanh linear, relative error of tanh.approx at its
     smallest arguments), one row kind each 5 rows, against the oracle with the kit's rule."""
     from cuflash import _api
     monkeypatch.setenv("CUFLASH_SOFTCAP_TANH", tanh)
+    monkeypatch.setenv("CUFLASH_SOFTCAP_POLY", poly)
     _api.clear_plans()
     rng = numpy.random.default_rng(11)
     Lq, Lk = 250, 190

@@ -7,11 +7,14 @@ fwd+bwd, with the session-8 builds against session 7's, in ONE process?
 
 On the H200 (~60 s): bf16, B x L = 16k tokens, H x d = 2048 (the mods suite's shapes), softcap
 50 not causal against plain not causal, ALiBi (the suite's geometric slopes) causal against
-plain causal, each in the new build (``CUFLASH_SOFTCAP_TANH=1``: one tanh.approx a score,
-``CUFLASH_ALIBI_RAW=1``: ALiBi on the raw scores) and the old one (both ``=0``: session 7's
-ex2 / rcp softcap, natural-unit ALiBi), ``cuflash._api.clear_plans()`` between; forward
+plain causal, each in the new build ("new": ``CUFLASH_SOFTCAP_TANH=1``, one tanh.approx a score, with
+``CUFLASH_SOFTCAP_POLY=1``, a share of the forward's exponentials on the FMA pipe;
+``CUFLASH_ALIBI_RAW=1``, ALiBi on the raw scores), softcap without the share ("tanh":
+``CUFLASH_SOFTCAP_POLY=0``) and the old builds ("old": ``CUFLASH_SOFTCAP_TANH=0``, session 7's
+ex2 / rcp softcap, ``CUFLASH_ALIBI_RAW=0``, natural-unit ALiBi), ``cuflash._api.clear_plans()``
+between; forward
 (``attention``) and fwd+bwd (``attention_vjp`` + pullback), CUDA events, median of 10 after 3
-warm-up calls (the kernels compiled first by 12 processes into CuPy's disk cache). Prints ms,
+warm-up calls (the kernels compiled first by 14 processes into CuPy's disk cache). Prints ms,
 TFLOP/s (visible pairs; backward 2.5x forward) and the cost, 1 - TFLOP/s / plain's of the same
 causality (issue 10's "cost over plain", as bench/NOTES.md states it). No GPU: exits with a
 message.
@@ -27,8 +30,11 @@ import sys
 HERE = pathlib.Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))   # bench/: suite_common, suite_mods
 
-BUILDS = {"new": {"CUFLASH_SOFTCAP_TANH": "1", "CUFLASH_ALIBI_RAW": "1"},
-          "old": {"CUFLASH_SOFTCAP_TANH": "0", "CUFLASH_ALIBI_RAW": "0"}}
+BUILDS = {"new": {"CUFLASH_SOFTCAP_TANH": "1", "CUFLASH_SOFTCAP_POLY": "1", "CUFLASH_ALIBI_RAW": "1"},
+          "tanh": {"CUFLASH_SOFTCAP_TANH": "1", "CUFLASH_SOFTCAP_POLY": "0", "CUFLASH_ALIBI_RAW": "1"},
+          "old": {"CUFLASH_SOFTCAP_TANH": "0", "CUFLASH_SOFTCAP_POLY": "1", "CUFLASH_ALIBI_RAW": "0"}}
+#: the points (indices into _points) each build times: plain once, ALiBi in new and old only
+TIMED = {"new": (0, 1, 2, 3), "tanh": (2,), "old": (2, 3)}
 
 
 def _points(L: int, H: int, xp):
@@ -70,8 +76,8 @@ def warm_one(job) -> None:
 def warm(d_list, L_list, workers: int) -> None:
     import concurrent.futures
     import multiprocessing
-    jobs = [(d, L, build, i) for d in d_list for L in L_list for build in BUILDS for i in range(4)
-            if not (build == "old" and i < 2)]
+    # (the kernels do not depend on L here: the same builds at 4k and 16k, so the shortest)
+    jobs = [(d, min(L_list), build, i) for d in d_list for build in BUILDS for i in TIMED[build]]
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(warm_one, jobs))
 
@@ -90,9 +96,9 @@ def measure(d_list, L_list) -> list[dict]:
             for build, env in BUILDS.items():
                 os.environ.update(env)
                 _api.clear_plans()
-                for name, kw, pairs in points:
-                    if name == "plain" and build == "old":
-                        continue      # plain attention has one build
+                for index, (name, kw, pairs) in enumerate(points):
+                    if index not in TIMED[build]:
+                        continue      # plain attention has one build, ALiBi two
                     fwd_flop = 4 * B * H * d * pairs
                     for mode in ("fwd", "fwd_bwd"):
                         if mode == "fwd":
@@ -129,7 +135,7 @@ def main(argv) -> int:
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--L", default="4096,16384")
     ap.add_argument("--json")
-    ap.add_argument("--warm", type=int, default=12,
+    ap.add_argument("--warm", type=int, default=14,
                     help="processes compiling the kernels first (0: compile while timing)")
     a = ap.parse_args(argv)
     try:

@@ -53,6 +53,7 @@ def cases(d: int):
     for c in (False, True):
         tag = "causal" if c else "non-causal"
         yield f"softcap tanh {tag}", Variant(causal=c, softcap=True)
+        yield f"softcap tanh-only {tag}", Variant(causal=c, softcap=True, softcap_poly=False)
         yield f"softcap ex2/rcp {tag}", Variant(causal=c, softcap=True, softcap_tanh=False)
         yield f"alibi raw {tag}", Variant(causal=c, alibi_slopes=True)
         yield f"alibi natural {tag}", Variant(causal=c, alibi_slopes=True, alibi_raw=False)
