@@ -311,9 +311,11 @@ def _bwd_sm90_cases():
         "window-both-64": (dict(window=(40, 30)), 64, False),
         "window+sink-128": (dict(window=(64, 0), sink=rng.standard_normal((3,)).astype(numpy.float32)),
                             128, True),
-        "softcap+window+sink-72": (dict(softcap=5.0, window=(90, 10),
+        "softcap+window+sink-64": (dict(softcap=5.0, window=(90, 10),
                                         sink=rng.standard_normal((2, 3)).astype(numpy.float32)),
-                                   72, "top_left"),
+                                   64, "top_left"),
+        "softcap+sink-72": (dict(softcap=5.0, sink=rng.standard_normal((2, 3)).astype(numpy.float32)),
+                            72, "top_left"),
         "alibi-64": (dict(alibi_slopes=slopes), 64, True),
         "alibi+window+softcap-64": (dict(alibi_slopes=slopes, window=(50, None), softcap=10.0), 64, False),
         # ALiBi on the plain path (session 7): every head-dim bucket, with causal (both
