@@ -148,8 +148,26 @@ __device__ __forceinline__ void p_ds_pair(const P& p, const It& item, int b, flo
                                           const float2& l2, const float2& di, const int& t, const int& e,
                                           int qi, int kj, const bool& need_mask, const int (&first)[2],
                                           const int (&last)[2], bool pair_tile, float& s, float& dp) {
-  float sx = s;
-  if constexpr (Var::kNatural) sx = Var::Mod::score(p.mod, item, sx * scale, min(qi, p.Lq - 1), min(kj, p.Lk - 1));
+  float sx = s, th = 0.f, capped = 0.f;
+  if constexpr (Var::Mod::kHasSoftcap) {
+    // step 2 as the forward computes it (variant.cuh softcap_of: c tanh.approx(S tau / c), one
+    // special-function operation; or the ex2 / rcp build), once: th = tanh(S tau / c) stays for
+    // the chain rule (Mod::grad_capped: 1 - th^2, one FFMA), where Mod::score and Mod::grad
+    // took two precise tanhf's a pair (each an ex2 and a rcp, and registers enough to spill)
+    const float k = softcap_k<Var::kSoftcapTanh>(scale, p.mod.inv_softcap);
+    if constexpr (Var::kSoftcapTanh) {
+      th = tanh_approx(s * k);
+      capped = p.mod.softcap * th;
+    } else {
+      capped = softcap_of<false>(s, k, p.mod.softcap);
+      th = capped * p.mod.inv_softcap;
+    }
+    const int qc = min(qi, p.Lq - 1), kc = min(kj, p.Lk - 1);
+    // (the caller's sl2 is c log2(e) where the score stays in units of c: Var::kCapUnits)
+    sx = Var::kCapUnits ? th : Var::Mod::score_after_softcap(p.mod, Var::Mod::at_row(p.mod, item, qc), capped, qc, kc);
+  } else if constexpr (Var::kNatural) {
+    sx = Var::Mod::score(p.mod, item, sx * scale, min(qi, p.Lq - 1), min(kj, p.Lk - 1));
+  }
   const float pij = ex2_approx(fmaf(sx, sl2, -((e & 1) ? l2.y : l2.x)));
   float dsij = pij * (dp - ((e & 1) ? di.y : di.x));
   bool visible = !need_mask || (8 * t + (e & 1) >= first[e >> 1] &&
@@ -162,7 +180,10 @@ __device__ __forceinline__ void p_ds_pair(const P& p, const It& item, int b, flo
     // offset in item b's Lq x Lk slice in 32 bits, where the launcher checks Lq * Lk < 2^31;
     // bwd_sm90 takes it: the 64-bit offset cost it 4 bytes of spill at d = 128)
     float dbias;
-    dsij = visible ? Var::Mod::grad(p.mod, item, s * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
+    if constexpr (Var::Mod::kHasSoftcap)
+      dsij = visible ? Var::Mod::grad_capped(p.mod, item, th, capped, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
+    else
+      dsij = visible ? Var::Mod::grad(p.mod, item, s * scale, dsij, min(qi, p.Lq - 1), min(kj, p.Lk - 1), dbias) : 0.f;
     if constexpr (Var::kHasBias) {
       if (qi < p.Lq && kj < p.Lk) {
         if constexpr (OFFSET32)

@@ -167,7 +167,9 @@ bwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const float* const gD = reinterpret_cast<const float*>(p.dpsum) + (long long)b * p.Lq;
   float* const gdq = reinterpret_cast<float*>(p.dq_acc) + (long long)b * p.Lq * p.d;
   // tau * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
-  const float sl2 = Var::kNatural ? 1.4426950408889634f : float(p.var.scale_log2);
+  // (c log2(e) where p_ds_pair's scores are in units of the softcap c: Var::kCapUnits)
+  const float sl2 = Var::kCapUnits ? p.mod.softcap * 1.4426950408889634f
+                    : Var::kNatural ? 1.4426950408889634f : float(p.var.scale_log2);
   const float scale = float(p.var.scale);      // tau
   // the modifiers' state of this batch item (slopes, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);

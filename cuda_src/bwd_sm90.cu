@@ -194,7 +194,9 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi,
                 "the plain path's only score transform is ALiBi");
   // tau * log2(e); log2(e) where the modifiers give natural-unit scores (p_ds_pair)
-  const float sl2 = (kPairwise && Var::kNatural) ? 1.4426950408889634f : float(p.var.scale_log2);
+  // (c log2(e) where p_ds_pair's scores are in units of the softcap c: Var::kCapUnits)
+  const float sl2 = Var::kCapUnits ? p.mod.softcap * 1.4426950408889634f
+                    : (kPairwise && Var::kNatural) ? 1.4426950408889634f : float(p.var.scale_log2);
   const float scale = float(p.var.scale);      // tau
   // the modifiers' state of this batch item (slopes, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);

@@ -80,7 +80,10 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
-  const float sl2 = Var::kNatural ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
+  // (c log2(e) where the scores are in units of the softcap c: Var::kCapUnits; tau log2(e)
+  // where ALiBi alone leaves them raw: Var::kAlibiRawUnits)
+  const float sl2 = Var::kCapUnits ? p.mod.softcap * 1.4426950408889634f
+                    : (Var::kNatural && !Var::kAlibiRawUnits) ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
   // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);
 
@@ -252,7 +255,7 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       // -- 9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_i rescaled + rowsum;
       //    10 (first half): O_i = diag(exp(m_i - m_ij)) O_i
-      online_softmax_step(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
+      online_softmax_step<Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
     // -- 10: O_i += P~_ij V_j, with P taken straight from the S accumulators as the A operand

@@ -79,7 +79,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const BatchOffsets off = batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
-  const float sl2 = Var::kNatural ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
+  // (c log2(e) where the scores are in units of the softcap c: Var::kCapUnits; tau log2(e)
+  // where ALiBi alone leaves them raw: Var::kAlibiRawUnits)
+  const float sl2 = Var::kCapUnits ? p.mod.softcap * 1.4426950408889634f
+                    : (Var::kNatural && !Var::kAlibiRawUnits) ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
   // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);
 
@@ -190,7 +193,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       mask_scores<Var::kKeyLo>(s, first, last);
     }
-    online_softmax_scores(s, m_i, l_i, alpha, sl2);
+    online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
   };
 
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM

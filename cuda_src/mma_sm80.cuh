@@ -82,6 +82,15 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
+// tanh on the special-function unit (tanh.approx.f32, sm_75+: one MUFU.TANH; maximum relative
+// error 2^-11 over the whole range by the PTX ISA; +-inf gives +-1, NaN stays NaN). Only the
+// half-type kernels use it (softcap: variant.cuh softcap_of, bwd_io.cuh p_ds_pair).
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A row-major shared-memory tile of ROWS x COLS b16 elements stored in 16-byte chunks, with the
 // chunk index XOR-swizzled by the row so that the 8 row addresses of one ldmatrix matrix, and
 // the 8 chunks one cp.async wavefront writes, fall in 8 different 16-byte bank groups.

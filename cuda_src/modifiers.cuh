@@ -259,6 +259,13 @@ struct ModVariant {
   __device__ __forceinline__ static Acc score_row(const ModifierParams& m, const It& it, Acc s,
                                                   int i, int j) {
     if (kSoftcap) s = static_cast<Acc>(m.softcap) * mod_detail::tanh_of(mod_detail::div_cap(s, m.softcap, m.inv_softcap));
+    return score_after_softcap(m, it, s, i, j);
+  }
+  // Steps 3-5 alone (ALiBi, bias, score_mod), on a score that has been through step 2 (the
+  // tensor-core backwards compute the softcap on the special-function unit: bwd_io p_ds_pair).
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc score_after_softcap(const ModifierParams& m, const It& it, Acc s,
+                                                            int i, int j) {
     if (kAlibi) {
       const int dist = i + m.diag - j;
       s -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
@@ -324,19 +331,29 @@ struct ModVariant {
   template <class Acc, class It>
   __device__ __forceinline__ static Acc grad(const ModifierParams& m, const It& it, Acc s,
                                              Acc ds, int i, int j, Acc& dbias) {
+    Acc th = Acc(0), t = s;
+    if (kSoftcap && ds != Acc(0)) {
+      th = mod_detail::tanh_of(mod_detail::div_cap(s, m.softcap, m.inv_softcap));
+      t = static_cast<Acc>(m.softcap) * th;
+    }
+    return grad_capped(m, it, th, t, ds, i, j, dbias);
+  }
+  // The same, given step 2's th = tanh(s / c) and t = c th (s itself where there is no softcap),
+  // which a kernel computed for P already: softcap's chain rule is then d(c tanh(s / c))/ds =
+  // 1 - th^2, one FFMA on the capped score, no second tanh.
+  template <class Acc, class It>
+  __device__ __forceinline__ static Acc grad_capped(const ModifierParams& m, const It& it, Acc th, Acc t,
+                                                    Acc ds, int i, int j, Acc& dbias) {
     dbias = Acc(0);
     if (!kSoftcap && !kHasScoreMod) {
       if (kHasBias) dbias = ds;
       return ds;
     }
-    if (ds == Acc(0)) return Acc(0);
-    Acc th = Acc(0), t = s;
-    if (kSoftcap) {
-      th = mod_detail::tanh_of(mod_detail::div_cap(s, m.softcap, m.inv_softcap));
-      t = static_cast<Acc>(m.softcap) * th;
-    }
+    // (softcap alone needs no test of ds: th is in [-1, 1] (+-1 at a score of +-inf), so
+    // 1 - th^2 is finite and a ds of 0 gives 0, without two compares and selects a pair)
     Acc g = ds;
     if constexpr (kHasScoreMod) {
+      if (ds == Acc(0)) return Acc(0);
       if (kAlibi) {
         const int dist = i + m.diag - j;
         t -= it.slope * static_cast<Acc>(dist < 0 ? -dist : dist);
@@ -345,7 +362,7 @@ struct ModVariant {
       g *= ScoreMod::dscore(t, it.ub, it.uh, i, j, m.captured);
     }
     if (kHasBias) dbias = g;
-    if (kSoftcap && g != Acc(0)) g *= Acc(1) - th * th;
+    if (kSoftcap) g *= Acc(1) - th * th;
     return g;
   }
 };

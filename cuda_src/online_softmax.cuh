@@ -36,7 +36,28 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first
 //   online_softmax_scores: m_new = max(m_i, rowmax(S_ij)), P_ij = exp2(S_ij sl2 - m_new sl2)
 //     in place of S_ij, alpha = exp2(m_i sl2 - m_new sl2), l_i = alpha l_i + rowsum(P_ij);
 //   rescale_rows:          O_i = diag(alpha) O_i.
-template <int NT>
+// 2^x on the FMA pipe, for x <= 0 (FlashAttention-4's emulation of the exponential, for a
+// share of P where the special-function unit is the bottleneck: the softcap's tanh.approx
+// takes it once more a score). Cody-Waite: x = j + f, j = round(x) from the 1.5 2^23 shift
+// (t's low mantissa bits hold j, exactly: |x| <= 126 < 2^22), f = x - j in [-1/2, 1/2] exactly;
+// 2^f by a degree-3 fit of the relative error (max 7.5e-5 = 2^-13.7, a quarter of bfloat16's
+// rounding of P); 2^j by adding j to the exponent field: t << 23 is j << 23 mod 2^32 (t's high
+// bits 0x4B400000 shift out). ~9 FMA-pipe / ALU instructions for one MUFU.EX2.
+// Numerics: x < -126 (x = -inf: a masked score) gives exactly 0 by the final select, as
+// ex2.approx.ftz flushes there (the intermediates are garbage or NaN then, never used): a row
+// with no visible key keeps l = 0, so o = 0 and lse = -inf; x slightly above 0 (the max's
+// rounding) gives j = 0; a NaN x gives 0 here (the row's other scores and m carry the NaN).
+__device__ __forceinline__ float ex2_poly(float x) {
+  const float t = x + 12582912.f;
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.0551716648f, f, 0.242611125f), f, 0.693260968f), f, 0.999928057f);
+  const float r = __int_as_float(static_cast<int>(__float_as_uint(p) + (__float_as_uint(t) << 23)));
+  return x >= -126.f ? r : 0.f;
+}
+
+// POLY_T > 0: the last POLY_T of the NT 8-column tiles take ex2_poly instead of ex2.approx
+// (a Variant's kPolyShare: the softcap on tanh.approx); 0 compiles to the code without it.
+template <int NT, int POLY_T = 0>
 __device__ __forceinline__ void online_softmax_scores(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
                                                       float (&alpha)[2], float sl2) {
   const float kNegInf = -__int_as_float(0x7f800000);
@@ -63,10 +84,17 @@ __device__ __forceinline__ void online_softmax_scores(float (&s)[NT][4], float (
   float rowsum[2] = {0.f, 0.f};
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
-    s[t][0] = ex2_approx(fmaf(s[t][0], sl2, -m_scaled[0]));
-    s[t][1] = ex2_approx(fmaf(s[t][1], sl2, -m_scaled[0]));
-    s[t][2] = ex2_approx(fmaf(s[t][2], sl2, -m_scaled[1]));
-    s[t][3] = ex2_approx(fmaf(s[t][3], sl2, -m_scaled[1]));
+    if (POLY_T > 0 && t >= NT - POLY_T) {
+      s[t][0] = ex2_poly(fmaf(s[t][0], sl2, -m_scaled[0]));
+      s[t][1] = ex2_poly(fmaf(s[t][1], sl2, -m_scaled[0]));
+      s[t][2] = ex2_poly(fmaf(s[t][2], sl2, -m_scaled[1]));
+      s[t][3] = ex2_poly(fmaf(s[t][3], sl2, -m_scaled[1]));
+    } else {
+      s[t][0] = ex2_approx(fmaf(s[t][0], sl2, -m_scaled[0]));
+      s[t][1] = ex2_approx(fmaf(s[t][1], sl2, -m_scaled[0]));
+      s[t][2] = ex2_approx(fmaf(s[t][2], sl2, -m_scaled[1]));
+      s[t][3] = ex2_approx(fmaf(s[t][3], sl2, -m_scaled[1]));
+    }
     rowsum[0] += s[t][0] + s[t][1];
     rowsum[1] += s[t][2] + s[t][3];
   }
@@ -85,11 +113,11 @@ __device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float (&al
 }
 
 // Both parts at once.
-template <int NT, int NO>
+template <int POLY_T = 0, int NT, int NO>
 __device__ __forceinline__ void online_softmax_step(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
                                                     float (&o)[NO][4], float sl2) {
   float alpha[2];
-  online_softmax_scores(s, m_i, l_i, alpha, sl2);
+  online_softmax_scores<NT, POLY_T>(s, m_i, l_i, alpha, sl2);
   rescale_rows(o, alpha);
 }
 

@@ -56,17 +56,42 @@ struct VariantParams {
 
 // The modifiers issue adds further template parameters WITH DEFAULTS, so that the spelling
 // cuflash::Variant<true> / cuflash::Variant<false> (the launcher's name expressions) stays valid.
-template <bool CAUSAL, bool WINDOW = false, bool SOFTCAP = false, bool ALIBI = false,
+// SOFTCAP is the softcap's build in the tensor-core families (softcap_of, bwd_io::p_ds_pair):
+// 0 none, 1 (spelled `true`) c tanh.approx(y), one MUFU operation a score, with a share of the
+// forward's exponentials on the FMA pipe (kPolyShare), 3 the same without that share
+// (CUFLASH_SOFTCAP_POLY=0), 2 the session-7 build c - 2c / (2^{2y log2 e} + 1) on ex2.approx
+// and rcp.approx (CUFLASH_SOFTCAP_TANH=0, and float16 always: _variant);
+// the other kernels compute tanhf (Mod::score_row) under both. ALIBI likewise: 0 none, 1 (`true`)
+// the forwards keep ALiBi-alone scores raw (kAlibiRawUnits), 2 in natural units as in session 7
+// (CUFLASH_ALIBI_RAW=0).
+template <bool CAUSAL, bool WINDOW = false, int SOFTCAP = 0, int ALIBI = 0,
           typename BiasT = void, bool MASK = false, typename ScoreMod = NoScoreMod,
           typename MaskMod = NoMaskMod, bool BLOCK_MASK = false, bool SINK = false>
 struct Variant {
   // The modifiers' hooks (modifiers.cuh): item state, score transform and its gradient, the
   // element masks of arrays and user functions, the sink's start of the online softmax.
-  using Mod = ModVariant<CAUSAL, WINDOW, SOFTCAP, ALIBI, BiasT, MASK, ScoreMod, MaskMod,
+  using Mod = ModVariant<CAUSAL, WINDOW, (SOFTCAP != 0), (ALIBI != 0), BiasT, MASK, ScoreMod, MaskMod,
                         BLOCK_MASK, SINK>;
   static constexpr bool kCausal = CAUSAL;
   static constexpr bool kWindow = WINDOW;
   static constexpr bool kSink = SINK;
+  // softcap on the special-function unit's tanh (SOFTCAP 1 or 3), else (2) on its ex2 and rcp
+  static constexpr bool kSoftcapTanh = SOFTCAP == 1 || SOFTCAP == 3;
+  // SOFTCAP 1 (the default) also computes a share of the softmax's exponentials on the FMA
+  // pipe (online_softmax.cuh ex2_poly): with tanh.approx the special-function unit does 2
+  // operations a score and is the forward's bottleneck (bench/NOTES.md, session 8). The
+  // number of 8-column tiles (of NT) a thread emulates: about 1 in 8 at d = 128, 3 in 8 at
+  // d <= 64 (where the tensor work a score halves); 0 for SOFTCAP 3 (CUFLASH_SOFTCAP_POLY=0).
+  template <int NT, int HEAD_DIM>
+  static constexpr int kPolyShare = SOFTCAP == 1 ? (HEAD_DIM <= 64 ? (3 * NT + 7) / 8 : (NT + 7) / 8) : 0;
+  // softcap is the only score transform (and no sink starts the softmax): the tensor-core
+  // kernels keep the scores in units of c, tanh(S tau / c), and fold c into the softmax's exp2
+  // multiplier (sl2 = c log2(e) in place of log2(e)): one FMUL a score fewer, in both passes
+  static constexpr bool kCapUnits = (SOFTCAP != 0) && (ALIBI == 0) && !Mod::kAfterAlibi && !SINK;
+  // ALiBi is the only score transform (no sink): the tensor-core forwards (modify_score_tile)
+  // keep the raw products S and add - (slope / tau) |i + diag - j|, the softmax folding tau
+  // log2(e) into its exp2 as plain attention does: one FMUL (S tau) a score fewer
+  static constexpr bool kAlibiRawUnits = (ALIBI == 1) && (SOFTCAP == 0) && !Mod::kAfterAlibi && !SINK;
   // Scores go through Mod::score in natural-log units (s * scale, then steps 2-5) and the
   // online softmax runs with log2(e) in place of scale * log2(e); the sink's row start is in
   // those units too. Without it the kernels fold the scale into exp2 as before.
@@ -79,7 +104,7 @@ struct Variant {
   static constexpr bool kHasBias = Mod::kHasBias;
   static constexpr bool kBlockMask = BLOCK_MASK;   // a block mask classifies the mask_mod's tiles
   // The backward's dS needs the modifiers' chain rule (softcap, score_mod) or writes dbias.
-  static constexpr bool kGrad = SOFTCAP || Mod::kHasBias || Mod::kHasScoreMod;
+  static constexpr bool kGrad = (SOFTCAP != 0) || Mod::kHasBias || Mod::kHasScoreMod;
   template <class Acc> using Item = typename Mod::template ItemOf<Acc>;
   // Which ends of a query row's visible key interval are real bounds: kKeyHi, the row sees keys
   // only up to key_last(i) < Lk - 1 for some rows (causal); kKeyLo, it sees them only from
@@ -249,9 +274,10 @@ struct Variant {
   }
 };
 
-// The special-function unit's 2^x and 1/x (mma_sm80.cuh; the host emulation has its own).
+// The special-function unit's 2^x, 1/x and tanh (mma_sm80.cuh; the host emulation has its own).
 __device__ __forceinline__ float ex2_approx(float x);
 __device__ __forceinline__ float rcp_approx(float x);
+__device__ __forceinline__ float tanh_approx(float x);
 
 // The tensor-core forwards' score tile (mma.sync / wgmma accumulator layout, online_softmax.cuh:
 // s[t][e] is row row0 + 8 (e / 2), key col0 + 8 t + e % 2): raw products -> modified scores in
@@ -260,41 +286,61 @@ __device__ __forceinline__ float rcp_approx(float x);
 //
 // Steps 2-3 (softcap, ALiBi) are computed here a row at a time, with the fewest instructions a
 // score, since they sit between the S and the P V products of every tile (bench/NOTES.md "fwd
-// modifier cost (session 7)"); Mod::score_row computes the same values for the other kernels:
-// - softcap: c tanh(y), y = scale x / c, as c (1 - 2 / (e^{2y} + 1)) = c - 2c / (2^{x k2} + 1)
-//   with k2 = 2 scale log2(e) / c: one FMUL, ex2.approx, one FADD, rcp.approx, one FFMA (the
-//   precise tanhf is ~20 instructions with the same two special-function operations). Its error
-//   is at most ~3.5e-7 c (ex2's 2^-22 relative error and rcp's 1 ulp, at most halved by the
-//   tanh's slope), against tanhf's ~1.2e-7 c; the half types' tolerance (scores rounded to T
-//   in the naive computation) is 2^-8 relative. Numerics: x k2 > 128 gives 2^{x k2} = +inf,
-//   1 / inf = 0, so c (tanh -> 1); x k2 < -126 flushes to 0, 1 / 1 = 1, so -c; x = +-inf gives
-//   +-c as tanhf(+-inf) does; a NaN x stays NaN. Masked pairs get -inf after this (mask_scores,
-//   the element mask), never before, so no -inf reaches the transform from the mask.
+// modifier cost (session 7)", "softcap and ALiBi cost (session 8)"); Mod::score_row computes the
+// same values for the other kernels:
+// - softcap (Var::kSoftcapTanh, the default): c tanh(y), y = x scale / c, as FMUL, tanh.approx,
+//   FMUL: 3 instructions and ONE special-function operation a score (softmax's ex2 is the
+//   other), against 2 in the build below. At d = 128 a score costs 512 tensor FLOPs, ~0.125
+//   SM-cycles, and the special-function unit does 16 operations a cycle an SM (0.0625 cycles
+//   each): 3 of them a score (the build below) make it the bottleneck, 2 match the tensor time.
+//   Error: tanh.approx's relative error is at most 2^-11 (PTX ISA), so |c tanh.approx(y) -
+//   c tanh(y)| <= 2^-11 |c tanh(y)|, an eighth of bfloat16's ulp at the score (the kit's naive
+//   computation stores the capped score in T: a rounding of up to 2^-9 relative in bfloat16).
+//   bfloat16 only (cuflash/_variant.py): in float16 that rounding is 2^-12, and the emulated
+//   tests with 2^-11 injected (tests/emu) fail the kit's lse bound, so float16 takes the build
+//   below. FlashAttention 2/3 compute their softcap with tanh.approx too. Numerics: tanh.approx(+-inf) = +-1, so x = +-inf gives +-c as tanhf does; a NaN
+//   stays NaN; masked pairs get -inf after this (mask_scores, the element mask), never before.
+// - softcap, the session-7 build (SOFTCAP = 2, CUFLASH_SOFTCAP_TANH=0): c tanh(y) =
+//   c - 2c / (2^{x k2} + 1), k2 = 2 scale log2(e) / c: FMUL, ex2.approx, FADD, rcp.approx, FFMA
+//   (2 special-function operations). Error at most ~3.5e-7 c (ex2's 2^-22 relative error and
+//   rcp's 1 ulp, at most halved by the tanh's slope). Numerics: x k2 > 128 gives 2^{x k2} = +inf,
+//   1 / inf = 0, so c; x k2 < -126 flushes to 0, 1 / 1 = 1, so -c; x = +-inf gives +-c; NaN
+//   stays NaN. With CUFLASH_SOFTCAP_RCP_FMA=1 (an experiment, off by default) its reciprocal
+//   runs on the FMA pipe instead: u = 2^{-|x| k2} = e^{-2|y|} in [0, 1], tanh|y| = 2 / (1 + u) -
+//   1, 1 / (1 + u) from a quadratic seed (relative error 1.0%) and two Newton steps (1e-8), the
+//   sign of x put back: 11 instructions, error ~2.7e-7 c (simulated). u = 0 (|x| k2 > 126, or
+//   x = +-inf) gives +-c; x = +-0 gives +-0; a NaN stays NaN.
 // - ALiBi: - slope |i + diag - j| as one FADD and one FFMA a score (|.| is a free operand
 //   modifier), from the row's distance to the thread's first column converted once; integer
-//   distances below 2^24 are exact in float, so the value is the integer path's.
-//   With CUFLASH_SOFTCAP_RCP_FMA=1 (an experiment for bench/probes/fwd_mods_ab.py, off by
-//   default) the reciprocal runs on the FMA pipe instead, leaving one MUFU operation a score to
-//   the softcap: u = 2^{-|x| k2} = e^{-2|y|} in [0, 1], tanh|y| = 2 / (1 + u) - 1, 1 / (1 + u)
-//   from a quadratic seed (relative error 1.0%) and two Newton steps (1e-8), the sign of x put
-//   back: 11 instructions, error ~2.7e-7 c (simulated). u = 0 (|x| k2 > 126, or x = +-inf) gives
-//   +-c; x = +-0 gives +-0; a NaN stays NaN.
+//   distances below 2^24 are exact in float, so the value is the integer path's. ALiBi alone
+//   (Var::kAlibiRawUnits, the default: CUFLASH_ALIBI_RAW) adds - (slope / tau) |.| to the raw
+//   product instead and leaves tau log2(e) to the softmax's exp2, as plain attention does: the
+//   FMUL x tau a score goes (the score's rounding moves by at most an ulp of float32).
 #ifndef CUFLASH_SOFTCAP_RCP_FMA
 #define CUFLASH_SOFTCAP_RCP_FMA 0
 #endif
-// (a template, so that sources without mma_sm80.cuh's ex2_approx / rcp_approx never instantiate it)
-template <class F>
-__device__ __forceinline__ F softcap_of(F x, F k2, F cap) {
+// softcap_of's multiplier of the raw product x: scale / c (tanh build), 2 scale log2(e) / c
+template <bool TANH>
+__device__ __forceinline__ float softcap_k(float scale, float inv_cap) {
+  return TANH ? scale * inv_cap : 2.f * 1.4426950408889634f * scale * inv_cap;
+}
+// (a template, so that sources without mma_sm80.cuh's special-function wrappers never instantiate it)
+template <bool TANH, class F>
+__device__ __forceinline__ F softcap_of(F x, F k, F cap) {
+  if constexpr (TANH) {
+    return cap * tanh_approx(x * k);
+  } else {
 #if CUFLASH_SOFTCAP_RCP_FMA
-  const float u = ex2_approx(-fabsf(x) * k2);
-  const float d = 1.f + u;
-  float r = fmaf(fmaf(0.32319388f, u, -0.80798954f), u, 0.98986351f);
-  r = fmaf(r, fmaf(-d, r, 1.f), r);
-  r = fmaf(r, fmaf(-d, r, 1.f), r);
-  return copysignf(fmaf(2.f * cap, r, -cap), x);
+    const float u = ex2_approx(-fabsf(x) * k);
+    const float d = 1.f + u;
+    float r = fmaf(fmaf(0.32319388f, u, -0.80798954f), u, 0.98986351f);
+    r = fmaf(r, fmaf(-d, r, 1.f), r);
+    r = fmaf(r, fmaf(-d, r, 1.f), r);
+    return copysignf(fmaf(2.f * cap, r, -cap), x);
 #else
-  return fmaf(-2.f * cap, rcp_approx(ex2_approx(x * k2) + 1.f), cap);
+    return fmaf(-2.f * cap, rcp_approx(ex2_approx(x * k) + 1.f), cap);
 #endif
+  }
 }
 
 template <class Var, int NT, class It>
@@ -302,11 +348,15 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
                                                   const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask) {
   using Mod = typename Var::Mod;
   const float scale = static_cast<float>(v.scale);
-  // softcap: the exponent's multiplier 2 scale log2(e) / c and the result's -2c, c
-  const float k2 = Mod::kHasSoftcap ? 2.f * 1.4426950408889634f * scale * m.inv_softcap : 0.f;
-  const float cap = Mod::kHasSoftcap ? m.softcap : 0.f;
+  // softcap: the multiplier of the raw product (softcap_k) and c
+  const float k2 = Mod::kHasSoftcap ? softcap_k<Var::kSoftcapTanh>(scale, m.inv_softcap) : 0.f;
+  const float cap = Var::kCapUnits ? 1.f : Mod::kHasSoftcap ? m.softcap : 0.f;   // (units of c: kCapUnits)
   float neg_slope = 0.f;
-  if constexpr (Mod::kHasAlibi) neg_slope = -static_cast<float>(it.slope);
+  // (kAlibiRawUnits: - slope / tau, the scores stay raw; it overflows to -inf, and a pair on
+  // the diagonal gives NaN = 0 x inf, only for tau < slope / 3.4e38, a scale that makes every
+  // half-type score 0 anyway)
+  if constexpr (Mod::kHasAlibi) neg_slope = Var::kAlibiRawUnits ? -static_cast<float>(it.slope) / scale
+                                                                : -static_cast<float>(it.slope);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row0 + 8 * r;
@@ -323,8 +373,8 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
         for (int e = 0; e < 2; ++e) {
           const int j = col0 + 8 * t + e;
           float& x = s[t][2 * r + e];
-          if constexpr (Mod::kHasSoftcap) x = softcap_of(x, k2, cap);
-          else x *= scale;
+          if constexpr (Mod::kHasSoftcap) x = softcap_of<Var::kSoftcapTanh>(x, k2, cap);
+          else if constexpr (!Var::kAlibiRawUnits) x *= scale;
           if constexpr (Mod::kHasAlibi) x = fmaf(fabsf(dist0 - static_cast<float>(8 * t + e)), neg_slope, x);
           if constexpr (Mod::kAfterAlibi) x = Mod::score_after_alibi(m, row, x, min(i, Lq - 1), min(j, Lk - 1));
           if constexpr (Var::kPairMask)

@@ -1,9 +1,10 @@
 """The compile gate: which specialisations to compile offline, and the compiling.
 
 Every specialisation the dispatcher can select (:func:`specialisations`) is what
-``python -m cuflash check`` compiles, for each architecture, with NVRTC and no GPU: 1,033 of
-them on sm_70 + sm_80 + sm_90a today (the modifier and varlen builds are compiled on first
-use and by their own slow tests, not here), about nine CPU-minutes.
+``python -m cuflash check`` compiles, for each architecture, with NVRTC and no GPU: 1,413 of
+them on sm_70 + sm_80 + sm_90a today (the mods suite's built-in modifier builds of fwd_sm90 and
+bwd_sm90 included, below; the other modifier and the varlen builds are compiled on first use
+and by their own slow tests, not here), about ten CPU-minutes.
 
 CI's two cores cannot afford that on every run, so the test suite compiles a *covering set*
 (:func:`covering`): every specialisation's factors (element type, tile traits, Variant, flags)
@@ -22,6 +23,11 @@ architecture it was not compiled for here (float16 vs bfloat16 in the tensor-cor
 the same registers by construction; sm_80 vs sm_90a code of one family differs little). The
 whole set stays the release check: ``python -m cuflash check`` (bench/gpu_run.sh runs it on the
 GPU machine's 16 cores).
+
+The modifier builds of the mods suite's built-in modifiers in fwd_sm90 and bwd_sm90
+(:func:`modifier_records`, about 70 on sm_90a) are in ``check`` but outside the two rules: CI
+compiles only the softcap at d = 128 without causal of both families (the build that spilled
+unseen in session 7).
 """
 
 from __future__ import annotations
@@ -75,7 +81,65 @@ def records(arch: str) -> list[Spec]:
                     continue
                 for dt in dtypes:
                     add(fam, dt, traits, variant, flags)
+    if cc >= 90 and arch == "sm_90a":
+        for spec in modifier_records():
+            out.setdefault((spec.source, spec.expr), spec)
     return list(out.values())
+
+
+#: The wgmma families whose modifier builds the gate compiles (:func:`modifier_records`), and
+#: the mods suite's built-in modifiers (bench/suite_mods.py; the user functions need a trace)
+MODIFIER_FAMILIES = ("fwd_sm90", "bwd_sm90")
+
+
+def modifier_variants() -> list:
+    """The Variants of the mods suite's built-in modifiers, each causal and not: softcap (both
+    builds of ``CUFLASH_SOFTCAP_TANH``, and the tanh one without ``CUFLASH_SOFTCAP_POLY``), ALiBi (both of ``CUFLASH_ALIBI_RAW``), the window, a
+    bfloat16 bias. (bwd_sm90 with
+    softcap at d = 128 spilled 56 bytes in session 7 and nothing compiled it: bench/NOTES.md.)"""
+    from ._variant import Variant
+    out = []
+    for causal in (False, True):
+        out += [Variant(causal=causal, softcap=True),
+                Variant(causal=causal, softcap=True, softcap_tanh=False),
+                Variant(causal=causal, softcap=True, softcap_poly=False),
+                Variant(causal=causal, alibi_slopes=True),
+                Variant(causal=causal, alibi_slopes=True, alibi_raw=False),
+                Variant(causal=causal, window=True),
+                Variant(causal=causal, bias="__nv_bfloat16")]
+    return out
+
+
+def modifier_records() -> list[Spec]:
+    """The builds of :func:`modifier_variants` that the dispatcher picks on the H200 for
+    fwd_sm90 and bwd_sm90, bfloat16 (float16 has the same registers by construction), d = 64
+    and 128, L = 4096 (the forward's EVEN build and, with Lk = 4000, its predicated one); a
+    Variant the family sends elsewhere (bwd_sm90 with a bias) is skipped. About 60 builds."""
+    from ._families import FAMILIES, PROFILES, Shape
+    dev, out = PROFILES["h200"], {}
+    for name in MODIFIER_FAMILIES:
+        fam = FAMILIES[name]
+        for d in (64, 128):
+            for variant in modifier_variants():
+                for Lk in ((4096, 4000) if fam.kind == "fwd" else (4096,)):
+                    picked = fam.select(fam, Shape("bfloat16", 16, 4096, Lk, d, d, variant, False), dev)
+                    if isinstance(picked, str):
+                        continue
+                    traits, flags = picked[0], picked[1]
+                    expr = fam.expr("bfloat16", traits, variant, **flags)
+                    out.setdefault((fam.source, expr), Spec(
+                        fam.source, expr, (("dtype", "bfloat16"), ("traits", traits),
+                                           ("variant", variant), *sorted(flags.items()))))
+    return list(out.values())
+
+
+#: The modifier builds CI's covering set compiles (2 cores, no GPU): the softcap at d = 128,
+#: not causal, in both families (the build that spilled); the rest is ``check``'s.
+def _covering_modifier(spec: Spec) -> bool:
+    f = dict(spec.factors)
+    v = f["variant"]
+    return (v.softcap and v.softcap_tanh and v.softcap_poly and not v.causal
+            and getattr(f["traits"], "head_dim", None) == 128)
 
 
 def covering(archs: Iterable[str]) -> list[tuple[str, str, str]]:
@@ -84,8 +148,14 @@ def covering(archs: Iterable[str]) -> list[tuple[str, str, str]]:
     requirements; ties to the earlier one), so that the choice is a function of the registry
     and ``archs`` alone."""
     jobs: dict[str, list[tuple[Spec, str]]] = {}
+    extra: list[tuple[str, str, str]] = []
+    modifier = {(s.source, s.expr): s for s in modifier_records()}
     for arch in archs:
         for s in records(arch):
+            if (s.source, s.expr) in modifier:     # not in the all-pairs rule: a chosen few
+                if _covering_modifier(s):
+                    extra.append((s.source, s.expr, arch))
+                continue
             jobs.setdefault(s.source, []).append((s, arch))
 
     def needs(s: Spec, arch: str) -> set:
@@ -102,7 +172,7 @@ def covering(archs: Iterable[str]) -> list[tuple[str, str, str]]:
             s, arch = group[k]
             chosen.append((s.source, s.expr, arch))
             unmet -= reqs[k]
-    return chosen
+    return chosen + extra
 
 
 #: The architectures the gate compiles for: the generic families on sm_70 (NVRTC 12), all on

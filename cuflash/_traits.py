@@ -324,10 +324,12 @@ FWD_SM90_FULL_WARPGROUPS_BIAS = frozenset({"causal", "bias", "sink"})
 #:   causal (``BWD_SM90_MODIFIERS_NONCAUSAL``), alone or with the sink (255, 0 spills; causal
 #:   spills 8 bytes, with ALiBi 4). With a window it spills (24 bytes at d = 64): bwd_sm80.
 _BWD90_PLAIN = frozenset({"window", "sink", "alibi_slopes"})
+#: (Session 8: softcap with the window at d = 128 runs bwd_sm80 too: with the softcap computed
+#: once and its tanh kept for the chain rule, the window's bounds spill 8-24 bytes there.)
 BWD_SM90_MODIFIERS = {
     64: (_BWD90_PLAIN, frozenset({"window", "softcap", "alibi_slopes", "sink", "mask_mod"}),
          frozenset({"bias", "softcap", "alibi_slopes", "sink"})),
-    128: (_BWD90_PLAIN, frozenset({"window", "softcap", "sink"})),
+    128: (_BWD90_PLAIN, frozenset({"softcap", "sink"})),
 }
 #: ... and the sets a bucket adds for Variants without causal (the bias at d = 128)
 BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}

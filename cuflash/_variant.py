@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy
 
@@ -48,6 +49,21 @@ class Variant:
     causal: bool = False
     window: bool = False
     softcap: bool = False
+    #: the softcap's build in the tensor-core families (variant.cuh ``softcap_of``): True, one
+    #: ``tanh.approx`` a score (C++ ``SOFTCAP`` = 1, spelled ``true``); False, session 7's
+    #: ``ex2.approx`` and ``rcp.approx`` (``SOFTCAP`` = 2). bfloat16 only: tanh.approx's relative
+    #: error (2^-11) is float16's rounding, and an emulation with that error injected fails the
+    #: kit's lse bound in float16 (bench/NOTES.md, session 8). ``CUFLASH_SOFTCAP_TANH=0`` keeps
+    #: the old build for bfloat16 too (:func:`_switch`); meaningless without ``softcap``.
+    softcap_tanh: bool = True
+    #: ALiBi alone in the tensor-core forwards: True, scores kept raw, the slope divided by the
+    #: scale (C++ ``ALIBI`` = 1, ``true``); False, session 7's natural units (``ALIBI`` = 2).
+    #: ``CUFLASH_ALIBI_RAW`` picks it per plan; meaningless without ``alibi_slopes``.
+    alibi_raw: bool = True
+    #: with ``softcap_tanh``: a share of the forward's softmax exponentials on the FMA pipe
+    #: (online_softmax.cuh ``ex2_poly``; ``SOFTCAP`` = 1), else none (``SOFTCAP`` = 3);
+    #: ``CUFLASH_SOFTCAP_POLY=0`` turns it off
+    softcap_poly: bool = True
     alibi_slopes: bool = False
     bias: str | None = None
     mask: bool = False
@@ -90,7 +106,10 @@ class Variant:
             return "true" if x else "false"
         if not self.modified:
             return f"cuflash::Variant<{b(self.causal)}>"
-        args = [b(self.causal), b(self.window), b(self.softcap), b(self.alibi_slopes),
+        softcap = ("false" if not self.softcap else "2" if not self.softcap_tanh
+                   else "true" if self.softcap_poly else "3")
+        alibi = "false" if not self.alibi_slopes else "true" if self.alibi_raw else "2"
+        args = [b(self.causal), b(self.window), softcap, alibi,
                 self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
                 self.mask_mod or "cuflash::NoMaskMod", b(self.block_mask), b(self.sink)]
         return f"cuflash::Variant<{', '.join(args)}>"
@@ -126,6 +145,10 @@ def variant_of(prob, mods=None) -> Variant:
     score, mask = traces_of(mods)
     return Variant(causal=bool(prob.causal), window=mods.window is not None,
                    softcap=mods.softcap is not None,
+                   softcap_tanh=mods.softcap is None or (_switch("CUFLASH_SOFTCAP_TANH")
+                                                         and prob.dtype.name == "bfloat16"),
+                   alibi_raw=mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_RAW"),
+                   softcap_poly=mods.softcap is None or _switch("CUFLASH_SOFTCAP_POLY"),
                    alibi_slopes=mods.alibi_slopes is not None,
                    bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
                    mask=mods.mask is not None, sink=mods.sink is not None,
@@ -133,6 +156,22 @@ def variant_of(prob, mods=None) -> Variant:
                    mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
                    block_mask=mods.block_mask is not None,
                    prelude="".join(t.source for t in (score, mask) if t is not None))
+
+
+def _switch(var: str) -> bool:
+    """An A/B switch of the tensor-core kernels' modifier code (bench/NOTES.md "softcap and
+    ALiBi cost (session 8)"), read when a plan is made (``cuflash._api.clear_plans()`` between
+    two settings in one process); ``1`` or unset: the session-8 build.
+    ``CUFLASH_SOFTCAP_TANH=0``: the softcap on ``ex2.approx`` and ``rcp.approx`` (two special-
+    function operations a score) instead of ``tanh.approx`` (one).
+    ``CUFLASH_SOFTCAP_POLY=0``: no share of the forward's exponentials on the FMA pipe beside
+    ``tanh.approx``.
+    ``CUFLASH_ALIBI_RAW=0``: ALiBi alone in natural units (one FMUL a score more) instead of
+    the raw scores with the slope divided by the scale."""
+    value = os.environ.get(var, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{var}={value!r}: expected 0 or 1")
+    return value != "0"
 
 
 def traces_of(mods) -> tuple:

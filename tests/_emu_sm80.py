@@ -44,7 +44,7 @@ def available() -> bool:
 #: what mma_sm80_host.cuh emulates; every other top-level definition of mma_sm80.cuh is used
 #: verbatim (SwizzledTile, the tile I/O helpers, ...)
 _EMULATED = {"smem_u32", "cp_async_16", "cp_async_commit", "cp_async_wait", "ldmatrix_x4",
-             "ldmatrix_x4_trans", "Mma", "pack2", "ex2_approx", "rcp_approx"}
+             "ldmatrix_x4_trans", "Mma", "pack2", "ex2_approx", "rcp_approx", "tanh_approx"}
 _ST_SHARED = re.compile(r'asm volatile\("st\.shared\.b32 \[%0\], %1;\\n" ::"r"\((\w+)\), "r"\((\w+)\)\);')
 
 

@@ -161,7 +161,7 @@ def _modifier_case(name, dtype):
     rng = numpy.random.default_rng(len(name))
     B, H, d = 2, 2, 64
     # Lq > Lk: the window's diagonal i + Lk - Lq starts below key 0 (rows with no key)
-    Lq, Lk = (150, 100) if name in ("window", "sink") else (100, 150)
+    Lq, Lk = (150, 100) if name in ("window", "sink", "softcap-window") else (100, 150)
     q, k, v = (make_array(rng, (B, H, L, d), dtype) for L in (Lq, Lk, Lk))
     bias = rng.standard_normal((H, Lq, Lk)).astype(numpy.float32)   # broadcast over B
     bias[:, 7, :] = -numpy.inf                                      # row 7: no visible key
@@ -174,6 +174,9 @@ def _modifier_case(name, dtype):
         "window": (False, dict(window=(20, 5))),                     # rows < 45 see nothing
         "window-causal-top-left": ("top_left", dict(window=(33, None))),
         "softcap": (True, dict(softcap=2.0)),
+        # scores far beyond the cap on both sides and near 0 (q's rows scaled below)
+        "softcap-extreme": (False, dict(softcap=2.0)),
+        "softcap-window": (False, dict(softcap=2.0, window=(20, 5))),  # rows < 45 see nothing
         "alibi": (True, dict(alibi_slopes=slopes)),
         "bias": (False, dict(bias=bias.astype(dtype))),
         "mask": (True, dict(mask=mask)),
@@ -182,11 +185,14 @@ def _modifier_case(name, dtype):
                            mask=mask, sink=sink)),
     }
     causal, kw = cases[name]
+    if name == "softcap-extreme":
+        row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
+        q = (q.astype(numpy.float32) * row_scale[:, None]).astype(dtype)
     return q, k, v, causal, kw
 
 
-MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "alibi", "bias", "mask", "sink",
-                  "all"]
+MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "softcap-extreme", "softcap-window",
+                  "alibi", "bias", "mask", "sink", "all"]
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +228,7 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
     naive.check_result(q, k, v, causal, kw, o, lse)
     o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
     dead = lse_ref == -numpy.inf
-    if name in ("window", "bias", "mask"):
+    if name in ("window", "bias", "mask", "softcap-window"):
         assert dead.any()            # the case has rows with no visible key ...
     assert (lse[dead] == -numpy.inf).all() and (o[dead] == 0).all()   # ... o = 0, lse = -inf
     if name == "sink":               # rows with no visible key but a sink: o = 0, lse = sink
@@ -233,7 +239,7 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
 
 # -- the backward with the built-in modifiers: dq, dk, dv, dbias, dsink of bwd_sm80's Variant code
 
-BWD_MODIFIER_CASES = ["window", "softcap", "alibi", "bias", "mask", "sink", "all"]
+BWD_MODIFIER_CASES = ["window", "softcap", "softcap-extreme", "alibi", "bias", "mask", "sink", "all"]
 
 
 def _bwd_modifier_case(name, dtype):

@@ -311,9 +311,11 @@ def _bwd_sm90_cases():
         "window-both-64": (dict(window=(40, 30)), 64, False),
         "window+sink-128": (dict(window=(64, 0), sink=rng.standard_normal((3,)).astype(numpy.float32)),
                             128, True),
-        "softcap+window+sink-72": (dict(softcap=5.0, window=(90, 10),
+        "softcap+window+sink-64": (dict(softcap=5.0, window=(90, 10),
                                         sink=rng.standard_normal((2, 3)).astype(numpy.float32)),
-                                   72, "top_left"),
+                                   64, "top_left"),
+        "softcap+sink-72": (dict(softcap=5.0, sink=rng.standard_normal((2, 3)).astype(numpy.float32)),
+                            72, "top_left"),
         "alibi-64": (dict(alibi_slopes=slopes), 64, True),
         "alibi+window+softcap-64": (dict(alibi_slopes=slopes, window=(50, None), softcap=10.0), 64, False),
         # ALiBi on the plain path (session 7): every head-dim bucket, with causal (both
@@ -347,6 +349,36 @@ def test_modifier_gradients_on_bwd_sm90(bwd_family, name):
     hopper = cupy.cuda.Device().compute_capability == "90"
     forced = os.environ.get("CUFLASH_BWD") == "sm80"
     assert bwd_family == ["bwd_sm90.cu" if hopper and not forced else "bwd_sm80.cu"]
+
+
+@pytest.mark.parametrize("tanh, poly", [("1", "1"), ("1", "0"), ("0", "1")],
+                         ids=["tanh.approx+ex2_poly", "tanh.approx", "ex2-rcp"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("d, causal", [(128, False), (64, True)])
+def test_softcap_at_extreme_magnitudes(bwd_family, monkeypatch, tanh, poly, dtype, d, causal):
+    """softcap in both builds of the tensor-core kernels (CUFLASH_SOFTCAP_TANH: tanh.approx for
+    bfloat16, with or without a share of the forward's exponentials on the FMA pipe
+    (CUFLASH_SOFTCAP_POLY), or ex2 / rcp, which float16 always takes; bench/NOTES.md "softcap
+    and ALiBi cost (session 8)"), forward and backward,
+    on rows whose scores lie far beyond the cap on both sides (q rows scaled by 30 and 300, cap
+    2: tanh saturates to +-1 and its derivative 1 - tanh^2 to 0), around the cap (scale 1)
+    and near 0 (scaled by 1e-2 and 1e-4: tanh linear, relative error of tanh.approx at its
+    smallest arguments), one row kind each 5 rows, against the oracle with the kit's rule."""
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_SOFTCAP_TANH", tanh)
+    monkeypatch.setenv("CUFLASH_SOFTCAP_POLY", poly)
+    _api.clear_plans()
+    rng = numpy.random.default_rng(11)
+    Lq, Lk = 250, 190
+    row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
+    q = (rng.standard_normal((2, 2, Lq, d)) * row_scale[:, None]).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, Lk, d)).astype(dtype) for _ in range(2))
+    kw = dict(softcap=2.0)
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    _api.clear_plans()
 
 
 @pytest.mark.parametrize("slopes, causal, window", [

@@ -90,11 +90,15 @@ def fingerprints(prefixes: tuple[str, ...], archs: tuple[str, ...], match: str =
             pass
     work = []
     for arch in archs:
-        by_source: dict[str, list[str]] = {}
+        # plain attention and the gate's modifier builds (_gate.modifier_records, session 8) in
+        # separate NVRTC programs: a function's SASS hash depends on what else the program
+        # holds, so the plain kernels keep the program they had before those builds were added
+        by_source: dict[tuple[str, bool], list[str]] = {}
         for src, expr in _families.specialisations(arch):
             if src.startswith(prefixes) and re.search(match, _normalise(expr)):
-                by_source.setdefault(src, []).append(expr)
-        work += [(arch, src, exprs) for src, exprs in by_source.items()
+                modified = bool(re.search(r"Variant<[^<>]*,", expr))
+                by_source.setdefault((src, modified), []).append(expr)
+        work += [(arch, src, exprs) for (src, _), exprs in by_source.items()
                  if not all(f"{arch} {e}" in out for e in exprs)]
     rank = {s: i for i, s in enumerate(PRIORITY)}
     work.sort(key=lambda w: (rank.get(w[1], len(rank)), w[0]))

@@ -270,6 +270,7 @@ inline bool run_block(int nthreads, uint3_emu bid, unsigned char* smem, unsigned
 inline void __syncwarp(unsigned = 0xffffffffu) { ::emu::warp_sync(); }
 inline void __threadfence() {}
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float x) { unsigned i; std::memcpy(&i, &x, 4); return i; }
 inline double __longlong_as_double(long long i) { double f; std::memcpy(&f, &i, 8); return f; }
 inline float __log2f(float x) { return std::log2(x); }
 template <typename T> inline T __ldg(const T* p) { return *p; }

@@ -1,10 +1,11 @@
 // Host emulation of cuda_src/mma_sm80.cuh's warp-level wrappers (tests/emu): cp.async (landing
 // at cp.async.wait_group, as late as the hardware may), ldmatrix .x4 with and without .trans,
-// mma.sync m16n8k16 with float32 accumulation, pack2, ex2.approx. The fragment layouts are the
+// mma.sync m16n8k16 with float32 accumulation, pack2, ex2.approx, rcp.approx, tanh.approx. The fragment layouts are the
 // PTX ISA's (see mma_sm80.cuh's header comment). Every other definition of mma_sm80.cuh
 // (SwizzledTile, the tile I/O helpers) is not emulated: tests/_emu_sm80.py splices the real
 // ones in at the end.
 #pragma once
+#include <cstring>
 #include "common.cuh"
 
 namespace cuflash {
@@ -141,6 +142,18 @@ inline float ex2_approx(float x) {
 // rcp.approx.ftz.f32: exact here; a subnormal argument counts 0 (1/0 = +inf) as on the GPU.
 inline float rcp_approx(float x) {
   return (x != 0.f && std::fabs(x) < 1.17549435e-38f) ? std::copysign(INFINITY, x) : 1.f / x;
+}
+
+// tanh.approx.f32: the GPU's documented worst case, a relative error of 2^-11, with a sign
+// that a hash of x's bits picks (not exact on purpose: the emulated tests then check that the
+// kit's tolerance holds for the bfloat16 softcap on tanh.approx at that bound; float16's
+// softcap does not take it, cuflash/_variant.py). tanh(+-inf) = +-1 (1 +- 2^-11: the error
+// path saturates like the GPU's only to within that bound).
+inline float tanh_approx(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof u);
+  const float e = ((u ^ (u >> 7) ^ (u >> 13)) & 1u) ? 0x1p-11f : -0x1p-11f;
+  return std::tanh(x) * (1.f + e);
 }
 
 // Every other definition of mma_sm80.cuh, verbatim (tests/_emu_sm80.py splices it here):

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Question (session 8, bench/NOTES.md "softcap and ALiBi cost (session 8)"): what do softcap
+and ALiBi cost over plain attention of the same shape now (issue 10: <= 10%), forward and
+fwd+bwd, with the session-8 builds against session 7's, in ONE process?
+
+    PYTHONPATH=. python bench/probes/softcap_ab.py [--json out.json] [--d 64,128] [--L 4096,16384]
+
+On the H200 (~60 s): bf16, B x L = 16k tokens, H x d = 2048 (the mods suite's shapes), softcap
+50 not causal against plain not causal, ALiBi (the suite's geometric slopes) causal against
+plain causal, each in the new build ("new": ``CUFLASH_SOFTCAP_TANH=1``, one tanh.approx a score, with
+``CUFLASH_SOFTCAP_POLY=1``, a share of the forward's exponentials on the FMA pipe;
+``CUFLASH_ALIBI_RAW=1``, ALiBi on the raw scores), softcap without the share ("tanh":
+``CUFLASH_SOFTCAP_POLY=0``) and the old builds ("old": ``CUFLASH_SOFTCAP_TANH=0``, session 7's
+ex2 / rcp softcap, ``CUFLASH_ALIBI_RAW=0``, natural-unit ALiBi), ``cuflash._api.clear_plans()``
+between; forward
+(``attention``) and fwd+bwd (``attention_vjp`` + pullback), CUDA events, median of 10 after 3
+warm-up calls (the kernels compiled first by 14 processes into CuPy's disk cache). Prints ms,
+TFLOP/s (visible pairs; backward 2.5x forward) and the cost, 1 - TFLOP/s / plain's of the same
+causality (issue 10's "cost over plain", as bench/NOTES.md states it). No GPU: exits with a
+message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))   # bench/: suite_common, suite_mods
+
+BUILDS = {"new": {"CUFLASH_SOFTCAP_TANH": "1", "CUFLASH_SOFTCAP_POLY": "1", "CUFLASH_ALIBI_RAW": "1"},
+          "tanh": {"CUFLASH_SOFTCAP_TANH": "1", "CUFLASH_SOFTCAP_POLY": "0", "CUFLASH_ALIBI_RAW": "1"},
+          "old": {"CUFLASH_SOFTCAP_TANH": "0", "CUFLASH_SOFTCAP_POLY": "1", "CUFLASH_ALIBI_RAW": "0"}}
+#: the points (indices into _points) each build times: plain once, ALiBi in new and old only
+TIMED = {"new": (0, 1, 2, 3), "tanh": (2,), "old": (2, 3)}
+
+
+def _points(L: int, H: int, xp):
+    import suite_mods
+    slopes = xp.asarray(suite_mods.alibi_slopes(H))
+    return [("plain", dict(causal=False), L * L),
+            ("plain", dict(causal=True), L * (L + 1) / 2),
+            ("softcap", dict(causal=False, softcap=suite_mods.SOFTCAP), L * L),
+            ("alibi", dict(causal=True, alibi_slopes=slopes), L * (L + 1) / 2)]
+
+
+def _inputs(d: int, L: int):
+    import cupy
+    import ml_dtypes
+    import numpy
+    import suite_mods
+    H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
+    rng = numpy.random.default_rng(L + d)
+    q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(numpy.dtype(ml_dtypes.bfloat16)))
+               for _ in range(3))
+    return B, H, q, k, v
+
+
+def warm_one(job) -> None:
+    """One point's forward and fwd+bwd once, in a child process: the kernels land in CuPy's
+    on-disk cache, so that the timed process does not compile them one after the other."""
+    d, L, build, index = job
+    os.environ.update(BUILDS[build])
+    sys.path.insert(0, str(HERE.parents[1]))
+    import cupy
+    import cuflash
+    B, H, q, k, v = _inputs(d, L)
+    _, kw, _ = _points(L, H, cupy)[index]
+    cuflash.attention(q, k, v, **kw)
+    cuflash.attention_vjp(q, k, v, **kw)[1](cupy.ones_like(q))
+    cupy.cuda.Device().synchronize()
+
+
+def warm(d_list, L_list, workers: int) -> None:
+    import concurrent.futures
+    import multiprocessing
+    # (the kernels do not depend on L here: the same builds at 4k and 16k, so the shortest)
+    jobs = [(d, min(L_list), build, i) for d in d_list for build in BUILDS for i in TIMED[build]]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(warm_one, jobs))
+
+
+def measure(d_list, L_list) -> list[dict]:
+    import cupy
+    import cuflash
+    from cuflash import _api
+    from suite_common import median_event_ms
+    rows = []
+    for d in d_list:
+        for L in L_list:
+            B, H, q, k, v = _inputs(d, L)
+            do = cupy.ones_like(q)
+            points = _points(L, H, cupy)
+            for build, env in BUILDS.items():
+                os.environ.update(env)
+                _api.clear_plans()
+                for index, (name, kw, pairs) in enumerate(points):
+                    if index not in TIMED[build]:
+                        continue      # plain attention has one build, ALiBi two
+                    fwd_flop = 4 * B * H * d * pairs
+                    for mode in ("fwd", "fwd_bwd"):
+                        if mode == "fwd":
+                            fn = lambda i: cuflash.attention(q, k, v, **kw)   # noqa: E731
+                            flop = fwd_flop
+                        else:
+                            fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
+                            flop = 3.5 * fwd_flop
+                        ms = median_event_ms(fn, iters=10, warmup=3)
+                        rows.append(dict(d=d, L=L, mod=name, causal=kw["causal"], build=build,
+                                         mode=mode, ms=ms, tflops=flop / ms / 1e9))
+                        print(json.dumps(rows[-1]), flush=True)
+            del q, k, v, do
+            cupy.get_default_memory_pool().free_all_blocks()
+    for env in BUILDS["new"]:
+        os.environ.pop(env, None)
+    _api.clear_plans()
+    return rows
+
+
+def table(rows: list[dict]) -> None:
+    plain = {(r["d"], r["L"], r["causal"], r["mode"]): r["tflops"] for r in rows if r["mod"] == "plain"}
+    print(f"{'d':>4} {'L':>6} {'point':16} {'mode':8} {'build':5} {'ms':>8} {'TFLOP/s':>8} {'cost':>7}")
+    for r in rows:
+        ref = plain.get((r["d"], r["L"], r["causal"], r["mode"]))
+        cost = 1 - r["tflops"] / ref if ref and r["mod"] != "plain" else float("nan")
+        name = r["mod"] + (" causal" if r["causal"] else "")
+        print(f"{r['d']:>4} {r['L']:>6} {name:16} {r['mode']:8} {r['build']:5} {r['ms']:8.3f} "
+              f"{r['tflops']:8.1f} {cost:7.1%}")
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--L", default="4096,16384")
+    ap.add_argument("--json")
+    ap.add_argument("--warm", type=int, default=14,
+                    help="processes compiling the kernels first (0: compile while timing)")
+    a = ap.parse_args(argv)
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:   # noqa: BLE001
+        print(f"no GPU here ({exc}): nothing measured")
+        return 0
+    d_list, L_list = [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")]
+    import time
+    t0 = time.perf_counter()
+    if a.warm:
+        warm(d_list, L_list, a.warm)
+    t1 = time.perf_counter()
+    rows = measure(d_list, L_list)
+    print(f"compile (warm-up processes) {t1 - t0:.0f} s, timing {time.perf_counter() - t1:.0f} s")
+    table(rows)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"question": __doc__.split("\n\n")[0], "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
