@@ -12,6 +12,18 @@ bottleneck, the same loop is timed again up to a synchronisation after its last 
 ``gpu_bound: true`` and its figure is not a host time. Each figure is the median of
 ``--repeats`` loops.
 
+That check cannot see a loop whose GPU work per call is as long as its host work (the launch
+queue then stays full, and issue and drain both read the GPU's time: session 8 read cuflash's
+host time 46% above session 7's with the same code, on a fresh machine whose SM clock idled
+at 345 MHz). So each implementation is also timed **behind a spin kernel**: one thread busy-waits
+on the GPU (``%globaltimer``) long enough that ``--spin-calls`` calls are all issued while it
+runs; their issue time is then host time whatever the GPU's speed (``us_per_call_behind_spin``),
+and CUDA events around them, which run once the spin ends, give the GPU time of a call with no
+host gaps (``gpu_us_per_call``). ``queue_bound: true`` where the GPU time is >= 90% of the
+back-to-back figure: that figure is then the GPU's, and ``us_per_call_behind_spin`` is the
+host time to report. ``spin_outlasted: false`` says the spin ended before the issue did (the
+behind-spin figure is then not clean).
+
 Implementations: ``cuflash`` (``cuflash.attention``), ``cuflash_backward``
 (``cuflash.attention_backward`` with ``o`` and ``lse`` from one forward), ``sdpa_flash``
 (``torch.nn.functional.scaled_dot_product_attention`` on DLPack views of the same arrays,
@@ -92,12 +104,70 @@ def measure(impl: str, fn: Callable[[], Any], calls: int, repeats: int,
     return overhead_row(impl, calls, [t[0] for t in times], [t[1] for t in times])
 
 
+#: a GPU time per call this close to the back-to-back figure means the queue set the pace
+QUEUE_BOUND_RATIO = 0.9
+SPIN_SOURCE = r"""
+extern "C" __global__ void cuflash_spin(long long ns) {
+  // one thread busy-waits ns nanoseconds of the GPU's global timer: the calls issued behind
+  // it queue up, so their issue time is host time only
+  long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def spin_row(row: dict, calls: int, issue_s: Sequence[float], gpu_s: Sequence[float],
+             outlasted: Sequence[bool]) -> dict:
+    """``row`` (overhead_row's) with the behind-spin figures: the median host issue time and
+    GPU time of ``calls`` calls issued behind a spin kernel, in µs per call, and the flags."""
+    if calls < 1 or not issue_s or len(issue_s) != len(gpu_s) or len(gpu_s) != len(outlasted):
+        raise ValueError(f"{calls=} and one issue time, GPU time and flag a loop "
+                         f"({issue_s=}, {gpu_s=}, {outlasted=})")
+    host = statistics.median(issue_s) / calls * 1e6
+    gpu = statistics.median(gpu_s) / calls * 1e6
+    return dict(row, us_per_call_behind_spin=host, gpu_us_per_call=gpu,
+                queue_bound=gpu >= QUEUE_BOUND_RATIO * row["us_per_call"],
+                spin_outlasted=all(outlasted))
+
+
+def behind_spin(fn: Callable[[], Any], calls: int, repeats: int, spin: Callable[[float], Any],
+                event: Callable[[], Any], sync: Callable[[], None],
+                elapsed: Callable[[Any, Any], float],
+                clock: Callable[[], float] = time.perf_counter) -> tuple[list, list, list]:
+    """Issue ``calls`` calls behind a spin kernel, ``repeats`` times: (host seconds, GPU
+    seconds between events around the calls, whether the spin was still running when the
+    last call was issued). ``spin(seconds)`` enqueues the spin and returns an event recorded
+    after it (``.done``: whether it has completed); ``event()`` records one on the current
+    stream; ``elapsed(a, b)``: seconds between two completed events."""
+    issue, gpu, outlasted = [], [], []
+    budget = 200e-6 * calls               # generous: 200 us of host time a call
+    for _ in range(repeats):
+        sync()
+        spun = spin(budget)
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        t1 = clock()
+        still = not spun.done
+        end = event()
+        sync()
+        issue.append(t1 - t0)
+        gpu.append(elapsed(spun, end))
+        outlasted.append(still)
+    return issue, gpu, outlasted
+
+
 def format_rows(rows: Sequence[dict]) -> str:
     ref = next((r["us_per_call"] for r in rows if r["impl"] == "sdpa_flash"), None)
     body = [[r["impl"], f"{r['us_per_call']:.1f}", f"{r['us_per_call_drained']:.1f}",
              f"{r['us_per_call'] / ref:.2f}" if ref else "-",
-             "GPU-BOUND" if r["gpu_bound"] else "ok"] for r in rows]
-    return ba.render_table(["impl", "us/call", "us/call drained", "/ sdpa_flash", "check"], body)
+             f"{r['us_per_call_behind_spin']:.1f}" if "us_per_call_behind_spin" in r else "-",
+             f"{r['gpu_us_per_call']:.1f}" if "gpu_us_per_call" in r else "-",
+             "GPU-BOUND" if r["gpu_bound"] else "QUEUE-BOUND" if r.get("queue_bound")
+             else "ok" if r.get("spin_outlasted", True) else "spin too short"] for r in rows]
+    return ba.render_table(["impl", "us/call", "us/call drained", "/ sdpa_flash",
+                            "us/call behind spin", "GPU us/call", "check"], body)
 
 
 def build(q, k, v) -> dict[str, Callable[[], Any]]:
@@ -140,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed loops per implementation")
     p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                    help="folder for host_overhead.json (default bench/results/<gpu>/)")
+    p.add_argument("--spin-calls", type=int, default=200,
+                   help="calls per loop behind the spin kernel (<= ~300: a backward is up to "
+                        "3 launches and the launch queue holds ~1000)")
     p.add_argument("--no-json", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward and backward calls")
     args = p.parse_args(argv)
@@ -164,12 +237,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     sync = cp.cuda.Device().synchronize
     rows = []
     fns = build(q, k, v)
+    spin_kernel = cp.RawKernel(SPIN_SOURCE, "cuflash_spin")
+
+    def spin(seconds: float):
+        spin_kernel((1,), (1,), (cp.int64(int(seconds * 1e9)),))
+        ev = cp.cuda.Event()
+        ev.record()
+        return ev
+
+    def event():
+        ev = cp.cuda.Event()
+        ev.record()
+        return ev
     for impl, fn in fns.items():
         try:
-            rows.append(measure(impl, fn, args.calls, args.repeats, sync))
+            row = measure(impl, fn, args.calls, args.repeats, sync)
+            rows.append(spin_row(row, args.spin_calls, *behind_spin(
+                fn, args.spin_calls, args.repeats, spin, event, sync,
+                lambda a, b: cp.cuda.get_elapsed_time(a, b) * 1e-3)))
         except Exception as e:
             print(f"{impl}: FAILED ({ba.short_error(e)})", file=sys.stderr)
     print(format_rows(rows))
+    if any(r.get("queue_bound") for r in rows):
+        print("QUEUE-BOUND rows: the GPU time of a call is >= 90% of the back-to-back figure, "
+              "which is then the GPU's pace: report 'us/call behind spin' as their host time")
     if any(r["gpu_bound"] for r in rows):
         print(f"GPU-BOUND rows: draining the queue took > {GPU_BOUND_RATIO}x the issue time, "
               "so those figures are not host times")

@@ -382,8 +382,36 @@ def test_overhead_table():
             ho.overhead_row("cupy_empty_kernel", 100, [0.0005], [0.002])]
     lines = ho.format_rows(rows).splitlines()
     assert lines[0].split()[:2] == ["impl", "us/call"]
-    assert lines[2].split() == ["cuflash", "30.0", "30.0", "2.00", "ok"]
+    assert lines[2].split() == ["cuflash", "30.0", "30.0", "2.00", "-", "-", "ok"]
     assert lines[4].split()[-1] == "GPU-BOUND"
+    # behind the spin: a GPU time near the back-to-back figure marks the row queue-bound
+    row = ho.spin_row(rows[0], 100, [0.002], [0.0029], [True])
+    assert row["us_per_call_behind_spin"] == pytest.approx(20.0)
+    assert row["gpu_us_per_call"] == pytest.approx(29.0) and row["queue_bound"] is True
+    assert ho.format_rows([row]).splitlines()[2].split() == [
+        "cuflash", "30.0", "30.0", "-", "20.0", "29.0", "QUEUE-BOUND"]
+    short = ho.spin_row(rows[1], 100, [0.001], [0.0001], [True, False][1:])
+    assert short["queue_bound"] is False and short["spin_outlasted"] is False
+    assert ho.format_rows([short]).splitlines()[2].split()[-3:] == ["spin", "too", "short"]
+    with pytest.raises(ValueError):
+        ho.spin_row(rows[0], 100, [0.001], [], [])
+
+
+def test_behind_spin_issues_every_call_while_the_spin_runs():
+    class Ev:
+        def __init__(self, name, done=False):
+            self.name, self.done = name, done
+    log, t = [], iter([1.0, 1.5, 3.0, 3.2])
+    issue, gpu, outlasted = ho.behind_spin(
+        lambda: log.append("call"), 2, 2,
+        spin=lambda s: log.append(f"spin {s * 1e6:.0f}us") or Ev("spun"),
+        event=lambda: log.append("event") or Ev("end", True),
+        sync=lambda: log.append("sync"),
+        elapsed=lambda a, b: (a.name, b.name) == ("spun", "end") and 0.25,
+        clock=lambda: next(t))
+    assert issue == [0.5, pytest.approx(0.2)] and gpu == [0.25, 0.25]
+    assert outlasted == [True, True]
+    assert log == ["sync", "spin 400us", "call", "call", "event", "sync"] * 2
 
 
 def test_host_overhead_without_gpu_fails_clearly(capsys):
