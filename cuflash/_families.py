@@ -304,7 +304,7 @@ def _bwd_tc_select(fam, shape, dev):
         if not shape.variant.causal:
             sets = sets + _traits.BWD_SM90_MODIFIERS_NONCAUSAL[bucket]
         if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
-                and os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "1").strip() != "0"):
+                and os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "0").strip() == "1"):
             sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
             missing = feats - frozenset().union(*sets)

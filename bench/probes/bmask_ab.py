@@ -10,8 +10,8 @@ runs in its own process (two cuflash packages cannot share one); each times, at 
 the mods suite's shapes (B = 16384 / L, H = 16) and its three block masks (window 1024,
 8 documents, prefix-LM; ``cuflash.block_mask`` of 128 x 128, ``causal`` as the suite passes
 it), forward and fwd+bwd (``attention_vjp`` + pullback), CUDA-event medians. The new tree also
-times fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=0`` (its lists, but the backward on bwd_sm80
-as before: the two changes apart), and FlexAttention (torch.compile'd, as suite_mods does)
+times fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=1`` (the backward on bwd_sm90, opt-in at d = 128
+because its builds spill 4-40 bytes there: does it still beat bwd_sm80?), and FlexAttention (torch.compile'd, as suite_mods does)
 unless --no-flex. TFLOP/s on visible pairs (suite_mods.visible_pairs). Prints one line per
 point and writes ``{"meta", "rows"}`` to --json. The kernels are compiled on first use (NVRTC
 cache on disk): a second run is the timed one if the first ran past 90 s.
@@ -62,7 +62,7 @@ for L in lengths:
             flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
             runs = [(label, {})]
             if mode == "fwd_bwd" and label == "new":
-                runs.append(("new_bwd_sm80", {"CUFLASH_BWD90_BLOCK_MASK": "0"}))
+                runs.append(("new_bwd_sm90", {"CUFLASH_BWD90_BLOCK_MASK": "1"}))
             for impl, env in runs:
                 saved = {n: os.environ.get(n) for n in env}
                 os.environ.update(env)
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     table = {}
     for r in rows:
         table.setdefault((r["mod"], r["L"], r["mode"]), {})[r["impl"]] = r["tflops"]
-    impls = ["old", "new", "new_bwd_sm80", "flex"]
+    impls = ["old", "new", "new_bwd_sm90", "flex"]
     print(f"{'mask':9} {'L':>6} {'mode':8} " + " ".join(f"{i:>13}" for i in impls)
           + "   new/old new/flex  (TFLOP/s on visible pairs)")
     for (mod, L, mode), t in sorted(table.items()):
