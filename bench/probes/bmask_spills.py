@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Question (session 8): do the block-mask builds the dispatcher picks for the mods suite's own
+mask_mods (window 1024, 8 documents, prefix-LM) spill? The compile gate enumerates the registry's
+specialisations and the built-in modifiers, not traced mask_mods, so it cannot say.
+
+    PYTHONPATH=. python bench/probes/bmask_spills.py [--d 128] [--families bwd_sm90,bwd_sm80,fwd_sm90,fwd_sm80] [--json out.json]
+
+No GPU: traces each mask_mod, asks ``_families.choose`` for the suite's shape (B x H = 64,
+L = 4096, bf16; causal and not; deterministic and not for the backwards), compiles the chosen
+build with NVRTC for the family's arch (sm_90a for the sm90 families, sm_80 for the sm80 ones)
+and prints registers, spill bytes and a fingerprint of the machine code
+(tools/sass_identity.py's), e.g. to check that a refactor leaves these builds unchanged.
+Session 8: bwd_sm90 at d = 128 spilled 4-40 bytes in all six, so that path became opt-in
+(``CUFLASH_BWD90_BLOCK_MASK=1``); at d = 64, 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tools")]
+
+ARCH = {"bwd_sm90": ("sm_90a", "h200"), "fwd_sm90": ("sm_90a", "h200"),
+        "bwd_sm80": ("sm_80", "a100"), "fwd_sm80": ("sm_80", "a100")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--families", default="bwd_sm90,bwd_sm80,fwd_sm90,fwd_sm80")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    import sass_identity
+    import suite_mods
+    from cuflash import _families, _jit, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    out = {}
+    for fam_name in a.families.split(","):
+        arch, profile = ARCH[fam_name]
+        fam, dev = _families.FAMILIES[fam_name], _families.PROFILES[profile]
+        nvrtc = _jit._nvrtc_for(arch)
+        direction = "bwd" if fam_name.startswith("bwd") else "fwd"
+        for name in ("window", "document", "prefix"):
+            tr = _trace.trace_mask_mod(suite_mods.mods_for(a.L, 16)[name].mask_mod)
+            for causal in (False, True):
+                for det in ((False, True) if direction == "bwd" else (False,)):
+                    v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr),
+                                block_mask=True, prelude=tr.source)
+                    shape = _families.Shape("bfloat16", 64, a.L, a.L, a.d, a.d, v, det)
+                    choice = _families.choose(direction, shape, dev)
+                    key = f"{arch} {fam_name} d={a.d} {name} causal={causal} deterministic={det}"
+                    if choice.family is not fam:
+                        print(f"{key}: not chosen ({choice.family.name} is)")
+                        continue
+                    log, lowered, cubin = nvrtc.compile(
+                        v.prelude + _jit.load_source(fam.source), fam.source, [choice.expr],
+                        _jit._options(arch, ("--ptxas-options=-v",)))
+                    if lowered is None:
+                        print(f"{key}: does not compile\n{log[:400]}")
+                        continue
+                    fn = lowered[choice.expr]
+                    res = _jit._parse_ptxas(log, fn)
+                    fp = sass_identity.fingerprint((_jit.sass_sections(cubin) or {}).get(fn, ""), fn)
+                    out[key] = dict(fp, registers=res.get("registers"),
+                                    spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0))
+                    print(f"{key}: {res.get('registers')} registers, "
+                          f"{out[key]['spill_bytes']} spill bytes, sha {fp.get('sha', '')[:12]}",
+                          flush=True)
+    if a.json:
+        json.dump(out, open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
