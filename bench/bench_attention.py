@@ -445,12 +445,16 @@ def make_inputs(cp, shape: tuple, dtype_name: str, n_sets: int, with_grad: bool,
 
 
 @contextlib.contextmanager
-def env(**values: str):
-    """Set environment variables for the block, restoring the old values after. cuflash reads
-    its CUFLASH_* overrides when it builds a plan and caches plans, so its plan cache is
-    cleared on the way in and out (a private hook: this is lab code)."""
+def env(**values: str | None):
+    """Set environment variables for the block (None: unset one), restoring the old values
+    after. cuflash reads its CUFLASH_* overrides when it builds a plan and caches plans, so its
+    plan cache is cleared on the way in and out (a private hook: this is lab code)."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     _clear_cuflash_plans()
     try:
         yield

@@ -350,6 +350,13 @@ def test_env_restores():
     with ba.env(CUFLASH_TEST_X="1"):
         assert os.environ["CUFLASH_TEST_X"] == "1"
     assert "CUFLASH_TEST_X" not in os.environ
+    os.environ["CUFLASH_TEST_X"] = "2"          # None unsets for the block, then restores
+    try:
+        with ba.env(CUFLASH_TEST_X=None, CUFLASH_TEST_Y="3"):
+            assert "CUFLASH_TEST_X" not in os.environ and os.environ["CUFLASH_TEST_Y"] == "3"
+        assert os.environ["CUFLASH_TEST_X"] == "2" and "CUFLASH_TEST_Y" not in os.environ
+    finally:
+        os.environ.pop("CUFLASH_TEST_X", None)
 
 
 # --- host overhead -----------------------------------------------------------------------------

@@ -34,8 +34,8 @@ sys.path.insert(0, tree)
 sys.path.insert(0, os.path.join(tree, "bench"))
 import numpy, cupy, ml_dtypes
 import cuflash
-from cuflash import _api
 import suite_mods
+import bench_attention
 from suite_common import median_event_ms, compile_flex
 torch = compiled = cbm = None
 if flex_on:
@@ -64,27 +64,19 @@ for L in lengths:
             if mode == "fwd_bwd" and label == "new":
                 runs.append(("new_bwd_sm90", {"CUFLASH_BWD90_BLOCK_MASK": "1"}))
             for impl, env in runs:
-                saved = {n: os.environ.get(n) for n in env}
-                os.environ.update(env)
-                _api.clear_plans()
                 t0 = time.perf_counter()
                 try:
-                    if mode == "fwd":
-                        ms = median_event_ms(lambda i: cuflash.attention(q, k, v, **kw), 1, 10, 2)
-                    else:
-                        ms = median_event_ms(lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do), 1, 10, 2)
+                    with bench_attention.env(**env):     # plans cleared on the way in and out
+                        if mode == "fwd":
+                            ms = median_event_ms(lambda i: cuflash.attention(q, k, v, **kw), 1, 10, 2)
+                        else:
+                            ms = median_event_ms(lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do),
+                                                 1, 10, 2)
                     emit(impl=impl, mode=mode, mod=name, d=d, L=L, ms=ms, tflops=flops / ms / 1e9,
                          seconds=time.perf_counter() - t0)
                 except Exception as exc:
                     emit(impl=impl, mode=mode, mod=name, d=d, L=L, ms=None, tflops=None,
                          note=f"{type(exc).__name__}: {str(exc)[:200]}")
-                finally:
-                    for n, x in saved.items():
-                        if x is None:
-                            os.environ.pop(n, None)
-                        else:
-                            os.environ[n] = x
-                    _api.clear_plans()
             if flex_on:
                 tq = [torch.from_dlpack(x) for x in (q, k, v)]
                 fbm = cbm(mod.mask_mod, None, None, L, L, device="cuda")

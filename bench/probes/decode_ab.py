@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -49,6 +48,13 @@ SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2"
             "CUFLASH_DECODE_ARRIVE")
 
 
+def switches(env: dict):
+    """The block with exactly ``env``'s decode switches set (the others unset), plans cleared
+    on the way in and out: bench_attention.env."""
+    import bench_attention as ba
+    return ba.env(**{**dict.fromkeys(SWITCHES), **env})
+
+
 def precompile(modes) -> float:
     """Compile every variant's decode_mma builds (one split, fused, stream) at once, in parallel
     processes that fill CuPy's kernel cache on disk, so that the timed loop does not wait on
@@ -59,20 +65,10 @@ def precompile(modes) -> float:
     t0 = time.perf_counter()
     expr = "cuflash::decode::decode_mma<__nv_bfloat16, 128, cuflash::Variant<false>, {}>"
     jobs = set()
-    saved = {k: os.environ.get(k) for k in SWITCHES}
-    try:
-        for _, env in modes:
-            for k in SWITCHES:
-                os.environ.pop(k, None)
-            os.environ.update(env)
+    for _, env in modes:
+        with switches(env):
             for flags, fused in (("false", False), ("true", True), ("true, true", True)):
                 jobs.add((expr.format(flags), _inference_grid.prelude(fused)))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     code = ("import sys\nfrom cuflash import _jit\n"
             "_jit.get_kernel('decode_mma.cu', sys.argv[1], 0, sys.argv[2])\n")
 
@@ -114,7 +110,6 @@ def main(argv=None) -> int:
     import cupy
     import numpy
     import cuflash._inference as inf
-    from cuflash._api import clear_plans
     peers = {}
     for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
         fn, why = sd._sdpa(backend)
@@ -125,7 +120,6 @@ def main(argv=None) -> int:
     if not args.no_precompile:
         print(f"precompiled the variants in {precompile(MODES):.0f} s", flush=True)
     rows = []
-    saved = {k: os.environ.get(k) for k in SWITCHES}
     for B, Hq, Hkv, Lk in POINTS:
         G, D = Hq // Hkv, sd.D
         nbytes = B * Hkv * Lk * D * 4
@@ -153,21 +147,10 @@ def main(argv=None) -> int:
                              tbps=nbytes / ms / 1e9, **extra))
             line.append(f"{impl} {nbytes / ms / 1e9:.2f} TB/s {ms * 1e3:.1f} us "
                         f"(iso {iso * 1e3:.1f})")
-        try:
-            for impl, env in MODES:
-                for k in SWITCHES:
-                    os.environ.pop(k, None)
-                os.environ.update(env)
-                clear_plans()
+        for impl, env in MODES:
+            with switches(env):
                 kernel = sd._kernel(inf, *arrays(0), seqlens, None)
                 add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            clear_plans()
         if any(peers.values()):
             import torch
             tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
