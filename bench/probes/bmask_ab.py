@@ -18,7 +18,6 @@ cache on disk): a second run is the timed one if the first ran past 90 s.
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time

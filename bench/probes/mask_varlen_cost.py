@@ -184,8 +184,9 @@ def tiles_report() -> None:
 # 2. Machine code: registers at 2 and 3 warpgroups, the main loop's size
 # ---------------------------------------------------------------------------------------------
 
-def _main_loop(section: str) -> tuple[int, dict]:
-    """Static instructions of the loop that holds the HGMMAs (the key-tile loop), by class."""
+def hgmma_loop(section: str) -> list[str]:
+    """The instructions (NOPs left out) of the longest loop of a function's SASS (nvdisasm
+    text) that holds HGMMAs: the key-tile loop of a forward, the query-tile loop of a backward."""
     import re
     ins, labels = [], {}
     for line in section.splitlines():
@@ -203,7 +204,12 @@ def _main_loop(section: str) -> tuple[int, dict]:
             lo = labels[m.group(1)]
             if any("HGMMA" in x for x in ins[lo:i + 1]) and i - lo > best[1] - best[0]:
                 best = (lo, i)
-    body = [x for x in ins[best[0]:best[1] + 1] if "NOP" not in x]
+    return [x for x in ins[best[0]:best[1] + 1] if "NOP" not in x]
+
+
+def _main_loop(section: str) -> tuple[int, dict]:
+    """Static instructions of the loop that holds the HGMMAs (the key-tile loop), by class."""
+    body = hgmma_loop(section)
     count = {}
     for k in ("HGMMA", "MUFU", "LDG.E.U8", "LDGSTS", "BAR.SYNC", "I2F"):
         count[k] = sum(k in x for x in body)

@@ -19,29 +19,17 @@ import sys
 from cuflash import _families, _jit
 from cuflash._variant import Variant
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from mask_varlen_cost import hgmma_loop  # noqa: E402  (bench/probes/, beside this file)
+
 CLASSES = ("HGMMA", "MUFU", "MUFU.EX2", "MUFU.TANH", "MUFU.RCP", "FFMA", "FMUL", "FADD", "FMNMX",
            "FSEL", "I2F", "IADD", "FSETP")
 
 
 def main_loop(section: str) -> tuple[int, dict]:
-    """Static instructions of the longest backward branch's loop that holds HGMMAs, by class."""
-    ins, labels = [], {}
-    for line in section.splitlines():
-        m = re.match(r"^(\.L_x_\d+):", line.strip())
-        if m:
-            labels[m.group(1)] = len(ins)
-            continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            ins.append(m.group(1))
-    best = (0, 0)
-    for i, t in enumerate(ins):
-        m = re.search(r"BRA.*`\((\.L_x_\d+)\)", t)
-        if m and labels.get(m.group(1), i + 1) <= i:
-            lo = labels[m.group(1)]
-            if any("HGMMA" in x for x in ins[lo:i + 1]) and i - lo > best[1] - best[0]:
-                best = (lo, i)
-    body = [x for x in ins[best[0]:best[1] + 1] if "NOP" not in x]
+    """Static instructions of the longest loop that holds HGMMAs (mask_varlen_cost.hgmma_loop),
+    by class."""
+    body = hgmma_loop(section)
     ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body]
     count = {k: sum(o == k or o.startswith(k + ".") for o in ops) for k in CLASSES}
     return len(body), count
