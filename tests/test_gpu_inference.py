@@ -38,6 +38,22 @@ def _run_device(dev, kw):
                                              k_new=kn, v_new=vn, **kw)
 
 
+def _bitwise_repeats(dev, kw, streams):
+    """One decode call (no append) on each of ``streams`` in turn (3 calls each, the last kept):
+    every result bitwise the first's; returns the first (o, lse) on the host."""
+    import cupy
+    runs = []
+    for stream in streams:
+        with stream:
+            for _ in range(3):
+                o, lse = _run_device(dev[:5] + [None, None], kw)
+            runs.append((cupy.asnumpy(o), cupy.asnumpy(lse)))
+    for o, lse in runs[1:]:
+        assert numpy.array_equal(o.view(numpy.uint16), runs[0][0].view(numpy.uint16))
+        assert numpy.array_equal(lse, runs[0][1])
+    return runs[0]
+
+
 def _check_rows(host_after, o, lse, Lnew, causal, page_size):
     import cupy
     q, kc, vc, s, bt = host_after[:5]
@@ -154,16 +170,8 @@ def test_fused_combine_equals_the_combine_launch_bitwise(monkeypatch):
             _api.clear_plans()
             for s in (2, 7, 37):
                 kw["num_splits"] = s
-                runs = []
-                for stream in (cupy.cuda.Stream.null, cupy.cuda.Stream(), cupy.cuda.Stream.null):
-                    with stream:
-                        for _ in range(3):
-                            o, lse = _run_device(dev[:5] + [None, None], kw)
-                        runs.append((cupy.asnumpy(o), cupy.asnumpy(lse)))
-                for o, lse in runs[1:]:
-                    assert numpy.array_equal(o.view(numpy.uint16), runs[0][0].view(numpy.uint16))
-                    assert numpy.array_equal(lse, runs[0][1])
-                results[flag, s] = runs[0]
+                results[flag, s] = _bitwise_repeats(
+                    dev, kw, (cupy.cuda.Stream.null, cupy.cuda.Stream(), cupy.cuda.Stream.null))
     finally:
         monkeypatch.delenv("CUFLASH_DECODE_FUSE", raising=False)
         _api.clear_plans()
@@ -199,14 +207,7 @@ def test_stream_grid_matches_reference_and_is_reproducible(B, L, page_size, seql
                 assert spec.stream == 0
             elif not spec.stream:
                 pytest.skip("this GPU's even splits fill whole waves: no stream grid")
-            runs = []
-            for _ in range(3):
-                o, lse = _run_device(dev[:5] + [None, None], kw)
-                runs.append((cupy.asnumpy(o), cupy.asnumpy(lse)))
-            for o, lse in runs[1:]:
-                assert numpy.array_equal(o.view(numpy.uint16), runs[0][0].view(numpy.uint16))
-                assert numpy.array_equal(lse, runs[0][1])
-            o, lse = runs[0]
+            o, lse = _bitwise_repeats(dev, kw, (cupy.cuda.Stream.null,) * 3)
             q, kc, vc, s, bt = host[:5]
             if seqlens[0] == 0:                 # batch row 0: no key; the others checked
                 assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
