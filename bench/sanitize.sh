@@ -30,6 +30,10 @@
 #   SANITIZE_BUDGET_RACECHECK=480 bash bench/sanitize.sh racecheck
 # A tool that runs out of budget is stopped with SIGINT (pytest then reports the tests run so
 # far) and its summary says `timed_out`. The budgets end the run, never a test's verdict.
+# SANITIZE_SHARDS=k splits each tool's tests over k sanitizer processes at once (merged into one
+# <tool>.json by sanitize_report.py --merge), e.g. the whole list, the three tools, one call:
+#   SANITIZE_PARALLEL=1 SANITIZE_SHARDS=3 SANITIZE_BUDGET_WARMUP=100 \
+#     SANITIZE_BUDGET_{MEMCHECK,RACECHECK,SYNCCHECK}=400 bash bench/sanitize.sh
 # SANITIZE_TESTS=file replaces bench/sanitize_tests.txt; PYTHON the interpreter (python3).
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -111,8 +115,29 @@ one_tool() {   # TOOL: its tests under compute-sanitizer; exit status 0 when cle
       --rc 127 --seconds 0 --command "compute-sanitizer (not found)" --missing --out "$DIR/$TOOL.json"
     return 1
   fi
-  run "$TOOL" "$(budget "$TOOL")" "$SANITIZER" --tool "$TOOL" --error-exitcode 9 \
-    --print-limit 200 --log-file "$DIR/$TOOL.sanitizer.log" "${PYTEST[@]}" "${IDS[@]}"
+  local shards=${SANITIZE_SHARDS:-1}
+  if [ "$shards" -le 1 ] || [ ${#IDS[@]} -le 1 ]; then
+    run "$TOOL" "$(budget "$TOOL")" "$SANITIZER" --tool "$TOOL" --error-exitcode 9 \
+      --print-limit 200 --log-file "$DIR/$TOOL.sanitizer.log" "${PYTEST[@]}" "${IDS[@]}"
+    return
+  fi
+  # SANITIZE_SHARDS=k: the tool's tests dealt round-robin to k processes, each a sanitizer of
+  # its own with the whole budget, at once; their summaries merged into $TOOL.json
+  local i j part pids=() parts=()
+  for ((i = 0; i < shards; i++)); do
+    part=()
+    for ((j = i; j < ${#IDS[@]}; j += shards)); do part+=("${IDS[j]}"); done
+    [ ${#part[@]} -gt 0 ] || continue
+    run "$TOOL.s$i" "$(budget "$TOOL")" "$SANITIZER" --tool "$TOOL" --error-exitcode 9 \
+      --print-limit 200 --log-file "$DIR/$TOOL.s$i.sanitizer.log" "${PYTEST[@]}" "${part[@]}" &
+    pids+=($!); parts+=("$DIR/$TOOL.s$i.json")
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  "$PY" bench/sanitize_report.py --merge "${parts[@]}" --out "$DIR/$TOOL.json"
+  local rc=$?
+  # the shards' own summaries travel in the logs archive
+  for part in "${parts[@]}"; do mv "$part" "${part%.json}.shard.log"; done
+  return $rc
 }
 
 # SANITIZE_PARALLEL=1: the tools at once, each a process of its own with its whole budget (the

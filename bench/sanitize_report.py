@@ -25,6 +25,12 @@ with where), ``tests`` (pytest's counts), ``seconds``, ``timed_out``. ``status``
 - ``no_tests``: the sanitizer ran but pytest ran no test.
 
 The exit status is 0 for ``clean`` and 1 otherwise (2 for bad arguments).
+
+A tool run split over processes (``SANITIZE_SHARDS``: each shard a compute-sanitizer of its
+own over part of the tests) gives one summary per shard; ``--merge A.json B.json ... --out
+T.json`` makes the tool's summary of them (:func:`merge`): counts summed, the worst status,
+the longest shard's seconds (they ran at once), and ``shards`` with each one's status, tests
+and seconds.
 """
 
 from __future__ import annotations
@@ -206,7 +212,75 @@ def summarize(tool: str, sanitizer_text: str, console_text: str, *, rc: int, sec
         sanitizer_version=san["version"])
 
 
+#: a merged status is the first of these that any shard has (a record beats a cut budget, which
+#: beats a failed test); with none of them, ``no_tests`` only when every shard ran none
+_WORST_FIRST = ("errors", "refused", "missing", "timed_out", "api_errors", "tests_failed")
+
+
+def merge(reports: list[dict]) -> dict:
+    """One tool's summary from the summaries of its shards (run at the same time)."""
+    if not reports:
+        raise ValueError("merge() needs at least one shard summary, got none")
+    tools = {r["tool"] for r in reports}
+    if len(tools) != 1:
+        raise ValueError(f"shards of different tools cannot be merged: {sorted(tools)}")
+    statuses = [r["status"] for r in reports]
+    status = next((s for s in _WORST_FIRST if s in statuses),
+                  "no_tests" if all(s == "no_tests" for s in statuses) else "clean")
+    counted = [r["errors"] for r in reports if r["errors"] is not None]
+    tests = {k: sum(r["tests"][k] for r in reports)
+             for k in ("passed", "failed", "skipped", "error", "ran")}
+    tests["failed_tests"] = sorted(t for r in reports for t in r["tests"]["failed_tests"])
+    tests["summary"] = [r["tests"]["summary"] for r in reports]
+    races = [r["racecheck"] for r in reports if r["racecheck"] is not None]
+    return dict(
+        tool=reports[0]["tool"], command=[r["command"] for r in reports], status=status,
+        rc=max(r["rc"] for r in reports),
+        # None where no shard printed its ERROR SUMMARY (all cut before the end)
+        errors=sum(counted) if counted else None,
+        kernel_errors=sum(r["kernel_errors"] for r in reports),
+        api_errors=sum(r["api_errors"] for r in reports),
+        warnings=sum(r["warnings"] for r in reports),
+        racecheck=None if not races else {k: sum(x[k] for x in races)
+                                          for k in ("hazards", "errors", "warnings")},
+        kernels=sorted({k for r in reports for k in r["kernels"]}),
+        samples=[x for r in reports for x in r["samples"]][:20],
+        refused=next((r["refused"] for r in reports if r["refused"]), None),
+        tests=tests, seconds=max(r["seconds"] for r in reports),
+        budget_s=reports[0]["budget_s"], timed_out=any(r["timed_out"] for r in reports),
+        sanitizer_version=next((r["sanitizer_version"] for r in reports
+                                if r["sanitizer_version"]), None),
+        shards=[dict(status=r["status"], seconds=r["seconds"], ran=r["tests"]["ran"],
+                     passed=r["tests"]["passed"], errors=r["errors"]) for r in reports])
+
+
+def _print_line(report: dict) -> None:
+    t = report["tests"]
+    print(f"sanitize {report['tool']}: {report['status']}; {report['errors']} errors "
+          f"({report['kernel_errors']} in kernels, {report['api_errors']} API); tests "
+          f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, {t['error']} "
+          f"errors; {report['seconds']} s" + (f"; kernels {', '.join(report['kernels'])}"
+                                                if report["kernels"] else "")
+          + (f"; {len(report['shards'])} shards" if report.get("shards") else ""))
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--merge":   # --merge A.json B.json ... --out T.json
+        m = argparse.ArgumentParser(description="merge the summaries of one tool's shards")
+        m.add_argument("--merge", nargs="+", required=True)
+        m.add_argument("--out", required=True)
+        margs = m.parse_args(argv)
+        reports = []
+        for path in margs.merge:
+            with open(path) as f:
+                reports.append(json.load(f))
+        report = merge(reports)
+        with open(margs.out, "w") as f:
+            json.dump(report, f, indent=1)
+        _print_line(report)
+        return 0 if report["status"] == "clean" else 1
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tool", required=True, choices=("memcheck", "racecheck", "synccheck",
                                                      "initcheck", "none"),
@@ -234,12 +308,7 @@ def main(argv=None) -> int:
                        timed_out=args.timed_out, missing=args.missing)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    t = report["tests"]
-    print(f"sanitize {args.tool}: {report['status']}; {report['errors']} errors "
-          f"({report['kernel_errors']} in kernels, {report['api_errors']} API); tests "
-          f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, {t['error']} "
-          f"errors; {report['seconds']} s" + (f"; kernels {', '.join(report['kernels'])}"
-                                                if report["kernels"] else ""))
+    _print_line(report)
     return 0 if report["status"] == "clean" else 1
 
 

@@ -1074,3 +1074,33 @@ def test_campaign_failures_pass_on_the_gpu(n):
     spec = CAMPAIGN_FAILURES[n]
     case = AttentionCase.make(*spec["args"], **spec["kw"]).with_xp(cupy)
     _fuzz.check_case(case, cupy, grads=not _fuzz.gpu_backward_missing(case))
+
+
+def test_sanitize_merge_of_shards_keeps_the_worst_status_and_sums(tmp_path):
+    """SANITIZE_SHARDS: one tool's shards merge into one summary; a record in one shard makes
+    the whole tool `errors` whatever the others say, and the counts add up."""
+    m = _sanitize_report()
+    clean = m.summarize("memcheck", MEMCHECK_CLEAN, PYTEST_OK, rc=0, seconds=40, command="a",
+                        budget=400)
+    bad = m.summarize("memcheck", MEMCHECK_ERRORS, PYTEST_OK, rc=9, seconds=55, command="b",
+                      budget=400)
+    r = m.merge([clean, bad])
+    assert r["status"] == "errors" and r["errors"] == 3 and r["kernel_errors"] == 2
+    assert r["tests"]["passed"] == 2 and r["tests"]["ran"] == 4 and r["seconds"] == 55
+    assert [s["status"] for s in r["shards"]] == ["clean", "errors"] and r["command"] == ["a", "b"]
+    cut = m.summarize("memcheck", "", PYTEST_OK.splitlines()[0] + "\n", rc=124, seconds=400,
+                      command="c", budget=400, timed_out=True)
+    r = m.merge([clean, cut])
+    assert r["status"] == "timed_out" and r["timed_out"] and r["errors"] == 0
+    assert m.merge([clean, clean])["status"] == "clean"
+    race = m.summarize("racecheck", RACECHECK_HAZARDS, PYTEST_OK, rc=9, seconds=5, command="c")
+    assert m.merge([race, race])["racecheck"] == {"hazards": 4, "errors": 2, "warnings": 2}
+    with pytest.raises(ValueError, match="different tools"):
+        m.merge([clean, race])
+    import json
+    for name, rep in (("a", clean), ("b", bad)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rep))
+    rc = m.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                 "--out", str(tmp_path / "m.json")])
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert rc == 1 and data["status"] == "errors" and len(data["shards"]) == 2
