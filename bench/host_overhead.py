@@ -30,7 +30,10 @@ Implementations: ``cuflash`` (``cuflash.attention``), ``cuflash_backward``
 with the flash backend forced once outside the loop and autograd off) and
 ``cupy_empty_kernel`` (a ``cupy.RawKernel`` with an empty body, one thread): the floor of a
 launch from Python; ``cupy_alloc``, ``cupy_memset_async`` and ``cupy_ndarray_on_memptr``: the
-pieces a backward call is made of besides its three launches, each alone. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
+pieces a backward call is made of besides its three launches, each alone; ``python_reference``
+(no CUDA: a pure-Python call shaped like the fast path's key lookup), the machine's Python
+speed, which with the header's ``cpu_model`` / ``cpu_mhz_mean`` makes host times from two
+machines comparable. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
 "us_per_call", ...}`` and the header of bench/bench_attention.py) and prints a table.
 ``--profile`` also prints the 25 functions with the most own time in cuflash's forward call,
 and in its backward call.
@@ -67,7 +70,60 @@ def machine_state() -> dict:
         others = sum(1 for pid in out if pid.strip().isdigit() and int(pid) != os.getpid())
     except (OSError, subprocess.SubprocessError):
         others = -1
-    return {"load_average_1min": round(os.getloadavg()[0], 2), "other_gpu_processes": others}
+    return {"load_average_1min": round(os.getloadavg()[0], 2), "other_gpu_processes": others,
+            **cpu_state()}
+
+
+def cpu_state(path: str = "/proc/cpuinfo") -> dict:
+    """The host CPU's model and the mean of its cores' current clocks (MHz; None where the
+    kernel does not say): cuflash's host path is Python-bound, so its time follows these
+    (session 9 read 17 us where session 7 read 12.8 with the same code, the C++-bound SDPA
+    and empty-kernel launch moving ~5%)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {"cpu_model": None, "cpu_mhz_mean": None}
+    models = [line.split(":", 1)[1].strip() for line in text.splitlines()
+              if line.startswith("model name")]
+    mhz = [float(line.split(":", 1)[1]) for line in text.splitlines()
+           if line.startswith("cpu MHz")]
+    return {"cpu_model": models[0] if models else None,
+            "cpu_mhz_mean": round(sum(mhz) / len(mhz), 1) if mhz else None}
+
+
+def python_reference() -> Callable[[], Any]:
+    """A pure-Python call shaped like the fast path's own work, no CUDA in it: three layout
+    tuples read from objects, one key of them looked up in a dict, a few attribute reads.
+    Its time is this machine's speed at what cuflash's host path spends most on, so host
+    times from different machines can be compared through it."""
+    class Mem:
+        __slots__ = ("ptr", "device_id")
+
+        def __init__(self):
+            self.ptr, self.device_id = 1 << 40, 0
+
+    class Arr:
+        __slots__ = ("shape", "strides", "dtype", "data")
+
+        def __init__(self):
+            self.shape, self.strides = (1, 1, 64, 64), (8192, 8192, 128, 2)
+            self.dtype, self.data = "bfloat16", Mem()
+
+    def layout(x):
+        mem = x.data
+        return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
+
+    q, k, v = Arr(), Arr(), Arr()
+    plans = {(layout(q), layout(k), layout(v), None, type(None), False, bool): Mem()}
+
+    def call():
+        key = (layout(q), layout(k), layout(v), None, type(None), False, bool)
+        plan = plans.get(key)
+        return plan.ptr + q.data.ptr + k.data.ptr + v.data.ptr
+    return call
+
+
 WARMUP = 50
 
 
@@ -201,6 +257,7 @@ def build(q, k, v) -> dict[str, Callable[[], Any]]:
     fns["cupy_alloc"] = lambda: cp.cuda.alloc(1 << 16)
     fns["cupy_memset_async"] = lambda: cp.cuda.runtime.memsetAsync(mem.ptr, 0, 1 << 16, stream)
     fns["cupy_ndarray_on_memptr"] = lambda: cp.ndarray(q.shape, q.dtype, memptr=mem)
+    fns["python_reference"] = python_reference()
     return fns
 
 

@@ -521,3 +521,15 @@ def test_gpu_run_script_parts(tmp_path):
     assert r.returncode == 2 and "unknown part 'nope'" in r.stderr
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "Parts" in r.stdout
+
+
+def test_host_overhead_cpu_state_and_python_reference(tmp_path):
+    """The header names the CPU and its mean clock (from /proc/cpuinfo, None where unreadable)
+    and the pure-Python reference call runs without CUDA, returning what its lookup found."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.00GHz\ncpu MHz\t\t: 2000.000\n"
+                    "processor\t: 1\nmodel name\t: Some CPU @ 2.00GHz\ncpu MHz\t\t: 3000.000\n")
+    assert ho.cpu_state(str(info)) == {"cpu_model": "Some CPU @ 2.00GHz", "cpu_mhz_mean": 2500.0}
+    assert ho.cpu_state(str(tmp_path / "missing")) == {"cpu_model": None, "cpu_mhz_mean": None}
+    call = ho.python_reference()
+    assert call() == call() == 4 << 40
