@@ -287,6 +287,12 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // Stage O through shared memory (the Q tile's space; this warp's own rows only) so that the
   // global stores are whole 16-byte rows.
+  // With Q in registers no __syncwarp is needed: its ldmatrix loads fed this warp's mma.sync
+  // (both .aligned, warp-wide), so every lane has read these rows before any lane stages O.
+  // compute-sanitizer's racecheck reports the pair as a *warning* (its level for warp-level
+  // programming hazards: session 9, fwd_sm80<__half, 32, ...>). A __syncwarp() here would not
+  // silence it: ptxas proves the warp converged and emits no instruction for it (the machine
+  // code of all 252 fwd_sm80 builds is identical with and without one, tools/sass_identity.py).
   if constexpr (!kQInRegs) __syncwarp();  // this warp's last ldmatrix of Q is done
 #pragma unroll
   for (int ms = 0; ms < MS; ++ms)
