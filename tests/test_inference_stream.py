@@ -51,15 +51,20 @@ def test_stream_grid_pieces_partition_the_groups(groups, blocks):
 
 def test_stream_grid_choices_on_an_h200(monkeypatch):
     """Where the stream grid runs on an H200 (bf16, d 128, Hq 32, 1 row tile) under
-    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "all" wherever it applies; "0"
-    (the default) nowhere; never where the even splits fill whole waves or the cache is
-    short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2 hints")."""
-    assert _inference_grid.stream_mode() == "0" or "CUFLASH_DECODE_STREAM" in os.environ
+    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "auto" (the default) only where
+    the groups fill the 264 resident slots and a block's share is >= 512 key iterations (the
+    B = 64 points it won in session 8: 32/8 64k, 32/32 8k; not 32/8 8k, share 248); "all"
+    wherever it applies; "0" nowhere; never where the even splits fill whole waves or the
+    cache is short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2
+    hints", "decode (session 9)")."""
+    assert _inference_grid.stream_mode() == "auto" or "CUFLASH_DECODE_STREAM" in os.environ
     t = _traits.DECODE_SM80[128]
     expect = {  # (B, Hkv, L): blocks under "1"; "all" also takes the zeros marked so
         (1, 8, 8192): 0, (1, 8, 65536): 132, (1, 8, 131072): 132, (1, 32, 65536): 0,
         (1, 32, 131072): 132, (8, 8, 8192): 0, (8, 8, 65536): 132, (8, 32, 8192): 0,
-        (64, 8, 8192): 0, (64, 8, 65536): 264, (64, 32, 1024): 0, (1, 8, 1024): 0}
+        (64, 8, 8192): 0, (64, 8, 65536): 264, (64, 32, 1024): 0, (1, 8, 1024): 0,
+        (64, 32, 8192): 0}
+    auto = {(64, 8, 65536): 264, (64, 32, 8192): 264}
     for (B, Hkv, L), blocks in expect.items():
         s = _inference_gpu.num_splits_heuristic(B * Hkv, L, t.block_n, H200.num_sms,
                                                 t.split_wave)
@@ -67,6 +72,7 @@ def test_stream_grid_choices_on_an_h200(monkeypatch):
                 t.min_blocks)
         assert _inference_grid.stream_grid(*args) == blocks, (B, Hkv, L)
         assert _inference_grid.stream_grid(*args, mode="0") == 0
+        assert _inference_grid.stream_grid(*args, mode="auto") == auto.get((B, Hkv, L), 0)
         every = _inference_grid.stream_grid(*args, mode="all")
         assert every == (0 if L <= 8192 and B == 1 and Hkv == 8 or L == 1024 else
                          H200.num_sms * (t.min_blocks if B * Hkv >= 264 else 1)), (B, Hkv, L)
