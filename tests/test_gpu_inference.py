@@ -219,6 +219,82 @@ def test_stream_grid_matches_reference_and_is_reproducible(B, L, page_size, seql
         _api.clear_plans()
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
+    """decode_sm80's deep cp.async ring (the default for grids of at most one block an SM:
+    CUFLASH_DECODE_STAGES unset) against session 8's 3 stages (CUFLASH_DECODE_STAGES=3): the
+    same operations in the same order, so bitwise the same output and lse, with 1, 2 and 3
+    splits (the fused merge), call after call and on two streams; batch row 2 empty; within
+    the reference's tolerance."""
+    import cupy
+    from cuflash import _api
+    case = (BF16, 8, 4, 1, 128, 8192, page_size, 0, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=[8192, 5001, 0, 77], B=4)
+    results, deep = {}, set()
+    try:
+        for env in ("3", ""):
+            monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
+            _api.clear_plans()
+            for n in (1, 2, 3):
+                kw["num_splits"] = n
+                c = _inference.check_kvcache(*dev[:5], None, None, n, None, False, True)
+                spec = _inference_gpu.spec_or_reason(c)
+                assert not isinstance(spec, str), spec
+                assert spec.stages == 3 or env == ""
+                if spec.stages > 3:
+                    deep.add(n)
+                    assert spec.split[1].endswith(f", false, {spec.stages}>"), spec.explain()
+                results[env, n] = _bitwise_repeats(
+                    dev, kw, (cupy.cuda.Stream.null, cupy.cuda.Stream(), cupy.cuda.Stream.null))
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_STAGES", raising=False)
+        _api.clear_plans()
+    if not deep:
+        pytest.skip("this GPU runs these grids (32 to 96 blocks) with more than one block an SM")
+    for n in (1, 2, 3):
+        (o0, l0), (o1, l1) = results["3", n], results["", n]
+        assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), n
+        assert numpy.array_equal(l0, l1), n
+    o, lse = results["", 3]
+    assert (o[2] == 0).all() and numpy.isneginf(lse[2]).all()
+    _check_rows(host, o, lse, 0, False, page_size or 16)
+
+
+def test_stream_grid_by_default_where_the_groups_fill_the_slots(monkeypatch):
+    """The default stream grid (CUFLASH_DECODE_STREAM unset: "auto") where the groups fill every
+    resident slot: 40 x 8 = 320 groups (H200: 264 slots), its share threshold lowered to these
+    short caches; two blocks an SM, 3 stages, pieces of two groups a block. Against the
+    reference, bitwise the same call after call, and within tolerance of the even splits
+    (CUFLASH_DECODE_STREAM=0)."""
+    import cupy
+    from cuflash import _api, _inference_grid
+    monkeypatch.setattr(_inference_grid, "STREAM_AUTO_MIN_SHARE", 1)
+    case = (BF16, 8, 4, 1, 128, 2048, 0, 0, False, None)
+    B = 40
+    seqlens = [2048 - 37 * (b % 7) for b in range(B)]
+    seqlens[3] = 0
+    host, dev, kw = _gpu_call(case, seqlens=seqlens, B=B)
+    out = {}
+    try:
+        for mode in ("0", ""):
+            monkeypatch.setenv("CUFLASH_DECODE_STREAM", mode)
+            _api.clear_plans()
+            c = _inference.check_kvcache(*dev[:5], None, None, None, None, False, True)
+            spec = _inference_gpu.spec_or_reason(c)
+            assert not isinstance(spec, str), spec
+            if mode == "" and not spec.stream:
+                pytest.skip("this GPU's slots hold the 320 groups: no stream grid")
+            assert (spec.stream > 0) == (mode == "") and spec.stages == 3
+            out[mode] = _bitwise_repeats(dev, kw, (cupy.cuda.Stream.null,) * 3)
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_STREAM", raising=False)
+        _api.clear_plans()
+    o, lse = out[""]
+    assert (o[3] == 0).all() and numpy.isneginf(lse[3]).all()
+    _check_rows(host, o, lse, 0, False, 16)
+    _check_rows(host, out["0"][0], out["0"][1], 0, False, 16)
+
+
 def test_paged_equals_dense_bitwise():
     import cupy
     dense = (F16, 4, 4, 1, 128, 4000, 0, 1, False, 5)
