@@ -19,6 +19,9 @@ forgotten (``cuflash._api.clear_plans()``) between the variants:
                     deep ring where it is one block an SM);
   cuflash_release   CUFLASH_DECODE_ARRIVE=release on top of the default (session 8's opt-in
                     arrival: 23.4 us against 36.5 at B 1 8k there, neutral elsewhere);
+  cuflash_splits16  (B 1, 32/8 only) the default with num_splits=16: 128 blocks, where the
+                    heuristic's 14-15 leave 20-12 SMs idle (session 6: 16 splits 0.6% ahead
+                    of 12 at 128k);
 then SDPA cuDNN and SDPA flash (skipped without torch). Random N(0, 1) bf16 data; inputs rotate
 past the L2 as in bench/suite_decode.py. The variants' kernels are compiled first, in parallel
 processes, into CuPy's disk cache.
@@ -182,6 +185,10 @@ def main(argv=None) -> int:
                 ring = re.search(r"a (\d)-stage cp.async ring", kernel)
                 add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env,
                     stages=int(ring.group(1)) if ring else 3)
+        if B == 1 and Hkv == 8:     # the heuristic's 14-15 splits (112-120 blocks) against 16 (128)
+            with switches({}):
+                add("cuflash_splits16", lambda i: inf.attention_with_kvcache(
+                    *arrays(i), cache_seqlens=seqlens, num_splits=16), env={}, num_splits=16)
         if any(peers.values()):
             import torch
             tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
