@@ -116,7 +116,7 @@ def isolated_ms(fn, n_sets: int, iters: int = 20, warmup: int = 3) -> float:
 
 
 def summary(rows) -> None:
-    """Per point: each cuflash row's time over the better peer's (< 1 is faster), back to back
+    """Per point: the better peer's time over each cuflash row's (> 1: cuflash faster), back to back
     and one call at a time."""
     points = sorted({(r["B"], r["Hq"], r["Hkv"], r["Lk"]) for r in rows})
     for pt in points:
