@@ -56,14 +56,20 @@
 namespace cuflash {
 namespace decode {
 
-template <typename T, int HEAD_DIM>
+// STAGES: the depth of each warp's cp.async ring. 3 (the builds from before the argument): 2
+// blocks an SM at HEAD_DIM 128, 2 x 2 x 4 = 16 tiles (128 KB) in flight an SM. The deep builds
+// (4, 5: _traits.decode_sm80_stages, for grids of at most one block an SM, where only one
+// block's 3 - 1 = 2 tiles a warp, 64 KB, were in flight) keep STAGES - 1 tiles a warp in flight:
+// 96 KB at 4 (132 KB of shared memory: fits an A100), 128 KB at 5 (164 KB: an H100 / H200).
+template <typename T, int HEAD_DIM, int STAGES = 3>
 struct DecodeMmaTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                 // packed query rows: the MMA's M
   static constexpr int kKeys = 16;                 // keys a warp tile: one k16 step of P V
   static constexpr int kKeysPerIter = kKeys * kWarps;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = STAGES;
+  static_assert(STAGES >= 3 && STAGES <= 8, "the ring holds the tile computed and 2..7 in flight");
   using Tile = SwizzledTile<kKeys, HEAD_DIM>;      // K or V tile (and the Q tile: 16 rows too)
   static constexpr int kTileBytes = Tile::kBytes;
   // a warp's region: kStages x (K tile, V tile); reused at the end for its O (float, padded
@@ -192,12 +198,15 @@ __device__ __forceinline__ void issue_tile(const TileSrc<T>& src, unsigned ks, c
 // not launched. A template flag rather than a run-time test, so that the build without it (one
 // split: the host compiles FUSE only for num_splits > 1) keeps its machine code exactly; the
 // loop over a block's groups (one trip without STREAM) likewise folds away there.
-template <typename T, int HEAD_DIM, typename Variant, bool FUSE = false, bool STREAM = false>
+//   STAGES: the ring's depth (DecodeMmaTraits); the launch bounds stay those of 3 stages (the
+// register cap of 2 blocks an SM at 128: the deep builds run one block an SM, by shared memory).
+template <typename T, int HEAD_DIM, typename Variant, bool FUSE = false, bool STREAM = false,
+          int STAGES = 3>
 __global__ void __launch_bounds__(128, (DecodeMmaTraits<T, HEAD_DIM>::kMinBlocks))
 decode_mma(const DecodeParams p) {
   static_assert(!STREAM || FUSE, "the stream build merges its own partials");
   static_assert(!STREAM || HEAD_DIM == 128, "at 64, 4 blocks an SM: 128 registers, it spills");
-  using Tr = DecodeMmaTraits<T, HEAD_DIM>;
+  using Tr = DecodeMmaTraits<T, HEAD_DIM, STAGES>;
   using Tile = typename Tr::Tile;
   constexpr int S = Tr::kStages, KSTEPS = HEAD_DIM / 16, NO = HEAD_DIM / 8;
   constexpr int kChunks = HEAD_DIM / 8;

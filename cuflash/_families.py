@@ -410,7 +410,7 @@ REGISTRY: tuple[Family, ...] = (
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
     Family("decode_sm80", "decode", "decode_mma.cu",
-           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}, {fuse}{stream}>",
+           "cuflash::decode::decode_mma<{T}, {head_dim}, {variant}, {fuse}{stream}{stages}>",
            min_cc=80, dtypes=HALF, head_dims=(1, 128),
            smem_expr="cuflash::decode::DecodeMmaTraits<{T}, {head_dim}>::kSmemBytes",
            select=_isel.decode_sm80_select, instances=_isel.decode_sm80_instances,

@@ -25,9 +25,11 @@ The heuristic sees the cache capacity, not the device-side lengths: each block d
 batch row's actual keys evenly among the splits, so short rows still use every split.
 
 A/B switches of decode_sm80, read when a plan is built (``cuflash/_inference_grid.py``):
-``CUFLASH_DECODE_STREAM`` (the stream grid, opt-in), ``CUFLASH_DECODE_L2`` (L2 hints on the K/V
-copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the fused merge of session 7, two or three L2
-round trips instead of one).
+``CUFLASH_DECODE_STREAM`` (the stream grid: by default where the groups fill every resident slot
+and a block's share is long, "0" nowhere, "1" / "all" opt-in), ``CUFLASH_DECODE_STAGES`` (the
+deep cp.async ring of grids of at most one block an SM: by default; "3" session 8's ring),
+``CUFLASH_DECODE_L2`` (L2 hints on the K/V copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the
+fused merge of session 7, two or three L2 round trips instead of one).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import os
 
 import numpy
 
-from . import _families, _launch
-from ._inference_grid import STREAM_HEAD_DIM, prelude, stream_grid, stream_mode, stream_spans
+from . import _families, _launch, _traits
+from ._inference_grid import (STREAM_HEAD_DIM, deep_stages, prelude, stages_mode, stream_grid,
+                              stream_mode, stream_spans)
 from ._plan import PlanCache
 from ._variant import LOG2E, VARIANT_PARAMS, Variant
 
@@ -163,8 +166,11 @@ class DecodeSpec:
     :class:`DecodePlan` loads the kernels; the CPU emulation tests launch the same spec."""
 
     def __init__(self, c, Hkv, G, st, choice, splits, reasons, fuse=False, stream=0,
-                 prelude=""):
+                 prelude="", stages=3):
         t = choice.traits
+        #: decode_mma's cp.async ring depth (STAGES; 3 but for the deep builds of grids of at
+        #: most one block an SM): its shared memory is the launch's
+        self.stages = stages
         #: source put before the split kernel's (decode_mma's A/B defines), or ""
         self.prelude = prelude
         #: decode_mma's STREAM build: its grid (``stream_grid``; ``splits`` is then the
@@ -212,7 +218,8 @@ class DecodeSpec:
         self.append = (("decode.cu", f"cuflash::decode::decode_append<{T}>",
                         c.B * Hkv * c.Lnew, 128, 0) if c.Lnew else None)
         self.split = (choice.family.source, choice.expr,
-                      stream or c.B * Hkv * self.row_tiles * splits, t.threads, t.smem_bytes)
+                      stream or c.B * Hkv * self.row_tiles * splits, t.threads,
+                      t.smem_bytes if stages == 3 else _traits.decode_sm80_smem(t.head_dim, stages))
         self.combine = (("combine.cu", f"cuflash::decode::decode_combine<{T}>", -(-nrows // 4),
                          128, 0) if splits > 1 and not fuse else None)
         self.groups = c.B * Hkv * self.row_tiles
@@ -418,17 +425,31 @@ def spec_or_reason(c, dev=None):
         else:
             reasons.append(f"  {splits} splits merged by decode_combine (a second launch; "
                            f"CUFLASH_DECODE_FUSE=0)")
+    stages = 3
+    if choice.family.name == "decode_sm80":
+        grid = stream or c.B * Hkv * tiles * splits
+        stages = deep_stages(grid, dev.num_sms, t.head_dim, dev.smem_optin)
+    if stages != 3:
+        flags = dict(choice.flags, stream=", true" if stream else ", false", stages=f", {stages}")
+        choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),
+                                     expr=choice.family.expr(shape.dtype, t, shape.variant,
+                                                             **flags))
+        reasons.append(f"  {grid} blocks on {dev.num_sms} SMs, one block an SM: a {stages}-stage "
+                       f"cp.async ring ({stages - 1} K/V tiles a warp in flight, "
+                       f"{_traits.decode_sm80_smem(t.head_dim, stages) // 1024} KB of shared "
+                       f"memory; CUFLASH_DECODE_STAGES=3: session 8's 3)")
     defines = prelude(fuse) if choice.family.name == "decode_sm80" else ""
     if defines:
         reasons.append("  A/B build: " + defines.replace("#define ", "").strip().replace("\n", ", "))
-    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse, stream, defines)
+    return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse, stream, defines, stages)
 
 
 def decode_plan(c):
     """The cached DecodePlan of call ``c``, or None when the decode family does not apply."""
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
-           c.num_splits, c.scale, c.causal, _forced(), fuse_wanted(), stream_mode(), prelude())
+           c.num_splits, c.scale, c.causal, _forced(), fuse_wanted(), stream_mode(), stages_mode(),
+           prelude())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

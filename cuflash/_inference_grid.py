@@ -1,6 +1,8 @@
-"""decode_sm80's opt-in grid and copy variants (A/B switches read when a decode plan is built,
+"""decode_sm80's grid and copy variants (A/B switches read when a decode plan is built,
 ``cuflash/_inference_gpu.py``): the stream grid (decode_mma.cu's STREAM build: the groups' key
-iterations shared equally by one wave of blocks) and the L2 hints of its K/V copies."""
+iterations shared equally by one wave of blocks; by default where the groups fill every
+resident slot and a block's share is long), the deep cp.async ring of grids of at most one
+block an SM (decode_mma.cu's STAGES; by default), and the L2 hints of its K/V copies."""
 
 from __future__ import annotations
 
@@ -18,17 +20,57 @@ STREAM_PIECE_BYTES = 96 * 1024
 STREAM_MIN_GAIN = 0.02
 #: the head-dim bucket with a stream build (decode_mma.cu: at 64 it would spill)
 STREAM_HEAD_DIM = 128
+#: the default ("auto") stream grid: only where the groups fill every resident slot (two
+#: blocks an SM) and a block's share is at least this many key iterations. Measured on the
+#: H200 (session 8, call M, CUFLASH_DECODE_STREAM=all against the even splits, K/V TB/s): B 64
+#: Hq/Hkv 32/8 Lk 64k (share 1986 iterations) 4.67 against 4.61, 32/32 8k (993) 4.65 against
+#: 4.60, 32/8 8k (248) 4.49 against 4.51; fewer groups than slots (B 1, B 8) lost 1-8%: a
+#: block's extra pieces (ramp, epilogue, merge: ~3 us each) pay off over long shares only
+STREAM_AUTO_MIN_SHARE = 512
 
 
 def stream_mode() -> str:
-    """CUFLASH_DECODE_STREAM: unset or "0" the even splits; "1" the stream grid where
-    ``stream_grid``'s cost model predicts a gain; "all" wherever it applies (A/B runs). Off by
-    default: the H200's HBM is saturated by ~96 streaming SMs (bench/NOTES.md, "decode: the
-    stream grid (session 8)"), so filling the last 12 is predicted to gain nothing."""
+    """CUFLASH_DECODE_STREAM: unset or "auto" the stream grid where the groups fill every
+    resident slot and a block's share is long (STREAM_AUTO_MIN_SHARE: B = 64 at long caches on
+    an H200); "0" the even splits everywhere (session 8's default); "1" the stream grid where
+    ``stream_grid``'s cost model predicts a gain; "all" wherever it applies (A/B runs). The
+    H200's HBM is saturated by ~96 streaming SMs (bench/NOTES.md, "decode: the stream grid
+    (session 8)"), so filling idle SMs of a short grid gains nothing; what the stream grid
+    removes at B = 64 is the last wave's ragged tail."""
     value = os.environ.get("CUFLASH_DECODE_STREAM", "").strip().lower()
-    if value not in ("", "0", "1", "all"):
-        raise ValueError(f"CUFLASH_DECODE_STREAM={value!r}: expected 0, 1 or all")
-    return value or "0"
+    if value not in ("", "auto", "0", "1", "all"):
+        raise ValueError(f"CUFLASH_DECODE_STREAM={value!r}: expected auto, 0, 1 or all")
+    return value or "auto"
+
+
+def stages_mode() -> int:
+    """CUFLASH_DECODE_STAGES: decode_sm80's cp.async ring depth for grids of at most one block
+    an SM (decode_mma.cu's STAGES; head-dim bucket 128): unset or "auto" the deepest of
+    _traits.DECODE_SM80_DEEP_STAGES that fits the device's shared memory (returns 0); "3"
+    session 8's ring everywhere; "4" .. "8" that depth where it fits (A/B runs; the gate
+    compiles 4 and 5)."""
+    value = os.environ.get("CUFLASH_DECODE_STAGES", "").strip().lower()
+    if value in ("", "auto"):
+        return 0
+    if value not in tuple(str(i) for i in range(3, 9)):
+        raise ValueError(f"CUFLASH_DECODE_STAGES={value!r}: expected auto or 3..8")
+    return int(value)
+
+
+def deep_stages(blocks: int, num_sms: int, head_dim: int, smem_optin: int,
+                mode: int | None = None) -> int:
+    """The ring depth of a decode_sm80 grid of ``blocks`` blocks: 3 unless the grid is at most
+    one block an SM (then a deep ring costs no occupancy: the blocks are one wave either way)
+    at head-dim bucket 128; then ``mode`` (stages_mode(): 0 the deepest of
+    DECODE_SM80_DEEP_STAGES that fits ``smem_optin``, 3 none, else that depth if it fits)."""
+    from ._traits import DECODE_SM80_DEEP_STAGES, decode_sm80_smem
+    mode = stages_mode() if mode is None else mode
+    if mode == 3 or head_dim != STREAM_HEAD_DIM or not 0 < blocks <= num_sms:
+        return 3
+    for stages in ((mode,) if mode else DECODE_SM80_DEEP_STAGES):
+        if decode_sm80_smem(head_dim, stages) <= smem_optin:
+            return stages
+    return 3
 
 
 def l2_mode() -> int:
@@ -98,8 +140,10 @@ def stream_grid(groups: int, splits: int, capacity: int, keys_per_iter: int, ite
     ``min_blocks`` an SM (many groups a block; two resident blocks overlap one's ramp with the
     other's stream). Cost model, key iterations of the busiest SM: even, ceil(groups x splits
     / SMs) blocks of ceil(iters / splits); stream, blocks an SM x (the share + one piece's cost
-    (STREAM_PIECE_BYTES) for every group past a block's first). ``mode`` "1": the stream grid
-    where it is STREAM_MIN_GAIN cheaper; "all": wherever it applies (A/B runs)."""
+    (STREAM_PIECE_BYTES) for every group past a block's first). ``mode`` "auto": the stream
+    grid where the groups fill the resident slots and the share is at least
+    STREAM_AUTO_MIN_SHARE iterations (the measured rule); "1": where the cost model finds it
+    STREAM_MIN_GAIN cheaper; "all": wherever it applies (A/B runs)."""
     iters = max(1, -(-capacity // keys_per_iter))
     per_sm = min_blocks if groups >= num_sms * min_blocks else split_wave
     blocks = num_sms * per_sm
@@ -109,6 +153,8 @@ def stream_grid(groups: int, splits: int, capacity: int, keys_per_iter: int, ite
         return 0
     if mode == "all":
         return blocks
+    if mode == "auto":
+        return blocks if groups >= num_sms * min_blocks and share >= STREAM_AUTO_MIN_SHARE else 0
     even = -(-groups * splits // num_sms) * -(-iters // splits)
     pieces = stream_spans(groups, blocks)[1]
     stream = per_sm * (math.ceil(share) + (pieces - 1) * STREAM_PIECE_BYTES / iter_bytes)

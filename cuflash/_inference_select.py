@@ -37,9 +37,10 @@ def decode_sm80_select(fam, shape, dev):
     tiles = -(-shape.Lq // 16)
     # fuse: the splits merged by the kernel's last block of a group; stream: ", true" for the
     # flattened key ranges (decode_mma's STREAM build, a fuse build), "" for even splits (the
-    # expression of the builds from before the flag). Both set by the caller
-    # (_inference_gpu.spec_or_reason), which knows the split count
-    return t, {"fuse": False, "stream": ""}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
+    # expression of the builds from before the flag); stages: ", S" for a deep ring (then
+    # stream is ", false" or ", true"), "" for 3 stages. All set by the caller
+    # (_inference_gpu.spec_or_reason), which knows the split count and the grid
+    return t, {"fuse": False, "stream": "", "stages": ""}, [t.reason + (f"; {tiles} row tiles (each reads the keys again)" if tiles > 1 else "")]
 
 
 def decode_fuse_instances(fam, arch):
@@ -53,8 +54,19 @@ def decode_fuse_instances(fam, arch):
 def decode_sm80_instances(fam, arch):
     """decode_fuse_instances, plus the STREAM build (fuse and stream: the flattened key ranges
     of _inference_gpu.stream_grid) of the head-dim bucket 128 (_inference_gpu.STREAM_HEAD_DIM:
-    at 64, 4 blocks an SM cap the registers at 128 and the stream build spills on sm_80)."""
+    at 64, 4 blocks an SM cap the registers at 128 and the stream build spills on sm_80), and
+    at 128 each of those with every deep ring (_traits.DECODE_SM80_DEEP_STAGES: grids of at
+    most one block an SM)."""
     for t in _traits.TABLES[fam.name].values():
         for fuse, stream in ((False, ""), (True, ""), (True, ", true")):
             if not stream or t.head_dim == 128:
-                yield t, {"fuse": fuse, "stream": stream}
+                yield t, {"fuse": fuse, "stream": stream, "stages": ""}
+        if t.head_dim == DEEP_HEAD_DIM:
+            for stages in _traits.DECODE_SM80_DEEP_STAGES:
+                for fuse, stream in ((False, ", false"), (True, ", false"), (True, ", true")):
+                    yield t, {"fuse": fuse, "stream": stream, "stages": f", {stages}"}
+
+
+#: the head-dim bucket with deep-ring builds (decode_mma.cu's STAGES > 3; issue 11's decode
+#: targets are d = 128; at 64 a deep ring is untried)
+DEEP_HEAD_DIM = 128

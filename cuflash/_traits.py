@@ -147,10 +147,23 @@ def decode_sm80(head_dim, min_blocks=1, reason=""):
     combine (H200, bench/probes/decode_splits.py, session 6: B=1 Lk=128k, 12-16 splits 3.85
     TB/s where the resident-slot count of 29 gave 3.45; B=8 Lk=8k, 2 splits 3.60 against 4's
     3.50; B=64, 1 split 4.44)."""
-    tile = 16 * head_dim * 2
     return _traits("decode_sm80", ("head_dim",), locals(), head_dim=head_dim, block_m=16,
-                   block_n=64, threads=128, smem_bytes=tile + 4 * 3 * 2 * tile,
+                   block_n=64, threads=128, smem_bytes=decode_sm80_smem(head_dim),
                    min_blocks=min_blocks, split_wave=1, reason=reason)
+
+
+#: decode_sm80's deep rings (decode_mma.cu's STAGES), deepest first: for grids of at most one
+#: block an SM, the deepest whose shared memory fits the device (5 on an H100 / H200, 4 on an
+#: A100); session 8 measured one block an SM of 3 stages (64 KB in flight) ~1-2% below two
+#: blocks an SM (128 KB) and cuDNN on the H200 (bench/NOTES.md, "decode (session 9)")
+DECODE_SM80_DEEP_STAGES = (5, 4)
+
+
+def decode_sm80_smem(head_dim: int, stages: int = 3) -> int:
+    """DecodeMmaTraits<T, head_dim, stages>::kSmemBytes: the Q tile and 4 warps' rings of
+    ``stages`` (K, V) tile pairs of 16 x head_dim b16 elements."""
+    tile = 16 * head_dim * 2
+    return tile + 4 * stages * 2 * tile
 
 
 MAKE: dict[str, Callable[..., Traits]] = {

@@ -449,11 +449,15 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         assert (spec.Hkv, spec.G, spec.rows) == (Hkv, G, G)
         # the tensor-core decode on an H200: 16 packed rows a tile, whatever G
         # (fused: with several splits the kernel merges them itself, no decode_combine)
-        # (the stream grid is opt-in: CUFLASH_DECODE_STREAM, tests/test_inference_stream.py)
+        # (no stream grid at these shapes: tests/test_inference_stream.py); a grid of at most
+        # one block an SM (B = 8 and 1 here, 128 and 120 blocks) runs the 5-stage ring
         fused = "true" if spec.splits > 1 else "false"
-        assert spec.stream == 0 and spec.prelude == ""
+        deep = B * Hkv * spec.splits <= H200.num_sms
+        assert spec.stream == 0 and spec.prelude == "" and spec.stages == (5 if deep else 3)
         assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
-                                  f"128, cuflash::Variant<false>, {fused}>")
+                                  f"128, cuflash::Variant<false>, {fused}"
+                                  f"{', false, 5' if deep else ''}>")
+        assert spec.split[4] == (4096 + 4 * spec.stages * 2 * 4096)
         assert spec.row_tiles == 1
         assert spec.split[2] == B * Hkv * spec.splits
         assert spec.combine is None and spec.fuse == (spec.splits > 1)

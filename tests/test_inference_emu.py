@@ -59,8 +59,18 @@ CLAMP_CASE = (F32, 1, 4, 1, 32, 64, True, 8, 2, False, 3)
 #: chunked prefill (Lq = 2: 8 rows); the first appends nothing (batch row 0 is empty)
 STREAM_CASES = [(BF16, 2, 4, 1, 128, 700, True, 16, 0, False, None),
                 (F16, 2, 4, 2, 128, 500, False, 0, 2, True, None)]
-_STREAM_EXPRS = [f"cuflash::decode::decode_mma<{T}, 128, cuflash::Variant<{cz}>, true, true>"
-                 for T, cz in (("__nv_bfloat16", "false"), ("__half", "true"))]
+_STREAM_EXPRS = [f"cuflash::decode::decode_mma<{T}, 128, cuflash::Variant<{cz}>, true, true{st}>"
+                 for T, cz in (("__nv_bfloat16", "false"), ("__half", "true"))
+                 for st in ("", ", 5")]
+#: decode_mma's deep rings (STAGES 4 and 5: grids of at most one block an SM), even splits and
+#: the stream grid: dense one split and three, paged causal chunked prefill (Lq = 2)
+DEEP_CASES = [(BF16, 2, 4, 1, 128, 333, False, 0, 0, False, 1),
+              (BF16, 2, 4, 1, 128, 333, False, 0, 1, False, 3),
+              (F16, 2, 4, 2, 128, 500, True, 16, 2, True, 2)]
+_DEEP_EXPRS = [f"cuflash::decode::decode_mma<{T}, 128, cuflash::Variant<{cz}>, {f}, {sg}, {st}>"
+               for T, cz in (("__nv_bfloat16", "false"), ("__half", "true"))
+               for f, sg in (("false", "false"), ("true", "false"), ("true", "true"))
+               for st in (4, 5)]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +92,7 @@ def lib():
                     for fuse in (False, True) if "fuse" in flags else (None,):
                         kw = {} if fuse is None else dict(flags, fuse=fuse)
                         exprs.add(fam.expr(dtype.name, t, v, **kw))
-    exprs.update(_DV_EXPRS + _STREAM_EXPRS)
+    exprs.update(_DV_EXPRS + _STREAM_EXPRS + _DEEP_EXPRS)
     return _emu_decode.build(sorted(exprs))
 
 
@@ -326,12 +336,18 @@ def test_emulated_stream_grid_matches_reference_and_is_reproducible(lib, case, n
     dev = _families.DeviceInfo(90, num_sms, 232448, f"emulated, {num_sms} SMs")
     seqlens = [0, 333, case[5] - case[8]]
     counters, outs = None, []
-    for order in (0, 1, 7):
+    # one block an SM (4, 5, 13 SMs): the deep ring (5 stages) by default; two (2 SMs): 3;
+    # the first and the last run also with 3 stages (CUFLASH_DECODE_STAGES=3): bitwise equal
+    for order, stages in ((0, "3"), (0, ""), (1, ""), (7, ""), (7, "3")):
+        monkeypatch.setenv("CUFLASH_DECODE_STAGES", stages)
         c = _call(case, seqlens=seqlens)
         spec = _inference_gpu.spec_or_reason(c, dev)
         assert not isinstance(spec, str), spec
         assert spec.stream == num_sms * (2 if num_sms == 2 else 1), spec.explain()
-        assert spec.split[1].endswith(", true, true>") and spec.split[2] == spec.stream
+        deep = num_sms > 2 and not stages
+        assert spec.stages == (5 if deep else 3)
+        assert spec.split[1].endswith(", true, true, 5>" if deep else ", true, true>")
+        assert spec.split[2] == spec.stream
         assert spec.fuse and spec.combine is None and "stream grid" in spec.explain()
         assert spec.splits == _inference_grid.stream_spans(6, spec.stream)[0] > 1
         if counters is None:
@@ -344,6 +360,48 @@ def test_emulated_stream_grid_matches_reference_and_is_reproducible(lib, case, n
     if case[8] == 0:                    # batch row 0: no key at all
         assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
     _check(c, o, lse)
+
+
+@pytest.mark.parametrize("smem,stages", [(232448, 5), (166912, 4)], ids=["h200", "a100"])
+@pytest.mark.parametrize("case", DEEP_CASES, ids=["bf16-dense-s1", "bf16-dense-s3",
+                                                  "f16-paged16-causal-s2"])
+def test_emulated_deep_ring_equals_three_stages_bitwise(lib, case, smem, stages, monkeypatch):
+    """decode_mma's deep cp.async ring (STAGES 4 or 5, the deepest whose shared memory fits:
+    grids of at most one block an SM, here 6 x splits blocks on 64 SMs) runs the same
+    operations in the same order as the 3-stage ring: bitwise its output and lse (blocks in
+    order and shuffled, the fused merge's counters left at 0), within the reference's
+    tolerance, and K/V read only inside the cache (every cp.async source is checked); batch
+    row 0 has a split tail of 5 keys, row 1 no key where nothing is appended. CUFLASH_DECODE_STAGES=3 turns it off, a depth forces it,
+    a bad value names the variable."""
+    dev = _families.DeviceInfo(90, 64, smem, "emulated, 64 SMs")
+    seqlens = [5 + case[5] // 2, 0, case[5] - case[8]]
+    outs, counters = {}, None
+    for env, order in (("3", 0), ("", 0), ("", 7), (str(stages), 1)):
+        monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
+        c = _call(case, seqlens=seqlens)
+        spec = _inference_gpu.spec_or_reason(c, dev)
+        assert not isinstance(spec, str), spec
+        want = 3 if env == "3" else stages
+        assert spec.stages == want and spec.stream == 0, spec.explain()
+        assert spec.split[1].endswith(f", false, {want}>" if want > 3 else
+                                      (", true>" if case[-1] > 1 else ", false>"))
+        assert spec.split[4] == 4096 * (1 + 8 * want) <= smem
+        if want > 3:
+            assert f"a {want}-stage cp.async ring" in spec.explain()
+        if spec.fuse and counters is None:
+            counters = numpy.zeros(spec.groups, numpy.uint32)
+        outs[env, order] = _emu_decode.run_spec(lib, spec, c, order=order,
+                                                counters=counters if spec.fuse else None)
+    o0, l0 = outs["3", 0]
+    for o, lse in outs.values():
+        assert numpy.array_equal(o.view(numpy.uint16), o0.view(numpy.uint16))
+        assert numpy.array_equal(lse, l0)
+    if case[8] == 0:                    # batch row 1: no key at all
+        assert (o0[1] == 0).all() and numpy.isneginf(l0[1]).all()
+    _check(c, o0, l0)
+    monkeypatch.setenv("CUFLASH_DECODE_STAGES", "2")
+    with pytest.raises(ValueError, match="CUFLASH_DECODE_STAGES"):
+        _inference_gpu.spec_or_reason(_call(case, seqlens=seqlens), dev)
 
 
 @pytest.mark.parametrize("family", ["decode_mma.cu", "decode.cu"])

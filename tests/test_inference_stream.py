@@ -2,7 +2,8 @@
 cover which groups' key iterations, cuda_src/decode_mma.cu) and where the cost model of
 ``cuflash._inference_grid.stream_grid`` runs it on an H200. The kernels themselves: the
 emulation (tests/test_inference_emu.py) and the GPU tests (tests/test_gpu_inference.py); here,
-on the GPU, decode_sm80's A/B builds (prelude defines) against its default, bitwise."""
+on the GPU, decode_sm80's A/B builds (prelude defines) against its default, bitwise, the deep
+ring (CUFLASH_DECODE_STAGES) against 3 stages, and the default stream grid (session 9)."""
 
 from __future__ import annotations
 
@@ -51,15 +52,20 @@ def test_stream_grid_pieces_partition_the_groups(groups, blocks):
 
 def test_stream_grid_choices_on_an_h200(monkeypatch):
     """Where the stream grid runs on an H200 (bf16, d 128, Hq 32, 1 row tile) under
-    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "all" wherever it applies; "0"
-    (the default) nowhere; never where the even splits fill whole waves or the cache is
-    short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2 hints")."""
-    assert _inference_grid.stream_mode() == "0" or "CUFLASH_DECODE_STREAM" in os.environ
+    CUFLASH_DECODE_STREAM=1 (the per-SM cost model's picks); "auto" (the default) only where
+    the groups fill the 264 resident slots and a block's share is >= 512 key iterations (the
+    B = 64 points it won in session 8: 32/8 64k, 32/32 8k; not 32/8 8k, share 248); "all"
+    wherever it applies; "0" nowhere; never where the even splits fill whole waves or the
+    cache is short (bench/NOTES.md, "decode: the merge's round trips, a stream grid, L2
+    hints", "decode (session 9)")."""
+    assert _inference_grid.stream_mode() == "auto" or "CUFLASH_DECODE_STREAM" in os.environ
     t = _traits.DECODE_SM80[128]
     expect = {  # (B, Hkv, L): blocks under "1"; "all" also takes the zeros marked so
         (1, 8, 8192): 0, (1, 8, 65536): 132, (1, 8, 131072): 132, (1, 32, 65536): 0,
         (1, 32, 131072): 132, (8, 8, 8192): 0, (8, 8, 65536): 132, (8, 32, 8192): 0,
-        (64, 8, 8192): 0, (64, 8, 65536): 264, (64, 32, 1024): 0, (1, 8, 1024): 0}
+        (64, 8, 8192): 0, (64, 8, 65536): 264, (64, 32, 1024): 0, (1, 8, 1024): 0,
+        (64, 32, 8192): 0}
+    auto = {(64, 8, 65536): 264, (64, 32, 8192): 264}
     for (B, Hkv, L), blocks in expect.items():
         s = _inference_gpu.num_splits_heuristic(B * Hkv, L, t.block_n, H200.num_sms,
                                                 t.split_wave)
@@ -67,12 +73,36 @@ def test_stream_grid_choices_on_an_h200(monkeypatch):
                 t.min_blocks)
         assert _inference_grid.stream_grid(*args) == blocks, (B, Hkv, L)
         assert _inference_grid.stream_grid(*args, mode="0") == 0
+        assert _inference_grid.stream_grid(*args, mode="auto") == auto.get((B, Hkv, L), 0)
         every = _inference_grid.stream_grid(*args, mode="all")
         assert every == (0 if L <= 8192 and B == 1 and Hkv == 8 or L == 1024 else
                          H200.num_sms * (t.min_blocks if B * Hkv >= 264 else 1)), (B, Hkv, L)
     monkeypatch.setenv("CUFLASH_DECODE_STREAM", "maybe")
     with pytest.raises(ValueError, match="CUFLASH_DECODE_STREAM"):
         _inference_grid.stream_mode()
+
+
+def test_deep_ring_choices(monkeypatch):
+    """decode_sm80's ring depth (_inference_grid.deep_stages): 3 unless the grid is at most one
+    block an SM at head-dim bucket 128; there the deepest of (5, 4) whose shared memory fits
+    (an H200: 5, 164 KB; an A100's 163 KB: 4, 132 KB); CUFLASH_DECODE_STAGES=3 never, a forced
+    depth only where it fits; a bad value names the variable."""
+    monkeypatch.delenv("CUFLASH_DECODE_STAGES", raising=False)
+    deep = _inference_grid.deep_stages
+    assert _inference_grid.stages_mode() == 0
+    assert [deep(n, 132, 128, 232448) for n in (0, 1, 120, 128, 132, 133, 264)] == [
+        3, 5, 5, 5, 5, 3, 3]
+    assert deep(96, 108, 128, 166912) == 4 and deep(96, 108, 64, 166912) == 3
+    assert deep(64, 46, 128, 101376) == 3           # 99 KB (sm_86/89): no deep ring fits
+    for env, h200, a100 in (("3", 3, 3), ("4", 4, 4), ("6", 6, 3), ("auto", 5, 4)):
+        monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
+        assert (deep(100, 132, 128, 232448), deep(100, 108, 128, 166912)) == (h200, a100), env
+    assert _traits.decode_sm80_smem(128, 5) == 167936 and _traits.decode_sm80_smem(128) == (
+        _traits.DECODE_SM80[128].smem_bytes)
+    for bad in ("2", "9", "deep"):
+        monkeypatch.setenv("CUFLASH_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match="CUFLASH_DECODE_STAGES"):
+            _inference_grid.stages_mode()
 
 
 @pytest.mark.gpu
@@ -141,3 +171,94 @@ def test_ab_switches_make_the_prelude(monkeypatch):
         with pytest.raises(ValueError, match=k):
             _inference_grid.prelude(True)
         monkeypatch.delenv(k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
+    """decode_sm80's deep cp.async ring (the default for grids of at most one block an SM:
+    CUFLASH_DECODE_STAGES unset) against session 8's 3 stages (CUFLASH_DECODE_STAGES=3): the
+    same operations in the same order, so bitwise the same output and lse, with 1, 2 and 3
+    splits (the fused merge), call after call and on two streams; batch row 2 empty; within
+    the reference's tolerance."""
+    import cupy
+    import numpy
+    from cuflash import _api, _inference
+    from test_gpu_inference import BF16, _bitwise_repeats, _check_rows, _gpu_call
+    case = (BF16, 8, 4, 1, 128, 8192, page_size, 0, False, None)
+    host, dev, kw = _gpu_call(case, seqlens=[8192, 5001, 0, 77], B=4)
+    results, deep = {}, set()
+    try:
+        for env in ("3", ""):
+            monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
+            _api.clear_plans()
+            for n in (1, 2, 3):
+                kw["num_splits"] = n
+                c = _inference.check_kvcache(*dev[:5], None, None, n, None, False, True)
+                spec = _inference_gpu.spec_or_reason(c)
+                assert not isinstance(spec, str), spec
+                assert spec.stages == 3 or env == ""
+                if spec.stages > 3:
+                    deep.add(n)
+                    assert spec.split[1].endswith(f", false, {spec.stages}>"), spec.explain()
+                results[env, n] = _bitwise_repeats(
+                    dev, kw, (cupy.cuda.Stream.null, cupy.cuda.Stream(), cupy.cuda.Stream.null))
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_STAGES", raising=False)
+        _api.clear_plans()
+    if not deep:
+        pytest.skip("this GPU runs these grids (32 to 96 blocks) with more than one block an SM")
+    for n in (1, 2, 3):
+        (o0, l0), (o1, l1) = results["3", n], results["", n]
+        assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), n
+        assert numpy.array_equal(l0, l1), n
+    o, lse = results["", 3]
+    assert (o[2] == 0).all() and numpy.isneginf(lse[2]).all()
+    _check_rows(*_without_row(host, o, lse, 2, page_size), 0, False, page_size or 16)
+
+
+@pytest.mark.gpu
+def test_stream_grid_by_default_where_the_groups_fill_the_slots(monkeypatch):
+    """The default stream grid (CUFLASH_DECODE_STREAM unset: "auto") where the groups fill every
+    resident slot: 40 x 8 = 320 groups (H200: 264 slots), its share threshold lowered to these
+    short caches; two blocks an SM, 3 stages, pieces of two groups a block. Against the
+    reference, bitwise the same call after call, and within tolerance of the even splits
+    (CUFLASH_DECODE_STREAM=0)."""
+    import cupy
+    import numpy
+    from cuflash import _api, _inference
+    from test_gpu_inference import BF16, _bitwise_repeats, _check_rows, _gpu_call
+    monkeypatch.setattr(_inference_grid, "STREAM_AUTO_MIN_SHARE", 1)
+    case = (BF16, 8, 4, 1, 128, 2048, 0, 0, False, None)
+    B = 40
+    seqlens = [2048 - 37 * (b % 7) for b in range(B)]
+    seqlens[3] = 0
+    host, dev, kw = _gpu_call(case, seqlens=seqlens, B=B)
+    out = {}
+    try:
+        for mode in ("0", ""):
+            monkeypatch.setenv("CUFLASH_DECODE_STREAM", mode)
+            _api.clear_plans()
+            c = _inference.check_kvcache(*dev[:5], None, None, None, None, False, True)
+            spec = _inference_gpu.spec_or_reason(c)
+            assert not isinstance(spec, str), spec
+            if mode == "" and not spec.stream:
+                pytest.skip("this GPU's slots hold the 320 groups: no stream grid")
+            assert (spec.stream > 0) == (mode == "") and spec.stages == 3
+            out[mode] = _bitwise_repeats(dev, kw, (cupy.cuda.Stream.null,) * 3)
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_STREAM", raising=False)
+        _api.clear_plans()
+    o, lse = out[""]
+    assert (o[3] == 0).all() and numpy.isneginf(lse[3]).all()
+    for o, lse in out.values():
+        _check_rows(*_without_row(host, o, lse, 3, 0), 0, False, 16)
+
+
+def _without_row(host, o, lse, row, page_size):
+    """(host arrays, o, lse) without batch row ``row`` (one that sees no key), for
+    test_gpu_inference._check_rows; a paged cache keeps its pages, its table loses the row."""
+    keep = [b for b in range(o.shape[0]) if b != row]
+    q, kc, vc, s, bt = host[:5]
+    kc, vc, bt = (kc, vc, bt[keep]) if page_size else (kc[keep], vc[keep], None)
+    return [q[keep], kc, vc, s[keep], bt], o[keep], lse[keep]

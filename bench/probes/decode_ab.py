@@ -1,34 +1,44 @@
 #!/usr/bin/env python3
-"""Question: do decode_sm80's opt-in variants (session 8) beat its default, and the peers?
+"""Question: do decode_sm80's session-9 defaults (the deep cp.async ring of grids of at most
+one block an SM, the stream grid at B = 64 on long shares) beat session 8's default, and the
+peers?
 
 At each point of issue 11's decode table (dense cache, bf16, d 128), in one process, plans
 forgotten (``cuflash._api.clear_plans()``) between the variants:
-  cuflash_old       CUFLASH_DECODE_MERGE=0: session 7's kernel (the fused merge loads its
-                    partials after the weights: two or three L2 round trips);
-  cuflash           the default: the fused merge's partials loaded with its lse (one round
-                    trip); the even splits and plain copies as before;
-  cuflash_stream    CUFLASH_DECODE_STREAM=all: the stream grid (one wave of blocks sharing the
-                    groups' key iterations equally) wherever it applies (the row's ``stream``
-                    says whether it ran; where not, it is the default's plan again);
-  cuflash_l2_256b   CUFLASH_DECODE_L2=256b: K/V copies with the .L2::256B prefetch;
-  cuflash_l2_evict  CUFLASH_DECODE_L2=evict_first: the same plus an evict-first L2 policy;
-  cuflash_release   CUFLASH_DECODE_ARRIVE=release: the fused merge's arrival as one thread's
-                    acq_rel fence after the block barrier (not every thread's fence.sc);
-(the last four on top of the default's merge), then SDPA cuDNN and SDPA flash (skipped without
-torch). Random N(0, 1) bf16 data; inputs rotate past the L2 as in bench/suite_decode.py. Each
-variant compiles its kernels once at its first point (~5-10 s each on a fresh machine).
+  cuflash_old       CUFLASH_DECODE_STAGES=3 CUFLASH_DECODE_STREAM=0: session 8's default (3
+                    stages everywhere, even splits everywhere);
+  cuflash           the default: a 5-stage ring (4 where 164 KB of shared memory do not fit)
+                    where the grid is at most one block an SM (B 1; B 8 at 32/8: 112-128
+                    blocks), the stream grid where the groups fill the resident slots and a
+                    block's share is >= 512 key iterations (B 64: 32/8 64k, 32/32 8k);
+  cuflash_stages4   CUFLASH_DECODE_STAGES=4: the 4-stage ring there instead;
+  cuflash_stages6   CUFLASH_DECODE_STAGES=6: the 6-stage ring there (196 KB; not in the gate);
+  cuflash_no_stream CUFLASH_DECODE_STREAM=0: the default's ring, even splits everywhere (the
+                    stream grid's own A/B at B 64);
+  cuflash_stream    CUFLASH_DECODE_STREAM=all: the stream grid wherever it applies (with the
+                    deep ring where it is one block an SM);
+  cuflash_release   CUFLASH_DECODE_ARRIVE=release on top of the default (session 8's opt-in
+                    arrival: 23.4 us against 36.5 at B 1 8k there, neutral elsewhere);
+  cuflash_splits16  (B 1, 32/8 only) the default with num_splits=16: 128 blocks, where the
+                    heuristic's 14-15 leave 20-12 SMs idle (session 6: 16 splits 0.6% ahead
+                    of 12 at 128k);
+then SDPA cuDNN and SDPA flash (skipped without torch). Random N(0, 1) bf16 data; inputs rotate
+past the L2 as in bench/suite_decode.py. The variants' kernels are compiled first, in parallel
+processes, into CuPy's disk cache.
 
 Two timings a row: ``ms`` = suite_decode's (median CUDA-event time around each call, calls
 issued back to back), and ``iso_ms`` = one call at a time (device synchronised before each:
-the latency a B = 1 decode step sees, launch included). TB/s = K/V bytes / ``ms``.
+the latency a B = 1 decode step sees, launch included). TB/s = K/V bytes / ``ms``. The last
+lines print, per point, each cuflash row's ratio to the better peer (back to back and iso).
 
-    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~60 s on an H200)
+    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~40-60 s on an H200)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -39,13 +49,18 @@ POINTS = [  # B, Hq, Hkv, Lk
     (1, 32, 8, 8192), (1, 32, 8, 65536), (1, 32, 8, 131072), (1, 32, 32, 65536),
     (1, 32, 32, 131072), (8, 32, 8, 8192), (8, 32, 8, 65536), (8, 32, 8, 131072),
     (8, 32, 32, 8192), (64, 32, 8, 8192), (64, 32, 8, 65536), (64, 32, 32, 8192)]
-MODES = (("cuflash_old", {"CUFLASH_DECODE_MERGE": "0"}), ("cuflash", {}),
+MODES = (("cuflash_old", {"CUFLASH_DECODE_STAGES": "3", "CUFLASH_DECODE_STREAM": "0"}),
+         ("cuflash", {}),
+         ("cuflash_stages4", {"CUFLASH_DECODE_STAGES": "4"}),
+         ("cuflash_stages6", {"CUFLASH_DECODE_STAGES": "6"}),
+         ("cuflash_no_stream", {"CUFLASH_DECODE_STREAM": "0"}),
          ("cuflash_stream", {"CUFLASH_DECODE_STREAM": "all"}),
-         ("cuflash_l2_256b", {"CUFLASH_DECODE_L2": "256b"}),
-         ("cuflash_l2_evict", {"CUFLASH_DECODE_L2": "evict_first"}),
          ("cuflash_release", {"CUFLASH_DECODE_ARRIVE": "release"}))
 SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2",
-            "CUFLASH_DECODE_ARRIVE")
+            "CUFLASH_DECODE_ARRIVE", "CUFLASH_DECODE_STAGES")
+#: decode_mma's (FUSE, STREAM, STAGES) tails of the name expression that the points can use
+BUILDS = ("false", "true", "true, true") + tuple(
+    f"{f}, {st}" for st in (4, 5, 6) for f in ("false, false", "true, false", "true, true"))
 
 
 def switches(env: dict):
@@ -67,8 +82,8 @@ def precompile(modes) -> float:
     jobs = set()
     for _, env in modes:
         with switches(env):
-            for flags, fused in (("false", False), ("true", True), ("true, true", True)):
-                jobs.add((expr.format(flags), _inference_grid.prelude(fused)))
+            for flags in BUILDS:
+                jobs.add((expr.format(flags), _inference_grid.prelude(flags.startswith("true"))))
     code = ("import sys\nfrom cuflash import _jit\n"
             "_jit.get_kernel('decode_mma.cu', sys.argv[1], 0, sys.argv[2])\n")
 
@@ -98,6 +113,23 @@ def isolated_ms(fn, n_sets: int, iters: int = 20, warmup: int = 3) -> float:
         e.synchronize()
         ts.append(cupy.cuda.get_elapsed_time(s, e))
     return sorted(ts)[len(ts) // 2]
+
+
+def summary(rows) -> None:
+    """Per point: the better peer's time over each cuflash row's (> 1: cuflash faster), back to back
+    and one call at a time."""
+    points = sorted({(r["B"], r["Hq"], r["Hkv"], r["Lk"]) for r in rows})
+    for pt in points:
+        mine = [r for r in rows if (r["B"], r["Hq"], r["Hkv"], r["Lk"]) == pt and r.get("ms")]
+        peers = [r for r in mine if r["impl"].startswith("sdpa")]
+        if not peers:
+            continue
+        best = min(r["ms"] for r in peers)
+        best_iso = min(r["iso_ms"] for r in peers)
+        cells = [f"{r['impl'][8:] or 'new'} {best / r['ms']:.3f}/{best_iso / r['iso_ms']:.3f}"
+                 for r in mine if r["impl"].startswith("cuflash")]
+        print(f"B={pt[0]} {pt[1]}/{pt[2]} Lk={pt[3]} vs the better peer (b2b/iso, >1 faster): "
+              + "; ".join(cells))
 
 
 def main(argv=None) -> int:
@@ -150,7 +182,13 @@ def main(argv=None) -> int:
         for impl, env in MODES:
             with switches(env):
                 kernel = sd._kernel(inf, *arrays(0), seqlens, None)
-                add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env)
+                ring = re.search(r"a (\d)-stage cp.async ring", kernel)
+                add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env,
+                    stages=int(ring.group(1)) if ring else 3)
+        if B == 1 and Hkv == 8:     # the heuristic's 14-15 splits (112-120 blocks) against 16 (128)
+            with switches({}):
+                add("cuflash_splits16", lambda i: inf.attention_with_kvcache(
+                    *arrays(i), cache_seqlens=seqlens, num_splits=16), env={}, num_splits=16)
         if any(peers.values()):
             import torch
             tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
@@ -166,6 +204,7 @@ def main(argv=None) -> int:
         print(f"B={B} Hq={Hq} Hkv={Hkv} Lk={Lk}: " + "; ".join(line), flush=True)
         del qs, ks, vs
         cupy.get_default_memory_pool().free_all_blocks()
+    summary(rows)
     meta = {"probe": "decode_ab", "seconds": time.perf_counter() - t_start}
     try:
         meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
