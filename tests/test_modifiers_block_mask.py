@@ -217,3 +217,83 @@ def test_tile_lists_are_built_once_per_tile_shape_and_checked():
         tile_lists(bmask, 192, 64, 50)
     with pytest.raises(ValueError, match="slices"):
         tile_lists(bmask, 16 * 9, 64, 16)
+
+
+def brute_causal_kinds(mm, batch, Lq, Lk, m, n, offset):
+    """The kinds of the pairs within the causal bound j <= i + offset, tile by tile: full where
+    the mask_mod keeps every such pair, empty where it keeps none or there is none; and
+    whether the tile holds a pair within the bound."""
+    from _naive_modifiers import batch_index_arrays
+    b, h = batch_index_arrays(batch)
+    i, j = numpy.arange(Lq)[:, None], numpy.arange(Lk)[None, :]
+    vis = numpy.broadcast_to(mm(b, h, i, j), batch + (Lq, Lk))
+    bound = numpy.broadcast_to(j <= i + offset, batch + (Lq, Lk))
+    Tq, Tk = -(-Lq // m), -(-Lk // n)
+    out = numpy.empty(batch + (Tq, Tk), numpy.int8)
+    inside = numpy.empty(batch + (Tq, Tk), bool)
+    for a in range(Tq):
+        for c in range(Tk):
+            t = vis[..., a * m:(a + 1) * m, c * n:(c + 1) * n]
+            w = bound[..., a * m:(a + 1) * m, c * n:(c + 1) * n]
+            some = (t & w).any(axis=(-2, -1))
+            inside[..., a, c] = w.any(axis=(-2, -1))
+            out[..., a, c] = numpy.where(some & (t | ~w).all(axis=(-2, -1)), FULL,
+                                         numpy.where(some, PARTIAL, EMPTY))
+    return out, inside
+
+
+@given(st.sampled_from(range(len(MASK_MODS))), st.integers(1, 2), st.integers(1, 2),
+       st.integers(0, 260), st.integers(0, 260), st.sampled_from([(16, 8), (33, 64), (128, 128)]),
+       st.sampled_from([(64, 64, 64), (192, 64, 64), (128, 32, 16), (40, 24, 8), (64, 128, 64)]))
+def test_causal_tile_lists_classify_the_pairs_within_the_bound(which, B, H, Lq, Lk, block, tiles):
+    """Session 9: a causal call's lists (``causal`` = its offset Lk - Lq) classify each tile on
+    the pairs within the causal bound only (the kernels bound every crossing tile themselves):
+    never empty or full where those pairs are not, exact on tiles of whole fine blocks, and
+    never less precise than the mask_mod's own kinds; the lists hold exactly the tiles with
+    such a pair kept (the backward's transpose the same)."""
+    from cuflash._block_mask import kernel_tile_kinds, tile_lists
+    mm = MASK_MODS[which]
+    m, n, sub = tiles
+    off = Lk - Lq
+    bmask = block_mask(mm, (B, H), Lq, Lk, block=block)
+    slices = kernel_tile_kinds(bmask, sub, n, off)
+    exact, inside = brute_causal_kinds(mm, (B, H), Lq, Lk, sub, n, off)
+    # (a tile with no pair within the bound may be called anything: the kernel masks it all)
+    assert ((slices == EMPTY) & inside <= (exact == EMPTY)).all()
+    assert ((slices == FULL) & inside <= (exact == FULL)).all()
+    plain = kernel_tile_kinds(bmask, sub, n)
+    assert ((plain == FULL) & inside <= (slices == FULL)).all()
+    assert ((plain == EMPTY) & inside <= (slices == EMPTY)).all()
+    fm, fn = bmask.fine_block
+    if sub % fm == 0 and n % fn == 0 and m % fm == 0:
+        assert (slices[inside] == exact[inside]).all()
+    whole = kernel_tile_kinds(bmask, m, n, off)
+    tl = tile_lists(bmask, m, n, sub, off)
+    fwd, bwd = _decode_lists(tl, (B, H))
+    ns = m // sub
+    for idx in numpy.ndindex((B, H)):
+        for a in range(tl.tq):
+            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
+                     for s in range(a * ns, (a + 1) * ns)]
+            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
+                    if any(k[c] != EMPTY for k in kinds)]
+            assert fwd[idx][a] == want, (idx, a)
+        for c in range(tl.tk):
+            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
+            assert bwd[idx][c] == want, (idx, c)
+
+
+def test_causal_lists_make_a_causal_documents_mask_all_full():
+    """The suite's 8 causal documents at 4k (boundaries every 512 rows): on fwd_sm90's tiles
+    (128 x 64, 64-row slices) and bwd_sm90's (64 x 128) no tile is partial once the causal
+    bound is the kernel's; the mask_mod's own kinds leave the 64 diagonal slices partial.
+    The lists are kept per causal offset."""
+    from cuflash._block_mask import host_lists, kernel_tile_kinds
+    L = 4096
+    bmask = block_mask(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv), (1, 1), L, L)
+    assert (kernel_tile_kinds(bmask, 64, 64) == PARTIAL).sum() == 64
+    for m, n in ((64, 64), (64, 128), (128, 64)):
+        assert not (kernel_tile_kinds(bmask, m, n, 0) == PARTIAL).any()
+    a = host_lists(bmask, 128, 64, 64, 0)
+    assert host_lists(bmask, 128, 64, 64, 0) is a and host_lists(bmask, 128, 64, 64) is not a
+    assert (a.data[..., :a.tq] == host_lists(bmask, 128, 64, 64).data[..., :a.tq]).all()
