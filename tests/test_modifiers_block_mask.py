@@ -297,3 +297,45 @@ def test_causal_lists_make_a_causal_documents_mask_all_full():
     a = host_lists(bmask, 128, 64, 64, 0)
     assert host_lists(bmask, 128, 64, 64, 0) is a and host_lists(bmask, 128, 64, 64) is not a
     assert (a.data[..., :a.tq] == host_lists(bmask, 128, 64, 64).data[..., :a.tq]).all()
+
+
+def test_fwd_sm90_keeps_two_blocks_an_sm_for_a_block_mask_at_d64(monkeypatch):
+    """Session 9: at d = 64 a block mask's mask_mod alone (with causal or not) keeps fwd_sm90's
+    table min_blocks (2: the 128-register cap) in the EVEN build; the predicated build, softcap
+    beside it, ``CUFLASH_FWD90_BMASK_BLOCKS=1`` and a build the GPU found using local memory
+    (``kept_blocks_spilled``, which records it) take 1, as before."""
+    from cuflash import _families, _jit, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv))
+    dev = _families.PROFILES["h200"]
+
+    def choice(L=4096, causal=True, **more):
+        v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source, **more)
+        shape = _families.Shape("bfloat16", 128, L, L, 64, 64, v)
+        return _families.choose("fwd", shape, dev), shape
+
+    c, shape = choice()
+    assert c.family.name == "fwd_sm90" and c.traits.min_blocks == 2 and c.flag["even"]
+    assert choice(causal=False)[0].traits.min_blocks == 2
+    assert choice(L=4000)[0].traits.min_blocks == 1
+    assert choice(softcap=True)[0].traits.min_blocks == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_BLOCKS", "1")
+    assert choice()[0].traits.min_blocks == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_BLOCKS", "2")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_BLOCKS"):
+        choice()
+    monkeypatch.delenv("CUFLASH_FWD90_BMASK_BLOCKS")
+    kernels = []
+
+    class Kernel:
+        local_size_bytes = 0
+
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: kernels.append(a) or Kernel)
+    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", set())
+    assert not _families.kept_blocks_spilled(c, shape, 0) and kernels[-1][1] == c.expr
+    Kernel.local_size_bytes = 16
+    assert _families.kept_blocks_spilled(c, shape, 0)
+    again = choice()[0]
+    assert again.traits.min_blocks == 1 and not _families.kept_blocks_spilled(again, shape, 0)
+    assert len(kernels) == 2        # a build at 1 block an SM is not checked

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Question (session 9, issue 10): do block masks at short tile lists (L = 4k) stop losing to
+FlexAttention? (bench/NOTES.md "block masks at short lists (session 9) — prediction".)
+
+    PYTHONPATH=. python bench/probes/bmask_short.py [--json out.json] [--d 64,128]
+        [--L 4096,16384] [--masks document,prefix] [--modes fwd,fwd_bwd] [--no-flex] [--arms]
+
+One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d) and mask_mods
+(bench/suite_mods.py: 8 causal documents with ``causal=True``, prefix-LM without), its
+``cuflash.block_mask`` of 128 x 128, forward (``attention``) and fwd+bwd (``attention_vjp`` +
+pullback), CUDA-event medians, TFLOP/s on visible pairs. Each point runs:
+
+- ``old``: ``CUFLASH_FWD90_BMASK_BLOCKS=1`` and ``CUFLASH_BMASK_CAUSAL_KINDS=0`` (session 8's
+  choices: fwd_sm90 at 1 block an SM with a mask_mod, lists from the mask_mod's kinds);
+- ``new``: the defaults (2 blocks an SM at d = 64 where the build allows it, a causal call's
+  lists classified within the causal bound: the documents' diagonal tiles full);
+- with ``--arms`` also ``blocks`` (only the 2 blocks) and ``kinds`` (only the causal kinds);
+- ``flex``: ``torch.compile``d FlexAttention with its own block mask (unless --no-flex).
+
+The switches are read at plan time; ``bench_attention.env`` clears the plan cache around each
+arm. Prints one line per point (ms and TFLOP/s, new/old, new/flex) and writes
+``{"meta", "rows"}`` to --json. The first run compiles the kernels (NVRTC, cached on disk) and
+FlexAttention (torch.compile): if it passes 90 s, the second run is the timed one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+ARMS = {
+    "old": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": "0"},
+    "new": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None},
+    "blocks": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": "0"},
+    "kinds": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": None},
+}
+
+
+def _fwd_kernel(mask_mod, causal, nbatch, L, d) -> str:
+    """The forward kernel the dispatcher picks for this point under the current switches."""
+    from cuflash import _families, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    tr = _trace.trace_mask_mod(mask_mod)
+    v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                prelude=tr.source)
+    shape = _families.Shape("bfloat16", nbatch, L, L, d, d, v)
+    expr = _families.choose("fwd", shape, _families.device_info(0)).expr
+    return expr.split(", cuflash::Variant")[0]
+
+
+def _warm(arms, ds, lengths, masks, modes) -> None:
+    """Compile every arm's kernels first, the points of one arm in parallel threads (NVRTC
+    runs outside the GIL; the switches are process-wide, so the arms one after the other) on the
+    timed points' shapes (zeros): the grid decides the tiles and each L traces its own
+    mask_mod constants."""
+    from concurrent.futures import ThreadPoolExecutor
+    import cupy
+    import cuflash
+    import bench_attention
+    import suite_mods
+
+    def one(d, L, name, mode):
+        H = suite_mods.WIDTH // d      # the timed points' batch: the grid decides the tiles
+        q, k, v = (_bf16_zeros((suite_mods.TOKENS // L, H, L, d)) for _ in range(3))
+        mod = suite_mods.mods_for(L, suite_mods.WIDTH // d)[name]
+        kw = {"block_mask": cuflash.block_mask(mod.mask_mod, (1, 1), L, L), "causal": mod.mask_causal}
+        if mode == "fwd":
+            cuflash.attention(q, k, v, **kw)
+        else:
+            cuflash.attention_vjp(q, k, v, **kw)[1](cupy.ones_like(q))
+
+    for arm in arms:
+        with bench_attention.env(**ARMS[arm]):
+            with ThreadPoolExecutor(16) as pool:
+                for f in [pool.submit(one, d, L, n, m) for d in ds for L in lengths for n in masks
+                          for m in modes]:
+                    try:
+                        f.result()
+                    except Exception as exc:     # the timed run reports it
+                        print(f"# warm-up ({arm}): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        cupy.cuda.Device().synchronize()
+
+
+def _bf16_zeros(shape):
+    import cupy
+    import ml_dtypes
+    import numpy
+    return cupy.asarray(numpy.zeros(shape, ml_dtypes.bfloat16))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--L", default="4096,16384")
+    ap.add_argument("--masks", default="document,prefix")
+    ap.add_argument("--modes", default="fwd,fwd_bwd")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--arms", action="store_true", help="also each switch alone")
+    a = ap.parse_args(argv)
+    import cupy
+    import ml_dtypes
+    import numpy
+    import cuflash
+    import bench_attention
+    import suite_mods
+    from suite_common import compile_flex, median_event_ms
+    torch = compiled = cbm = None
+    if not a.no_flex:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask as cbm
+        compiled = compile_flex(torch)
+    arms = ["old", "new"] + (["blocks", "kinds"] if a.arms else [])
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    rows, t_start = [], time.perf_counter()
+    _warm(arms, [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")],
+          a.masks.split(","), a.modes.split(","))
+    print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    print(f"{'mask':9} {'d':>4} {'L':>6} {'mode':8} " + " ".join(f"{x:>15}" for x in arms + ["flex"])
+          + "  new/old new/flex   (ms / TFLOP/s on visible pairs)", flush=True)
+    for d in (int(x) for x in a.d.split(",")):
+        H = suite_mods.WIDTH // d
+        for L in (int(x) for x in a.L.split(",")):
+            B = max(1, suite_mods.TOKENS // L)
+            rng = numpy.random.default_rng(L + d)
+            q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+            do = cupy.ones_like(q)
+            mods = suite_mods.mods_for(L, H, torch)
+            for name in a.masks.split(","):
+                mod = mods[name]
+                pairs = suite_mods.visible_pairs(mod, L)
+                bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
+                kw = {"block_mask": bm, "causal": mod.mask_causal}
+                fbm = cbm(mod.mask_mod, None, None, L, L, device="cuda") if cbm else None
+                for mode in a.modes.split(","):
+                    flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                    got = {}
+                    for arm in arms:
+                        try:
+                            with bench_attention.env(**ARMS[arm]):
+                                if mode == "fwd":
+                                    fn = lambda i: cuflash.attention(q, k, v, **kw)   # noqa: E731
+                                else:
+                                    fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
+                                ms = median_event_ms(fn, 1, 10, 2)
+                                fwd_kernel = _fwd_kernel(mod.mask_mod, mod.mask_causal, B * H, L, d)
+                            got[arm] = ms
+                            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=ms,
+                                             tflops=flops / ms / 1e9, fwd_kernel=fwd_kernel))
+                        except Exception as exc:   # a failing arm is a row, not the end of the run
+                            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None,
+                                             tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                    if compiled is not None:
+                        tq = [torch.from_dlpack(x) for x in (q, k, v)]
+                        try:
+                            if mode == "fwd":
+                                with torch.no_grad():
+                                    ms = median_event_ms(lambda i: compiled(*tq, block_mask=fbm), 1, 10, 2)
+                            else:
+                                leaves = [x.detach().requires_grad_() for x in tq]
+
+                                def step(i):
+                                    o = compiled(*leaves, block_mask=fbm)
+                                    o.backward(torch.ones_like(o))
+                                ms = median_event_ms(step, 1, 10, 2)
+                            got["flex"] = ms
+                            rows.append(dict(impl="flex", mask=name, d=d, L=L, mode=mode, ms=ms,
+                                             tflops=flops / ms / 1e9))
+                        except Exception as exc:
+                            rows.append(dict(impl="flex", mask=name, d=d, L=L, mode=mode, ms=None,
+                                             tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+                    def cell(x):
+                        ms = got.get(x)
+                        return f"{ms:7.3f}/{flops / ms / 1e9:6.1f}" if ms else f"{'-':>15}"
+                    r_old = got["old"] / got["new"] if got.get("old") and got.get("new") else 0
+                    r_flex = got["flex"] / got["new"] if got.get("flex") and got.get("new") else 0
+                    print(f"{name:9} {d:4} {L:6} {mode:8} " + " ".join(cell(x) for x in arms + ["flex"])
+                          + f"  {r_old:7.2f} {r_flex:8.2f}", flush=True)
+            del q, k, v, do
+            cupy.get_default_memory_pool().free_all_blocks()
+    print(f"# {time.perf_counter() - t_start:.0f} s", flush=True)
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps({"meta": {"probe": "bmask_short", "dtype": "bfloat16",
+                                                             "arms": {k: ARMS[k] for k in arms}},
+                                                    "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
