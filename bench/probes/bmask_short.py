@@ -14,13 +14,16 @@ pullback), CUDA-event medians, TFLOP/s on visible pairs. Each point runs:
   choices: fwd_sm90 at 1 block an SM with a mask_mod, lists from the mask_mod's kinds);
 - ``new``: the defaults (2 blocks an SM at d = 64 where the build allows it, a causal call's
   lists classified within the causal bound: the documents' diagonal tiles full);
-- with ``--arms`` also ``blocks`` (only the 2 blocks) and ``kinds`` (only the causal kinds);
+- with ``--arms`` also ``blocks`` (only the 2 blocks), ``kinds`` (only the causal kinds) and
+  ``wg1x4`` (new with d = 64's forward in 64-row blocks, 4 an SM: ``CUFLASH_TILES``; d = 64 only);
 - ``flex``: ``torch.compile``d FlexAttention with its own block mask (unless --no-flex).
 
 The switches are read at plan time; ``bench_attention.env`` clears the plan cache around each
 arm. Prints one line per point (ms and TFLOP/s, new/old, new/flex) and writes
-``{"meta", "rows"}`` to --json. The first run compiles the kernels (NVRTC, cached on disk) and
-FlexAttention (torch.compile): if it passes 90 s, the second run is the timed one.
+``{"meta", "rows"}`` to --json (each cuflash row names its forward kernel: ``fwd_kernel``).
+Everything is compiled first: the arms' kernels in parallel threads (NVRTC, cached on disk
+by CuPy) while FlexAttention's torch.compile runs in the main thread (inductor's cache on disk);
+if a first run passes 90 s, a second one is the timed one (``--no-flex`` skips Flex).
 """
 from __future__ import annotations
 
@@ -33,11 +36,18 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+_OFF = {"CUFLASH_TILES": None}
 ARMS = {
-    "old": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": "0"},
-    "new": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None},
-    "blocks": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": "0"},
-    "kinds": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": None},
+    "old": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": "0", **_OFF},
+    "new": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None, **_OFF},
+    "blocks": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": "0", **_OFF},
+    "kinds": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": None, **_OFF},
+    # new, with fwd_sm90 at d = 64 in 64-row blocks of one warpgroup, 4 an SM (the same 16
+    # warps as 2 x 2, each warpgroup its own block: no shared barrier, 8192 blocks; K/V cross
+    # from L2 once per 64 query rows instead of 128): 126-128 registers, 0 spills, EVEN builds
+    # of the suite's mask_mods (d = 64 only: the override names bucket 64)
+    "wg1x4": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None,
+              "CUFLASH_TILES": "fwd_sm90:64=64:1:4"},
 }
 
 
@@ -53,11 +63,12 @@ def _fwd_kernel(mask_mod, causal, nbatch, L, d) -> str:
     return expr.split(", cuflash::Variant")[0]
 
 
-def _warm(arms, ds, lengths, masks, modes) -> None:
+def _warm(arms, ds, lengths, masks, modes, flex_warm=None) -> None:
     """Compile every arm's kernels first, the points of one arm in parallel threads (NVRTC
     runs outside the GIL; the switches are process-wide, so the arms one after the other) on the
     timed points' shapes (zeros): the grid decides the tiles and each L traces its own
-    mask_mod constants."""
+    mask_mod constants. ``flex_warm`` (FlexAttention's torch.compile of every point) runs in
+    this thread while the first arm's kernels compile in the others."""
     from concurrent.futures import ThreadPoolExecutor
     import cupy
     import cuflash
@@ -74,11 +85,17 @@ def _warm(arms, ds, lengths, masks, modes) -> None:
         else:
             cuflash.attention_vjp(q, k, v, **kw)[1](cupy.ones_like(q))
 
-    for arm in arms:
+    for i, arm in enumerate(arms):
         with bench_attention.env(**ARMS[arm]):
             with ThreadPoolExecutor(16) as pool:
-                for f in [pool.submit(one, d, L, n, m) for d in ds for L in lengths for n in masks
-                          for m in modes]:
+                futures = [pool.submit(one, d, L, n, m) for d in ds for L in lengths for n in masks
+                           for m in modes if arm != "wg1x4" or d == 64]
+                if i == 0 and flex_warm is not None:
+                    try:
+                        flex_warm()
+                    except Exception as exc:     # the timed run reports it
+                        print(f"# warm-up (flex): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                for f in futures:
                     try:
                         f.result()
                     except Exception as exc:     # the timed run reports it
@@ -115,32 +132,55 @@ def main(argv=None) -> int:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask as cbm
         compiled = compile_flex(torch)
-    arms = ["old", "new"] + (["blocks", "kinds"] if a.arms else [])
+    arms = ["old", "new"] + (["blocks", "kinds", "wg1x4"] if a.arms else [])
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t_start = [], time.perf_counter()
-    _warm(arms, [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")],
-          a.masks.split(","), a.modes.split(","))
+    ds, lengths = [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")]
+    masks, modes = a.masks.split(","), a.modes.split(",")
+
+    def flex_warm():      # one call of every FlexAttention point: its compiles
+        for d in ds:
+            H = suite_mods.WIDTH // d
+            for L in lengths:
+                q, k, v = (torch.zeros((suite_mods.TOKENS // L, H, L, d), dtype=torch.bfloat16,
+                                       device="cuda") for _ in range(3))
+                for name in masks:
+                    fbm = cbm(suite_mods.mods_for(L, H)[name].mask_mod, None, None, L, L, device="cuda")
+                    for mode in modes:
+                        if mode == "fwd":
+                            with torch.no_grad():
+                                compiled(q, k, v, block_mask=fbm)
+                        else:
+                            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                            o = compiled(*leaves, block_mask=fbm)
+                            o.backward(torch.ones_like(o))
+                del q, k, v
+        torch.cuda.synchronize()
+
+    _warm(arms, ds, lengths, masks, modes, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'mask':9} {'d':>4} {'L':>6} {'mode':8} " + " ".join(f"{x:>15}" for x in arms + ["flex"])
           + "  new/old new/flex   (ms / TFLOP/s on visible pairs)", flush=True)
-    for d in (int(x) for x in a.d.split(",")):
+    for d in ds:
         H = suite_mods.WIDTH // d
-        for L in (int(x) for x in a.L.split(",")):
+        for L in lengths:
             B = max(1, suite_mods.TOKENS // L)
             rng = numpy.random.default_rng(L + d)
             q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
             do = cupy.ones_like(q)
             mods = suite_mods.mods_for(L, H, torch)
-            for name in a.masks.split(","):
+            for name in masks:
                 mod = mods[name]
                 pairs = suite_mods.visible_pairs(mod, L)
                 bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
                 kw = {"block_mask": bm, "causal": mod.mask_causal}
                 fbm = cbm(mod.mask_mod, None, None, L, L, device="cuda") if cbm else None
-                for mode in a.modes.split(","):
+                for mode in modes:
                     flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
                     got = {}
                     for arm in arms:
+                        if arm == "wg1x4" and d != 64:
+                            continue
                         try:
                             with bench_attention.env(**ARMS[arm]):
                                 if mode == "fwd":
