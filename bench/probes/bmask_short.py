@@ -15,7 +15,8 @@ pullback), CUDA-event medians, TFLOP/s on visible pairs. Each point runs:
 - ``new``: the defaults (2 blocks an SM at d = 64 where the build allows it, a causal call's
   lists classified within the causal bound: the documents' diagonal tiles full);
 - with ``--arms`` also ``blocks`` (only the 2 blocks), ``kinds`` (only the causal kinds) and
-  ``wg1x4`` (new with d = 64's forward in 64-row blocks, 4 an SM: ``CUFLASH_TILES``; d = 64 only);
+  ``wg1`` (new with the forward in 64-row blocks of one warpgroup, 4 an SM at d = 64 and 2 at
+  d = 128, through ``CUFLASH_TILES``: a tile shape for short lists, opt-in);
 - ``flex``: ``torch.compile``d FlexAttention with its own block mask (unless --no-flex).
 
 The switches are read at plan time; ``bench_attention.env`` clears the plan cache around each
@@ -42,12 +43,14 @@ ARMS = {
     "new": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None, **_OFF},
     "blocks": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": "0", **_OFF},
     "kinds": {"CUFLASH_FWD90_BMASK_BLOCKS": "1", "CUFLASH_BMASK_CAUSAL_KINDS": None, **_OFF},
-    # new, with fwd_sm90 at d = 64 in 64-row blocks of one warpgroup, 4 an SM (the same 16
+    # new, with fwd_sm90 in 64-row blocks of one warpgroup: at d = 64 4 an SM (the same 16
     # warps as 2 x 2, each warpgroup its own block: no shared barrier, 8192 blocks; K/V cross
-    # from L2 once per 64 query rows instead of 128): 126-128 registers, 0 spills, EVEN builds
-    # of the suite's mask_mods (d = 64 only: the override names bucket 64)
-    "wg1x4": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None,
-              "CUFLASH_TILES": "fwd_sm90:64=64:1:4"},
+    # from L2 once per 64 query rows instead of 128; 126-128 registers, 0 spills), at d = 128 2
+    # an SM (8 warps instead of one 192-row block's 12, but no block straddles two 512-row
+    # documents and no warpgroup idles through another's tiles; 150-163 registers, 0 spills;
+    # 3 would need 3 x 81 KB of shared memory). EVEN builds of the suite's mask_mods.
+    "wg1": {"CUFLASH_FWD90_BMASK_BLOCKS": None, "CUFLASH_BMASK_CAUSAL_KINDS": None,
+            "CUFLASH_TILES": "fwd_sm90:64=64:1:4;fwd_sm90:128=64:1:2"},
 }
 
 
@@ -89,7 +92,7 @@ def _warm(arms, ds, lengths, masks, modes, flex_warm=None) -> None:
         with bench_attention.env(**ARMS[arm]):
             with ThreadPoolExecutor(16) as pool:
                 futures = [pool.submit(one, d, L, n, m) for d in ds for L in lengths for n in masks
-                           for m in modes if arm != "wg1x4" or d == 64]
+                           for m in modes]
                 if i == 0 and flex_warm is not None:
                     try:
                         flex_warm()
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask as cbm
         compiled = compile_flex(torch)
-    arms = ["old", "new"] + (["blocks", "kinds", "wg1x4"] if a.arms else [])
+    arms = ["old", "new"] + (["blocks", "kinds", "wg1"] if a.arms else [])
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t_start = [], time.perf_counter()
     ds, lengths = [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")]
@@ -179,8 +182,6 @@ def main(argv=None) -> int:
                     flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
                     got = {}
                     for arm in arms:
-                        if arm == "wg1x4" and d != 64:
-                            continue
                         try:
                             with bench_attention.env(**ARMS[arm]):
                                 if mode == "fwd":
