@@ -3,11 +3,15 @@
 FlexAttention? (bench/NOTES.md "block masks at short lists (session 9) — prediction".)
 
     PYTHONPATH=. python bench/probes/bmask_short.py [--json out.json] [--d 64,128]
-        [--L 4096,16384] [--masks document,prefix] [--modes fwd,fwd_bwd] [--no-flex] [--arms]
+        [--L 4096,16384] [--masks document,prefix,awindow,plain] [--modes fwd,fwd_bwd]
+        [--no-flex] [--arms]
 
 One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d) and mask_mods
-(bench/suite_mods.py: 8 causal documents with ``causal=True``, prefix-LM without), its
-``cuflash.block_mask`` of 128 x 128, forward (``attention``) and fwd+bwd (``attention_vjp`` +
+(bench/suite_mods.py: 8 causal documents with ``causal=True``, prefix-LM without; ``window``
+the sliding window of 1024 as a block mask), each through its ``cuflash.block_mask`` of
+128 x 128; ``awindow`` the analytic ``window=(1024, 0)`` and ``plain`` causal attention (issue
+10's window target: awindow >= 0.85x plain causal on visible pairs; the session-9 switches do not
+touch them, the ``wg1`` arm does); forward (``attention``) and fwd+bwd (``attention_vjp`` +
 pullback), CUDA-event medians, TFLOP/s on visible pairs. Each point runs:
 
 - ``old``: ``CUFLASH_FWD90_BMASK_BLOCKS=1`` and ``CUFLASH_BMASK_CAUSAL_KINDS=0`` (session 8's
@@ -17,7 +21,8 @@ pullback), CUDA-event medians, TFLOP/s on visible pairs. Each point runs:
 - with ``--arms`` also ``blocks`` (only the 2 blocks), ``kinds`` (only the causal kinds) and
   ``wg1`` (new with the forward in 64-row blocks of one warpgroup, 4 an SM at d = 64 and 2 at
   d = 128, through ``CUFLASH_TILES``: a tile shape for short lists, opt-in);
-- ``flex``: ``torch.compile``d FlexAttention with its own block mask (unless --no-flex).
+- ``flex``: ``torch.compile``d FlexAttention with its own block mask (unless --no-flex; not for
+  ``plain``).
 
 The switches are read at plan time; ``bench_attention.env`` clears the plan cache around each
 arm. Prints one line per point (ms and TFLOP/s, new/old, new/flex) and writes
@@ -54,13 +59,34 @@ ARMS = {
 }
 
 
-def _fwd_kernel(mask_mod, causal, nbatch, L, d) -> str:
+def _spec(name, L, H):
+    """(the suite's Mod: visible pairs, cuflash's keywords, FlexAttention's mask_mod or None) of
+    one of the probe's masks: "document", "prefix", "window" (the suite's mask_mods through
+    ``cuflash.block_mask``), "awindow" (the analytic ``window=(1024, 0)``, causal: the suite's
+    window row, the issue's 0.85x-of-plain-causal target; Flex with the window's mask_mod),
+    "plain" (causal, no modifier: that target's baseline; no Flex)."""
+    import cuflash
+    import suite_mods
+    mods = suite_mods.mods_for(L, H)
+    if name == "awindow":
+        return mods["window"], {"window": (suite_mods.WINDOW, 0), "causal": True}, mods["window"].mask_mod
+    if name == "plain":
+        return mods["plain"], {"causal": True}, None
+    mod = mods[name]
+    bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
+    return mod, {"block_mask": bm, "causal": mod.mask_causal}, mod.mask_mod
+
+
+def _fwd_kernel(kw, nbatch, L, d) -> str:
     """The forward kernel the dispatcher picks for this point under the current switches."""
     from cuflash import _families, _trace, _trace_cuda
     from cuflash._variant import Variant
-    tr = _trace.trace_mask_mod(mask_mod)
-    v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
-                prelude=tr.source)
+    if "block_mask" in kw:
+        tr = _trace.trace_mask_mod(kw["block_mask"].mask_mod)
+        v = Variant(causal=kw["causal"], mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source)
+    else:
+        v = Variant(causal=kw["causal"], window="window" in kw)
     shape = _families.Shape("bfloat16", nbatch, L, L, d, d, v)
     expr = _families.choose("fwd", shape, _families.device_info(0)).expr
     return expr.split(", cuflash::Variant")[0]
@@ -81,8 +107,7 @@ def _warm(arms, ds, lengths, masks, modes, flex_warm=None) -> None:
     def one(d, L, name, mode):
         H = suite_mods.WIDTH // d      # the timed points' batch: the grid decides the tiles
         q, k, v = (_bf16_zeros((suite_mods.TOKENS // L, H, L, d)) for _ in range(3))
-        mod = suite_mods.mods_for(L, suite_mods.WIDTH // d)[name]
-        kw = {"block_mask": cuflash.block_mask(mod.mask_mod, (1, 1), L, L), "causal": mod.mask_causal}
+        kw = _spec(name, L, H)[1]
         if mode == "fwd":
             cuflash.attention(q, k, v, **kw)
         else:
@@ -118,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--L", default="4096,16384")
-    ap.add_argument("--masks", default="document,prefix")
+    ap.add_argument("--masks", default="document,prefix,awindow,plain",
+                    help="of document, prefix, window (block masks), awindow, plain")
     ap.add_argument("--modes", default="fwd,fwd_bwd")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--arms", action="store_true", help="also each switch alone")
@@ -148,7 +174,10 @@ def main(argv=None) -> int:
                 q, k, v = (torch.zeros((suite_mods.TOKENS // L, H, L, d), dtype=torch.bfloat16,
                                        device="cuda") for _ in range(3))
                 for name in masks:
-                    fbm = cbm(suite_mods.mods_for(L, H)[name].mask_mod, None, None, L, L, device="cuda")
+                    mask_mod = _spec(name, L, H)[2]
+                    if mask_mod is None:
+                        continue
+                    fbm = cbm(mask_mod, None, None, L, L, device="cuda")
                     for mode in modes:
                         if mode == "fwd":
                             with torch.no_grad():
@@ -171,13 +200,10 @@ def main(argv=None) -> int:
             rng = numpy.random.default_rng(L + d)
             q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
             do = cupy.ones_like(q)
-            mods = suite_mods.mods_for(L, H, torch)
             for name in masks:
-                mod = mods[name]
+                mod, kw, flex_mask = _spec(name, L, H)
                 pairs = suite_mods.visible_pairs(mod, L)
-                bm = cuflash.block_mask(mod.mask_mod, (1, 1), L, L)
-                kw = {"block_mask": bm, "causal": mod.mask_causal}
-                fbm = cbm(mod.mask_mod, None, None, L, L, device="cuda") if cbm else None
+                fbm = cbm(flex_mask, None, None, L, L, device="cuda") if cbm and flex_mask else None
                 for mode in modes:
                     flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
                     got = {}
@@ -189,14 +215,14 @@ def main(argv=None) -> int:
                                 else:
                                     fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
                                 ms = median_event_ms(fn, 1, 10, 2)
-                                fwd_kernel = _fwd_kernel(mod.mask_mod, mod.mask_causal, B * H, L, d)
+                                fwd_kernel = _fwd_kernel(kw, B * H, L, d)
                             got[arm] = ms
                             rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=ms,
                                              tflops=flops / ms / 1e9, fwd_kernel=fwd_kernel))
                         except Exception as exc:   # a failing arm is a row, not the end of the run
                             rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None,
                                              tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
-                    if compiled is not None:
+                    if compiled is not None and fbm is not None:
                         tq = [torch.from_dlpack(x) for x in (q, k, v)]
                         try:
                             if mode == "fwd":
