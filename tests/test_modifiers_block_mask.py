@@ -164,6 +164,24 @@ def _decode_lists(tl, batch):
     return fwd, bwd
 
 
+def _check_lists(tl, batch, slices, whole):
+    """The lists ``tl`` hold, per query tile, exactly the key tiles where some row slice's kind
+    (``slices``, sub-row tiles) is not empty, with those kinds, and per key tile exactly the
+    query tiles whose whole tile's kind (``whole``) is not empty, with it."""
+    fwd, bwd = _decode_lists(tl, batch)
+    ns = tl.m // tl.sub
+    for idx in numpy.ndindex(batch):
+        for a in range(tl.tq):
+            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
+                     for s in range(a * ns, (a + 1) * ns)]   # slices past Lq: empty
+            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
+                    if any(k[c] != EMPTY for k in kinds)]
+            assert fwd[idx][a] == want, (idx, a)
+        for c in range(tl.tk):
+            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
+            assert bwd[idx][c] == want, (idx, c)
+
+
 @given(st.sampled_from(range(len(MASK_MODS))), st.integers(1, 2), st.integers(1, 3),
        st.integers(0, 300), st.integers(0, 300), st.sampled_from([(16, 8), (33, 64), (128, 128)]),
        st.sampled_from([(64, 64, 64), (192, 64, 64), (128, 32, 16), (40, 24, 8), (64, 128, 64)]))
@@ -191,18 +209,7 @@ def test_tile_lists_match_brute_force(which, B, H, Lq, Lk, block, tiles):
     fm, fn = bmask.fine_block
     if sub % fm == 0 and n % fn == 0:                 # tiles of whole fine blocks: exact
         assert (slices == exact).all()
-    fwd, bwd = _decode_lists(tl, (B, H))
-    ns = m // sub
-    for idx in numpy.ndindex((B, H)):
-        for a in range(tl.tq):
-            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
-                     for s in range(a * ns, (a + 1) * ns)]   # slices past Lq: empty
-            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
-                    if any(k[c] != EMPTY for k in kinds)]
-            assert fwd[idx][a] == want, (idx, a)
-        for c in range(tl.tk):
-            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
-            assert bwd[idx][c] == want, (idx, c)
+    _check_lists(tl, (B, H), slices, whole)
     if which == 4:                                           # everything hidden: empty lists
         assert not tl.data[..., :tl.tq].any() and not tl.data[..., tl.bwd:tl.bwd + tl.tk].any()
 
@@ -268,19 +275,7 @@ def test_causal_tile_lists_classify_the_pairs_within_the_bound(which, B, H, Lq, 
     if sub % fm == 0 and n % fn == 0 and m % fm == 0:
         assert (slices[inside] == exact[inside]).all()
     whole = kernel_tile_kinds(bmask, m, n, off)
-    tl = tile_lists(bmask, m, n, sub, off)
-    fwd, bwd = _decode_lists(tl, (B, H))
-    ns = m // sub
-    for idx in numpy.ndindex((B, H)):
-        for a in range(tl.tq):
-            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
-                     for s in range(a * ns, (a + 1) * ns)]
-            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
-                    if any(k[c] != EMPTY for k in kinds)]
-            assert fwd[idx][a] == want, (idx, a)
-        for c in range(tl.tk):
-            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
-            assert bwd[idx][c] == want, (idx, c)
+    _check_lists(tile_lists(bmask, m, n, sub, off), (B, H), slices, whole)
 
 
 def test_causal_lists_make_a_causal_documents_mask_all_full():

@@ -179,12 +179,12 @@ def main(argv=None) -> int:
                         continue
                     fbm = cbm(mask_mod, None, None, L, L, device="cuda")
                     for mode in modes:
-                        if mode == "fwd":
+                        if mode == "fwd":       # (called as suite_mods._flex_point calls it)
                             with torch.no_grad():
-                                compiled(q, k, v, block_mask=fbm)
+                                compiled(q, k, v, score_mod=None, block_mask=fbm)
                         else:
                             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                            o = compiled(*leaves, block_mask=fbm)
+                            o = compiled(*leaves, score_mod=None, block_mask=fbm)
                             o.backward(torch.ones_like(o))
                 del q, k, v
         torch.cuda.synchronize()
@@ -203,7 +203,6 @@ def main(argv=None) -> int:
             for name in masks:
                 mod, kw, flex_mask = _spec(name, L, H)
                 pairs = suite_mods.visible_pairs(mod, L)
-                fbm = cbm(flex_mask, None, None, L, L, device="cuda") if cbm and flex_mask else None
                 for mode in modes:
                     flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
                     got = {}
@@ -222,25 +221,12 @@ def main(argv=None) -> int:
                         except Exception as exc:   # a failing arm is a row, not the end of the run
                             rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None,
                                              tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
-                    if compiled is not None and fbm is not None:
-                        tq = [torch.from_dlpack(x) for x in (q, k, v)]
-                        try:
-                            if mode == "fwd":
-                                with torch.no_grad():
-                                    ms = median_event_ms(lambda i: compiled(*tq, block_mask=fbm), 1, 10, 2)
-                            else:
-                                leaves = [x.detach().requires_grad_() for x in tq]
-
-                                def step(i):
-                                    o = compiled(*leaves, block_mask=fbm)
-                                    o.backward(torch.ones_like(o))
-                                ms = median_event_ms(step, 1, 10, 2)
-                            got["flex"] = ms
-                            rows.append(dict(impl="flex", mask=name, d=d, L=L, mode=mode, ms=ms,
-                                             tflops=flops / ms / 1e9))
-                        except Exception as exc:
-                            rows.append(dict(impl="flex", mask=name, d=d, L=L, mode=mode, ms=None,
-                                             tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                    if compiled is not None and flex_mask is not None:   # as suite_mods times it
+                        (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, mode, d, L, B, H,
+                                                        [(q, k, v)], None, flops)
+                        got["flex"] = row["ms"]
+                        rows.append(dict(impl="flex", mask=name, d=d, L=L, mode=mode, ms=row["ms"],
+                                         tflops=row["tflops"], **({"note": row["note"]} if "note" in row else {})))
 
                     def cell(x):
                         ms = got.get(x)
