@@ -42,6 +42,8 @@ import numpy
 from cuflash import _modifiers, _pipeline
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+#: a block of :func:`causal_fine` with no pair within the causal bound (never in a list)
+OUTSIDE = 3
 #: Most booleans evaluated at once (bounds the memory of the evaluation)
 _CHUNK = 1 << 24
 
@@ -226,13 +228,59 @@ LIST_SHIFT = 16
 MAX_SLICES = 8
 
 
-def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
+def causal_fine(bm: BlockMask, offset: int) -> numpy.ndarray:
+    """The fine grid's kinds of the pairs a causal bound leaves visible (key j for query i iff
+    j <= i + offset; the kernels apply that bound themselves whenever a tile crosses it): full
+    where the mask_mod keeps every such pair, empty where it keeps none, ``OUTSIDE`` where
+    there is none (a kernel tile's kind disregards those blocks: :func:`kernel_tile_kinds`).
+    A block wholly inside the bound keeps its kind; one wholly past it is OUTSIDE; one the bound
+    crosses and the fine grid calls partial is evaluated again, its pairs restricted to the
+    bound (the diagonal of a causal mask_mod, e.g. documents: full, so a kernel that is told
+    ``causal`` skips the mask_mod there). Kept with the block mask, per offset (session 9)."""
+    cache = bm.__dict__.setdefault("_causal_fine", {})
+    if offset in cache:
+        return cache[offset]
+    fine, (fm, fn) = bm.fine, bm.fine_block
+    R, C = fine.shape[-2:]
+    row_lo, col_lo = numpy.arange(R) * fm, numpy.arange(C) * fn
+    row_hi = numpy.minimum(row_lo + fm, bm.Lq) - 1
+    col_hi = numpy.minimum(col_lo + fn, bm.Lk) - 1
+    inside = col_hi[None, :] <= row_lo[:, None] + offset     # every pair within the bound
+    past = col_lo[None, :] > row_hi[:, None] + offset        # no pair within it
+    out = numpy.where(past, OUTSIDE, fine).astype(numpy.int8)
+    cross = ~inside & ~past                                  # per row: one contiguous run
+    b, h = _modifiers.batch_indices(bm.batch_shape)
+    b, h = b[..., None, None], h[..., None, None]
+    for r in numpy.flatnonzero(cross.any(axis=1)):
+        cs = numpy.flatnonzero(cross[r])
+        c0, c1 = int(cs[0]), int(cs[-1]) + 1
+        old = fine[..., r, c0:c1]
+        if not (old == PARTIAL).any():
+            continue
+        i0, i1, j0, j1 = int(row_lo[r]), int(row_hi[r]) + 1, int(col_lo[c0]), int(col_hi[c1 - 1]) + 1
+        qi, kj = numpy.arange(i0, i1)[:, None], numpy.arange(j0, j1)[None, :]
+        vis = _pipeline.call_mask_mod(bm.mask_mod, b, h, qi, kj, bm.batch_shape + (i1 - i0, j1 - j0))
+        bound = kj <= qi + offset
+        cols = numpy.arange(0, j1 - j0, fn)
+        full = numpy.logical_and.reduceat((vis | ~bound).all(axis=-2), cols, axis=-1)
+        some = numpy.logical_or.reduceat((vis & bound).any(axis=-2), cols, axis=-1)
+        out[..., r, c0:c1] = numpy.where(old == PARTIAL,
+                                         numpy.where(full, FULL, numpy.where(some, PARTIAL, EMPTY)), old)
+    out.flags.writeable = False
+    cache[offset] = out
+    return out
+
+
+def kernel_tile_kinds(bm: BlockMask, m: int, n: int, causal: int | None = None) -> numpy.ndarray:
     """The kind of every ``m x n`` kernel tile (:meth:`BlockMask.tile_kinds`) from the fine
     grid's blocks (the ``block`` grid's for a BlockMask without one): their non-empty and
     non-full blocks counted over each kernel tile's rectangle by 2-D prefix sums (a tile is
     empty iff it covers no non-empty block, full iff it covers no non-full one; exact, never
-    wrong, for any sizes)."""
+    wrong, for any sizes). ``causal``: the causal offset of a kernel that applies the causal
+    bound itself; the kinds are then those of the pairs within it (:func:`causal_fine`)."""
     kind, (Bm, Bn) = ((bm.fine, bm.fine_block) if bm.fine is not None else (bm.kind, bm.block))
+    if causal is not None and bm.fine is not None:
+        kind = causal_fine(bm, int(causal))
     Tq, Tk = -(-bm.Lq // m), -(-bm.Lk // n)
     a = numpy.arange(Tq)
     c = numpy.arange(Tk)
@@ -246,8 +294,9 @@ def kernel_tile_kinds(bm: BlockMask, m: int, n: int) -> numpy.ndarray:
         return P[..., R1, C1] - P[..., R0, C1] - P[..., R1, C0] + P[..., R0, C0]
 
     out = numpy.full(kind.shape[:-2] + (Tq, Tk), PARTIAL, numpy.int8)
-    out[rect(kind != FULL) == 0] = FULL
-    out[rect(kind != EMPTY) == 0] = EMPTY
+    inside = kind != OUTSIDE
+    out[rect((kind != FULL) & inside) == 0] = FULL
+    out[rect((kind != EMPTY) & inside) == 0] = EMPTY
     return out
 
 
@@ -293,9 +342,12 @@ class TileLists:
     data: numpy.ndarray
 
 
-def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
+def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None,
+               causal: int | None = None) -> TileLists:
     """The lists of ``m x n`` kernel tiles with ``sub``-row slices (``m`` by default; ``m`` a
-    multiple of ``sub``, at most 8 slices). See :class:`TileLists`."""
+    multiple of ``sub``, at most 8 slices). See :class:`TileLists`. ``causal``: the causal
+    offset of a kernel that bounds every row causally itself (its kinds: those of the pairs
+    within the bound, :func:`causal_fine`), or None."""
     sub = m if sub is None else sub
     if m % sub or m // sub > MAX_SLICES:
         raise ValueError(f"tile_lists: {m} rows in slices of {sub} (at most {MAX_SLICES})")
@@ -305,14 +357,14 @@ def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLis
                          f"than {1 << (31 - LIST_SHIFT)} a side")
     batch = bm.kind.shape[:-2]
     ns = m // sub
-    ks = kernel_tile_kinds(bm, sub, n).astype(numpy.int32)          # batch + (Ts, Tk)
+    ks = kernel_tile_kinds(bm, sub, n, causal).astype(numpy.int32)  # batch + (Ts, Tk)
     pad = Tq * ns - ks.shape[-2]
     ks = numpy.concatenate([ks, numpy.zeros(batch + (pad, Tk), numpy.int32)], axis=-2)
     ks = ks.reshape(batch + (Tq, ns, Tk))
     bits = (ks << (2 * numpy.arange(ns))[:, None]).sum(axis=-2)      # batch + (Tq, Tk)
     tiles_k = numpy.arange(Tk, dtype=numpy.int32) << LIST_SHIFT
     fc, fe = _compact(bits != 0, tiles_k + bits)
-    kt = kernel_tile_kinds(bm, m, n).astype(numpy.int32).swapaxes(-1, -2)   # batch + (Tk, Tq)
+    kt = kernel_tile_kinds(bm, m, n, causal).astype(numpy.int32).swapaxes(-1, -2)   # batch + (Tk, Tq)
     tiles_q = numpy.arange(Tq, dtype=numpy.int32) << LIST_SHIFT
     bc, be = _compact(kt != EMPTY, tiles_q + kt)
     parts = [fc, fe.reshape(batch + (Tq * (Tk + 2),)), bc, be.reshape(batch + (Tk * (Tq + 2),))]
@@ -321,25 +373,27 @@ def tile_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLis
     return TileLists(m=m, n=n, sub=sub, tq=Tq, tk=Tk, bwd=Tq + Tq * (Tk + 2), data=data)
 
 
-def host_lists(bm: BlockMask, m: int, n: int, sub: int | None = None) -> TileLists:
-    """:func:`tile_lists`, built once per (block mask, tile shape) and kept with the block mask."""
+def host_lists(bm: BlockMask, m: int, n: int, sub: int | None = None,
+               causal: int | None = None) -> TileLists:
+    """:func:`tile_lists`, built once per (block mask, tile shape, causal offset or None) and
+    kept with the block mask."""
     cache = bm.__dict__.setdefault("_tile_lists", {})
-    key = (m, n, m if sub is None else sub)
+    key = (m, n, m if sub is None else sub, causal)
     if key not in cache:
-        cache[key] = tile_lists(bm, m, n, sub)
+        cache[key] = tile_lists(bm, m, n, sub, causal)
     return cache[key]
 
 
 def device_lists(bm: BlockMask, batch_shape: tuple[int, ...], m: int, n: int,
-                 sub: int | None = None):
+                 sub: int | None = None, causal: int | None = None):
     """(:class:`TileLists`, its ``data`` on the current CUDA device broadcast to
     ``batch_shape + (size,)``): uploaded once per device and tile shape, kept with the block
     mask (what a plan's kernels read)."""
     import cupy
-    lists = host_lists(bm, m, n, sub)
+    lists = host_lists(bm, m, n, sub, causal)
     dev = cupy.cuda.runtime.getDevice()
     cache = bm.__dict__.setdefault("_device_lists", {})
-    key = (dev, lists.m, lists.n, lists.sub)
+    key = (dev, lists.m, lists.n, lists.sub, causal)
     if key not in cache:
         cache[key] = cupy.asarray(lists.data)
     d = cache[key]

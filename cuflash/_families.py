@@ -239,7 +239,39 @@ def _fwd_sm90_select(fam, shape, dev):
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
+    if t.min_blocks > 1 and shape.variant.score_path and (
+            not even or (shape.variant, even) in _KEPT_BLOCKS_SPILLED):
+        # (a block mask's kept blocks an SM, _traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK: the
+        # predicated build of the suite's causal window and prefix spills 24 bytes at 128
+        # registers, and a build the GPU found using local memory goes back to one block)
+        t = t.replace(min_blocks=1)
+        why.append("min_blocks=1: " + ("the predicated build spills at 2 blocks an SM" if not even
+                                       else "this mask_mod's build at 2 blocks an SM used local memory"))
     return t, {"even": even}, why
+
+
+#: (Variant, EVEN) of fwd_sm90 builds that kept 2 blocks an SM for a block mask and, compiled
+#: on the GPU, used local memory (a heavier user mask_mod: spills at the 128-register cap); the
+#: dispatcher gives them min_blocks 1 from then on (``kept_blocks_spilled``)
+_KEPT_BLOCKS_SPILLED: set = set()
+
+
+def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
+    """Whether ``choice`` is a fwd_sm90 build that kept the table's blocks an SM for a block
+    mask's mask_mod (``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``) and its kernel, compiled now
+    for ``device_id`` (memoised: the plan's own compile reuses it), uses local memory; then it
+    is recorded, and ``choose`` run again picks min_blocks 1 (0 spills: the suite's mask_mods
+    and most of the testing kit's compile without; a mask_mod dividing by a constant that is not
+    a power of two spilled 16-32 bytes, session 9)."""
+    t, v = choice.traits, shape.variant
+    if choice.family.name != "fwd_sm90" or t.min_blocks < 2 or not (v.block_mask and v.score_path):
+        return False
+    from . import _jit
+    kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
+    if not kernel.local_size_bytes:
+        return False
+    _KEPT_BLOCKS_SPILLED.add((v, bool(choice.flag.get("even"))))
+    return True
 
 
 def _fwd_sm90_instances(fam, arch):

@@ -98,6 +98,8 @@ class ForwardPlan:
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, mods=mods)
         self.choice = _families.choose("fwd", shape, dev)
+        if _families.kept_blocks_spilled(self.choice, shape, prob.device_id):   # 1 block an SM then
+            self.choice = _families.choose("fwd", shape, dev)
         if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
             self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         fam, t = self.choice.family, self.choice.traits

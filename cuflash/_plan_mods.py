@@ -10,6 +10,18 @@ import numpy
 from . import _launch
 
 
+def _causal_kinds() -> bool:
+    """``CUFLASH_BMASK_CAUSAL_KINDS`` (read at plan time; session 9): "1" (the default) builds a
+    causal call's block-mask lists from the kinds of the pairs within the causal bound (the
+    diagonal tiles of a causal mask_mod, e.g. documents, become full: no mask_mod there), "0"
+    from the mask_mod's kinds alone, as before; for an A/B in one process."""
+    import os
+    value = os.environ.get("CUFLASH_BMASK_CAUSAL_KINDS", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BMASK_CAUSAL_KINDS={value!r}: expected 0 or 1")
+    return value != "0"
+
+
 class ModifierPatch:
     """The modifiers of a plan (none of their arrays: a cached plan must not keep them alive):
     which arrays there are, ``Params.mod`` packing, and the pointer words patched on every
@@ -25,7 +37,10 @@ class ModifierPatch:
         self.has_bias = mods.bias is not None
         self.block_mask = mods.block_mask is not None
         self.block_word = (base + mp.MODIFIER_PARAMS.fields["block_list"][1]) // 8
-        self.list_tiles = None   # (m, n, sub) of the kernel's tiles: set_tiles
+        self.list_tiles = None   # (m, n, sub, causal) of the kernel's tiles: set_tiles
+        # the causal offset where the kernel bounds every row causally itself (the lists' kinds
+        # are then those of the pairs within the bound: _block_mask.causal_fine), else None
+        self.causal = prob.causal_offset if prob.causal and _causal_kinds() else None
         self.dbias_word = (base + mp.MODIFIER_PARAMS.fields["dbias"][1]) // 8
         # the captured arrays' pointer words (score_mod's slots first, then mask_mod's)
         cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
@@ -44,7 +59,7 @@ class ModifierPatch:
             sub = m // traits["warps"]
         else:
             sub = m
-        self.list_tiles = (m, n, sub)
+        self.list_tiles = (m, n, sub, self.causal)
 
     def _lists(self, mods):
         from ._block_mask import device_lists

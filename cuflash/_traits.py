@@ -308,6 +308,16 @@ FWD_SM90_FULL_WARPGROUPS = frozenset({"causal", "window", "softcap", "alibi_slop
 #: 36-96 bytes, so a mask_mod without a block mask keeps 2). A heavier user mask_mod may reach
 #: the cap and spill: correct, slower.
 FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slopes", "mask_mod"})
+#: ... and, with a block mask, the modifiers with which fwd_sm90 keeps its table's
+#: ``min_blocks`` (2 blocks an SM at d = 64, the 128-register cap of 2 warpgroups) instead of
+#: the 1 of other score-path Variants (session 9): a block mask's lists at L = 4k are short (a
+#: query block of 8 causal documents visits 2-8 key tiles), so a block's fixed cost (Q and the
+#: first K/V loaded with nothing to overlap them, the epilogue) is a large part of it, and a
+#: second block on the SM is what overlaps it. The mods suite's window, document and prefix
+#: mask_mods compile at 124-128 registers, 0 spills, causal or not (at min_blocks 1 the causal
+#: document build took 140 registers: one block of 8 warps an SM). Softcap or ALiBi beside a
+#: mask_mod keep 1 (more live registers a score). ``CUFLASH_FWD90_BMASK_BLOCKS=1`` restores 1.
+FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: ... and a dense bias, alone or with causal or the sink (session 8: d = 128 at 3 warpgroups,
 #: 168 registers, 0 spills, both EVEN builds; 2 warpgroups left the bias loads' latency
 #: with less of the other warpgroups' wgmma to hide behind). CUFLASH_FWD_BIAS_WARPGROUPS=2

@@ -205,10 +205,23 @@ def _bias_full_warpgroups() -> bool:
     return value != "2"
 
 
+def _bmask_keep_blocks() -> bool:
+    """``CUFLASH_FWD90_BMASK_BLOCKS`` (read at plan time; session 9): "table" (the default) lets
+    a block mask's mask_mod keep fwd_sm90's table ``min_blocks`` (2 at d = 64:
+    ``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``), "1" gives it 1 as before, for an A/B in one
+    process."""
+    import os
+    value = os.environ.get("CUFLASH_FWD90_BMASK_BLOCKS", "").strip()
+    if value not in ("", "table", "1"):
+        raise ValueError(f"CUFLASH_FWD90_BMASK_BLOCKS={value!r}: expected table or 1")
+    return value != "1"
+
+
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
-    thread); fwd_sm90 at most 2 warpgroups (unless every modifier is in
+    thread; a block mask's mask_mod in fwd_sm90 keeps the table's blocks an SM:
+    ``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``); fwd_sm90 at most 2 warpgroups (unless every modifier is in
     ``_traits.FWD_SM90_FULL_WARPGROUPS``: softcap, ALiBi and the sink keep 3, and a block
     mask's mask_mod with them: ``FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK``); a ``heavy`` one
     32-key tiles (fwd_sm80, fwd_sm90);
@@ -219,8 +232,13 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
         return t
     from . import _traits
     named = {}
-    if t.min_blocks > 1:
+    if t.min_blocks > 1 and not (
+            family == "fwd_sm90" and variant.block_mask
+            and variant.features <= _traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK and _bmask_keep_blocks()):
         named["min_blocks"] = 1
+    elif t.min_blocks > 1:
+        why.append(f"block mask ({variant.describe()}): min_blocks={t.min_blocks} kept, so a "
+                   "second block overlaps each block's fixed cost (short tile lists)")
     if family == "fwd_sm90" and t["warpgroups"] > 2 and not (
             variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS or (
                 variant.block_mask and variant.features <= _traits.FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK)

@@ -267,6 +267,12 @@ def compile_host_library(src: str, prefix: str, includes, what: str) -> Path:
 # The parameter block: cuflash's own packer (_launch.pack), pointers set to the host arrays
 # ---------------------------------------------------------------------------------------------
 
+def _causal_of(prob):
+    """The lists' causal offset as ``_plan_mods.ModifierPatch`` chooses it (its switch)."""
+    from cuflash._plan_mods import _causal_kinds
+    return prob.causal_offset if prob.causal and _causal_kinds() else None
+
+
 def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=None,
                 list_tiles=None, **buffers):
     """(cuflash::Params as a NumPy scalar, nbatch) for one launch over NumPy arrays: the strided
@@ -275,7 +281,7 @@ def pack_params(prob, strided: dict, *, num_m_blocks=0, num_n_blocks=0, mods=Non
     dpsum, dq_acc, dk_acc, dv_acc, dq_sem; None = 0). ``mods`` (a ``Modifiers`` record over
     NumPy arrays, slopes and sinks in float32) fills ``Params.mod`` as ``_plan`` does, with
     their arrays' batch strides from the same merged layout; a block mask's tile lists are
-    built for ``list_tiles`` = (m, n, sub), the kernel's tiles (``_plan_mods.set_tiles``)."""
+    built for ``list_tiles`` = (m, n, sub, causal offset or None), the kernel's tiles (``_plan_mods.set_tiles``)."""
     names = [n for n in _modifier_params.POINTER_FIELDS
              if mods is not None and getattr(mods, n) is not None]
     extra = [getattr(mods, n) for n in names]
@@ -379,7 +385,7 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
                        num_m_blocks=num_m_blocks, num_n_blocks=num_n_blocks,
                        lse=lse, dpsum=D, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
                        dq_sem=semaphore if deterministic else None, mods=mods,
-                       list_tiles=(tiles.block_m, tiles.block_n, tiles.block_m))
+                       list_tiles=(tiles.block_m, tiles.block_n, tiles.block_m, _causal_of(prob)))
     if dbias_acc is not None:
         p["mod"]["dbias"] = dbias_acc.ctypes.data
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
@@ -447,7 +453,7 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     num_m_blocks = -(-prob.Lq // block_m)
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
                             num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers),
-                            list_tiles=(block_m, block_n, block_m // (threads // 32)))
+                            list_tiles=(block_m, block_n, block_m // (threads // 32), _causal_of(prob)))
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v), watch=prob.k, eager=eager)
     return o, lse

@@ -12,6 +12,8 @@ GPU, runs through the same emulation first, as a check of the emulation itself.
 
 from __future__ import annotations
 
+import types
+
 import ml_dtypes
 import numpy
 import pytest
@@ -383,8 +385,13 @@ def _tiles_visited(bmask, batch_shape, Lq, Lk, bm, bn, causal_offset, keys):
     tile); else the backward's Q rows per (key tile, query tile)), with causal's analytic
     range (causal_offset None: no causal) and the block mask's map; and the same without
     the map (what the kernels loaded before)."""
+    from cuflash._block_mask import kernel_tile_kinds
     Tq, Tk = -(-Lq // bm), -(-Lk // bn)
-    seen = numpy.broadcast_to(bmask.tile_kinds(bm, bn) != 0, batch_shape + (Tq, Tk))
+    # (a causal call's lists: the kinds of the pairs within the bound, as the plan builds them)
+    lists_causal = emu._causal_of(types.SimpleNamespace(causal=causal_offset is not None,
+                                                        causal_offset=causal_offset))
+    seen = numpy.broadcast_to(kernel_tile_kinds(bmask, bm, bn, lists_causal) != 0,
+                              batch_shape + (Tq, Tk))
     seen = seen.reshape(-1, Tq, Tk)
     visited = total = 0
     for a in range(Tq):

@@ -164,6 +164,24 @@ def _decode_lists(tl, batch):
     return fwd, bwd
 
 
+def _check_lists(tl, batch, slices, whole):
+    """The lists ``tl`` hold, per query tile, exactly the key tiles where some row slice's kind
+    (``slices``, sub-row tiles) is not empty, with those kinds, and per key tile exactly the
+    query tiles whose whole tile's kind (``whole``) is not empty, with it."""
+    fwd, bwd = _decode_lists(tl, batch)
+    ns = tl.m // tl.sub
+    for idx in numpy.ndindex(batch):
+        for a in range(tl.tq):
+            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
+                     for s in range(a * ns, (a + 1) * ns)]   # slices past Lq: empty
+            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
+                    if any(k[c] != EMPTY for k in kinds)]
+            assert fwd[idx][a] == want, (idx, a)
+        for c in range(tl.tk):
+            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
+            assert bwd[idx][c] == want, (idx, c)
+
+
 @given(st.sampled_from(range(len(MASK_MODS))), st.integers(1, 2), st.integers(1, 3),
        st.integers(0, 300), st.integers(0, 300), st.sampled_from([(16, 8), (33, 64), (128, 128)]),
        st.sampled_from([(64, 64, 64), (192, 64, 64), (128, 32, 16), (40, 24, 8), (64, 128, 64)]))
@@ -191,18 +209,7 @@ def test_tile_lists_match_brute_force(which, B, H, Lq, Lk, block, tiles):
     fm, fn = bmask.fine_block
     if sub % fm == 0 and n % fn == 0:                 # tiles of whole fine blocks: exact
         assert (slices == exact).all()
-    fwd, bwd = _decode_lists(tl, (B, H))
-    ns = m // sub
-    for idx in numpy.ndindex((B, H)):
-        for a in range(tl.tq):
-            kinds = [slices[idx][s] if s < slices.shape[-2] else numpy.zeros(tl.tk, int)
-                     for s in range(a * ns, (a + 1) * ns)]   # slices past Lq: empty
-            want = [(c, [int(k[c]) for k in kinds]) for c in range(tl.tk)
-                    if any(k[c] != EMPTY for k in kinds)]
-            assert fwd[idx][a] == want, (idx, a)
-        for c in range(tl.tk):
-            want = [(a, int(whole[idx][a, c])) for a in range(tl.tq) if whole[idx][a, c] != EMPTY]
-            assert bwd[idx][c] == want, (idx, c)
+    _check_lists(tl, (B, H), slices, whole)
     if which == 4:                                           # everything hidden: empty lists
         assert not tl.data[..., :tl.tq].any() and not tl.data[..., tl.bwd:tl.bwd + tl.tk].any()
 
@@ -217,3 +224,113 @@ def test_tile_lists_are_built_once_per_tile_shape_and_checked():
         tile_lists(bmask, 192, 64, 50)
     with pytest.raises(ValueError, match="slices"):
         tile_lists(bmask, 16 * 9, 64, 16)
+
+
+def brute_causal_kinds(mm, batch, Lq, Lk, m, n, offset):
+    """The kinds of the pairs within the causal bound j <= i + offset, tile by tile: full where
+    the mask_mod keeps every such pair, empty where it keeps none or there is none; and
+    whether the tile holds a pair within the bound."""
+    from _naive_modifiers import batch_index_arrays
+    b, h = batch_index_arrays(batch)
+    i, j = numpy.arange(Lq)[:, None], numpy.arange(Lk)[None, :]
+    vis = numpy.broadcast_to(mm(b, h, i, j), batch + (Lq, Lk))
+    bound = numpy.broadcast_to(j <= i + offset, batch + (Lq, Lk))
+    Tq, Tk = -(-Lq // m), -(-Lk // n)
+    out = numpy.empty(batch + (Tq, Tk), numpy.int8)
+    inside = numpy.empty(batch + (Tq, Tk), bool)
+    for a in range(Tq):
+        for c in range(Tk):
+            t = vis[..., a * m:(a + 1) * m, c * n:(c + 1) * n]
+            w = bound[..., a * m:(a + 1) * m, c * n:(c + 1) * n]
+            some = (t & w).any(axis=(-2, -1))
+            inside[..., a, c] = w.any(axis=(-2, -1))
+            out[..., a, c] = numpy.where(some & (t | ~w).all(axis=(-2, -1)), FULL,
+                                         numpy.where(some, PARTIAL, EMPTY))
+    return out, inside
+
+
+@given(st.sampled_from(range(len(MASK_MODS))), st.integers(1, 2), st.integers(1, 2),
+       st.integers(0, 260), st.integers(0, 260), st.sampled_from([(16, 8), (33, 64), (128, 128)]),
+       st.sampled_from([(64, 64, 64), (192, 64, 64), (128, 32, 16), (40, 24, 8), (64, 128, 64)]))
+def test_causal_tile_lists_classify_the_pairs_within_the_bound(which, B, H, Lq, Lk, block, tiles):
+    """Session 9: a causal call's lists (``causal`` = its offset Lk - Lq) classify each tile on
+    the pairs within the causal bound only (the kernels bound every crossing tile themselves):
+    never empty or full where those pairs are not, exact on tiles of whole fine blocks, and
+    never less precise than the mask_mod's own kinds; the lists hold exactly the tiles with
+    such a pair kept (the backward's transpose the same)."""
+    from cuflash._block_mask import kernel_tile_kinds, tile_lists
+    mm = MASK_MODS[which]
+    m, n, sub = tiles
+    off = Lk - Lq
+    bmask = block_mask(mm, (B, H), Lq, Lk, block=block)
+    slices = kernel_tile_kinds(bmask, sub, n, off)
+    exact, inside = brute_causal_kinds(mm, (B, H), Lq, Lk, sub, n, off)
+    # (a tile with no pair within the bound may be called anything: the kernel masks it all)
+    assert ((slices == EMPTY) & inside <= (exact == EMPTY)).all()
+    assert ((slices == FULL) & inside <= (exact == FULL)).all()
+    plain = kernel_tile_kinds(bmask, sub, n)
+    assert ((plain == FULL) & inside <= (slices == FULL)).all()
+    assert ((plain == EMPTY) & inside <= (slices == EMPTY)).all()
+    fm, fn = bmask.fine_block
+    if sub % fm == 0 and n % fn == 0 and m % fm == 0:
+        assert (slices[inside] == exact[inside]).all()
+    whole = kernel_tile_kinds(bmask, m, n, off)
+    _check_lists(tile_lists(bmask, m, n, sub, off), (B, H), slices, whole)
+
+
+def test_causal_lists_make_a_causal_documents_mask_all_full():
+    """The suite's 8 causal documents at 4k (boundaries every 512 rows): on fwd_sm90's tiles
+    (128 x 64, 64-row slices) and bwd_sm90's (64 x 128) no tile is partial once the causal
+    bound is the kernel's; the mask_mod's own kinds leave the 64 diagonal slices partial.
+    The lists are kept per causal offset."""
+    from cuflash._block_mask import host_lists, kernel_tile_kinds
+    L = 4096
+    bmask = block_mask(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv), (1, 1), L, L)
+    assert (kernel_tile_kinds(bmask, 64, 64) == PARTIAL).sum() == 64
+    for m, n in ((64, 64), (64, 128), (128, 64)):
+        assert not (kernel_tile_kinds(bmask, m, n, 0) == PARTIAL).any()
+    a = host_lists(bmask, 128, 64, 64, 0)
+    assert host_lists(bmask, 128, 64, 64, 0) is a and host_lists(bmask, 128, 64, 64) is not a
+    assert (a.data[..., :a.tq] == host_lists(bmask, 128, 64, 64).data[..., :a.tq]).all()
+
+
+def test_fwd_sm90_keeps_two_blocks_an_sm_for_a_block_mask_at_d64(monkeypatch):
+    """Session 9: at d = 64 a block mask's mask_mod alone (with causal or not) keeps fwd_sm90's
+    table min_blocks (2: the 128-register cap) in the EVEN build; the predicated build, softcap
+    beside it, ``CUFLASH_FWD90_BMASK_BLOCKS=1`` and a build the GPU found using local memory
+    (``kept_blocks_spilled``, which records it) take 1, as before."""
+    from cuflash import _families, _jit, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv))
+    dev = _families.PROFILES["h200"]
+
+    def choice(L=4096, causal=True, **more):
+        v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source, **more)
+        shape = _families.Shape("bfloat16", 128, L, L, 64, 64, v)
+        return _families.choose("fwd", shape, dev), shape
+
+    c, shape = choice()
+    assert c.family.name == "fwd_sm90" and c.traits.min_blocks == 2 and c.flag["even"]
+    assert choice(causal=False)[0].traits.min_blocks == 2
+    assert choice(L=4000)[0].traits.min_blocks == 1
+    assert choice(softcap=True)[0].traits.min_blocks == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_BLOCKS", "1")
+    assert choice()[0].traits.min_blocks == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_BLOCKS", "2")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_BLOCKS"):
+        choice()
+    monkeypatch.delenv("CUFLASH_FWD90_BMASK_BLOCKS")
+    kernels = []
+
+    class Kernel:
+        local_size_bytes = 0
+
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: kernels.append(a) or Kernel)
+    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", set())
+    assert not _families.kept_blocks_spilled(c, shape, 0) and kernels[-1][1] == c.expr
+    Kernel.local_size_bytes = 16
+    assert _families.kept_blocks_spilled(c, shape, 0)
+    again = choice()[0]
+    assert again.traits.min_blocks == 1 and not _families.kept_blocks_spilled(again, shape, 0)
+    assert len(kernels) == 2        # a build at 1 block an SM is not checked
