@@ -235,14 +235,22 @@ def main(argv=None) -> int:
                     r_flex = got["flex"] / got["new"] if got.get("flex") and got.get("new") else 0
                     print(f"{name:9} {d:4} {L:6} {mode:8} " + " ".join(cell(x) for x in arms + ["flex"])
                           + f"  {r_old:7.2f} {r_flex:8.2f}", flush=True)
+                    dump(a.json, arms, rows, complete=False)
             del q, k, v, do
             cupy.get_default_memory_pool().free_all_blocks()
     print(f"# {time.perf_counter() - t_start:.0f} s", flush=True)
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps({"meta": {"probe": "bmask_short", "dtype": "bfloat16",
-                                                             "arms": {k: ARMS[k] for k in arms}},
-                                                    "rows": rows}, indent=1))
+    dump(a.json, arms, rows, complete=True)
     return 0
+
+
+def dump(path, arms, rows, complete: bool) -> None:
+    """--json's file, rewritten after every point: a run cut by the device's time limit keeps
+    the points it finished (``meta.complete`` false)."""
+    if path:
+        pathlib.Path(path).write_text(json.dumps({"meta": {"probe": "bmask_short", "dtype": "bfloat16",
+                                                           "arms": {k: ARMS[k] for k in arms},
+                                                           "complete": complete},
+                                                  "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
