@@ -40,9 +40,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first
 // share of P where the special-function unit is the bottleneck: the softcap's tanh.approx
 // takes it once more a score). Cody-Waite: x = j + f, j = round(x) from the 1.5 2^23 shift
 // (t's low mantissa bits hold j, exactly: |x| <= 126 < 2^22), f = x - j in [-1/2, 1/2] exactly;
-// 2^f by a degree-3 fit of the relative error (max 7.5e-5 = 2^-13.7, a quarter of bfloat16's
-// rounding of P); 2^j by adding j to the exponent field: t << 23 is j << 23 mod 2^32 (t's high
-// bits 0x4B400000 shift out). ~9 FMA-pipe / ALU instructions for one MUFU.EX2.
+// 2^f by a degree-5 fit of the relative error (max 2.2e-7 = 2^-22 evaluated in float32, as
+// accurate as ex2.approx); 2^j by adding j to the exponent field: t << 23 is j << 23 mod 2^32
+// (t's high bits 0x4B400000 shift out). ~11 FMA-pipe / ALU instructions for one MUFU.EX2.
+// Why degree 5: P is rounded to 16 bits for the P V product, but the row sum l (so lse = m +
+// log l) adds the float32 P. Session 8's degree-3 fit (7.5e-5) put lse 2.4e-5 off in a row with
+// two visible keys, ten times the kit's bound (session 9's campaign, pinned in
+// tests/test_gpu_modifiers.py); degree 4 (2.7e-6) would still be at that bound's floor.
 // Numerics: x < -126 (x = -inf: a masked score) gives exactly 0 by the final select, as
 // ex2.approx.ftz flushes there (the intermediates are garbage or NaN then, never used): a row
 // with no visible key keeps l = 0, so o = 0 and lse = -inf; x slightly above 0 (the max's
@@ -50,7 +54,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first
 __device__ __forceinline__ float ex2_poly(float x) {
   const float t = x + 12582912.f;
   const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0551716648f, f, 0.242611125f), f, 0.693260968f), f, 0.999928057f);
+  const float p = fmaf(fmaf(fmaf(fmaf(fmaf(0.00132763083f, f, 0.00967548508f), f, 0.0555071309f), f,
+                                  0.240221202f), f, 0.693146944f), f, 1.00000012f);
   const float r = __int_as_float(static_cast<int>(__float_as_uint(p) + (__float_as_uint(t) << 23)));
   return x >= -126.f ? r : 0.f;
 }

@@ -27,7 +27,8 @@ batch row's actual keys evenly among the splits, so short rows still use every s
 A/B switches of decode_sm80, read when a plan is built (``cuflash/_inference_grid.py``):
 ``CUFLASH_DECODE_STREAM`` (the stream grid: by default where the groups fill every resident slot
 and a block's share is long, "0" nowhere, "1" / "all" opt-in), ``CUFLASH_DECODE_STAGES`` (the
-deep cp.async ring of grids of at most one block an SM: by default; "3" session 8's ring),
+deep cp.async ring of grids of at most one block an SM: opt-in, "auto"; unset or "3" session 8's
+ring),
 ``CUFLASH_DECODE_L2`` (L2 hints on the K/V copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the
 fused merge of session 7, two or three L2 round trips instead of one).
 """

@@ -45,12 +45,15 @@ def stream_mode() -> str:
 
 def stages_mode() -> int:
     """CUFLASH_DECODE_STAGES: decode_sm80's cp.async ring depth for grids of at most one block
-    an SM (decode_mma.cu's STAGES; head-dim bucket 128): unset or "auto" the deepest of
-    _traits.DECODE_SM80_DEEP_STAGES that fits the device's shared memory (returns 0); "3"
-    session 8's ring everywhere; "4" .. "8" that depth where it fits (A/B runs; the gate
-    compiles 4 and 5)."""
+    an SM (decode_mma.cu's STAGES; head-dim bucket 128): unset or "3" session 8's ring
+    everywhere (the default: session 9's H200 run, bench/NOTES.md, measured the deep ring 4%
+    slower at B = 1, 32/8, Lk 64k and 128k, and within 0.6% at B = 8); "auto" the deepest of
+    _traits.DECODE_SM80_DEEP_STAGES that fits the device's shared memory (returns 0); "4" ..
+    "8" that depth where it fits (A/B runs; the gate compiles 4 and 5)."""
     value = os.environ.get("CUFLASH_DECODE_STAGES", "").strip().lower()
-    if value in ("", "auto"):
+    if value == "":
+        return 3
+    if value == "auto":
         return 0
     if value not in tuple(str(i) for i in range(3, 9)):
         raise ValueError(f"CUFLASH_DECODE_STAGES={value!r}: expected auto or 3..8")

@@ -336,15 +336,15 @@ def test_emulated_stream_grid_matches_reference_and_is_reproducible(lib, case, n
     dev = _families.DeviceInfo(90, num_sms, 232448, f"emulated, {num_sms} SMs")
     seqlens = [0, 333, case[5] - case[8]]
     counters, outs = None, []
-    # one block an SM (4, 5, 13 SMs): the deep ring (5 stages) by default; two (2 SMs): 3;
-    # the first and the last run also with 3 stages (CUFLASH_DECODE_STAGES=3): bitwise equal
-    for order, stages in ((0, "3"), (0, ""), (1, ""), (7, ""), (7, "3")):
+    # one block an SM (4, 5, 13 SMs): the deep ring (5 stages) with CUFLASH_DECODE_STAGES=auto;
+    # two (2 SMs): 3; the first and the last run with 3 stages (the default): bitwise equal
+    for order, stages in ((0, "3"), (0, "auto"), (1, "auto"), (7, "auto"), (7, "")):
         monkeypatch.setenv("CUFLASH_DECODE_STAGES", stages)
         c = _call(case, seqlens=seqlens)
         spec = _inference_gpu.spec_or_reason(c, dev)
         assert not isinstance(spec, str), spec
         assert spec.stream == num_sms * (2 if num_sms == 2 else 1), spec.explain()
-        deep = num_sms > 2 and not stages
+        deep = num_sms > 2 and stages == "auto"
         assert spec.stages == (5 if deep else 3)
         assert spec.split[1].endswith(", true, true, 5>" if deep else ", true, true>")
         assert spec.split[2] == spec.stream
@@ -371,17 +371,18 @@ def test_emulated_deep_ring_equals_three_stages_bitwise(lib, case, smem, stages,
     operations in the same order as the 3-stage ring: bitwise its output and lse (blocks in
     order and shuffled, the fused merge's counters left at 0), within the reference's
     tolerance, and K/V read only inside the cache (every cp.async source is checked); batch
-    row 0 has a split tail of 5 keys, row 1 no key where nothing is appended. CUFLASH_DECODE_STAGES=3 turns it off, a depth forces it,
+    row 0 has a split tail of 5 keys, row 1 no key where nothing is appended. Off by default
+    (3 stages), CUFLASH_DECODE_STAGES=auto turns it on, a depth forces it,
     a bad value names the variable."""
     dev = _families.DeviceInfo(90, 64, smem, "emulated, 64 SMs")
     seqlens = [5 + case[5] // 2, 0, case[5] - case[8]]
     outs, counters = {}, None
-    for env, order in (("3", 0), ("", 0), ("", 7), (str(stages), 1)):
+    for env, order in (("", 0), ("auto", 0), ("auto", 7), (str(stages), 1)):
         monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
         c = _call(case, seqlens=seqlens)
         spec = _inference_gpu.spec_or_reason(c, dev)
         assert not isinstance(spec, str), spec
-        want = 3 if env == "3" else stages
+        want = 3 if env == "" else stages
         assert spec.stages == want and spec.stream == 0, spec.explain()
         assert spec.split[1].endswith(f", false, {want}>" if want > 3 else
                                       (", true>" if case[-1] > 1 else ", false>"))
@@ -392,7 +393,7 @@ def test_emulated_deep_ring_equals_three_stages_bitwise(lib, case, smem, stages,
             counters = numpy.zeros(spec.groups, numpy.uint32)
         outs[env, order] = _emu_decode.run_spec(lib, spec, c, order=order,
                                                 counters=counters if spec.fuse else None)
-    o0, l0 = outs["3", 0]
+    o0, l0 = outs["", 0]
     for o, lse in outs.values():
         assert numpy.array_equal(o.view(numpy.uint16), o0.view(numpy.uint16))
         assert numpy.array_equal(lse, l0)

@@ -83,12 +83,16 @@ def test_stream_grid_choices_on_an_h200(monkeypatch):
 
 
 def test_deep_ring_choices(monkeypatch):
-    """decode_sm80's ring depth (_inference_grid.deep_stages): 3 unless the grid is at most one
+    """decode_sm80's ring depth (_inference_grid.deep_stages): 3 by default; with
+    CUFLASH_DECODE_STAGES=auto 3 unless the grid is at most one
     block an SM at head-dim bucket 128; there the deepest of (5, 4) whose shared memory fits
     (an H200: 5, 164 KB; an A100's 163 KB: 4, 132 KB); CUFLASH_DECODE_STAGES=3 never, a forced
     depth only where it fits; a bad value names the variable."""
     monkeypatch.delenv("CUFLASH_DECODE_STAGES", raising=False)
     deep = _inference_grid.deep_stages
+    assert _inference_grid.stages_mode() == 3       # off by default (session 9's H200 run)
+    assert deep(100, 132, 128, 232448) == 3
+    monkeypatch.setenv("CUFLASH_DECODE_STAGES", "auto")
     assert _inference_grid.stages_mode() == 0
     assert [deep(n, 132, 128, 232448) for n in (0, 1, 120, 128, 132, 133, 264)] == [
         3, 5, 5, 5, 5, 3, 3]
@@ -176,8 +180,8 @@ def test_ab_switches_make_the_prelude(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [0, 16])
 def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
-    """decode_sm80's deep cp.async ring (the default for grids of at most one block an SM:
-    CUFLASH_DECODE_STAGES unset) against session 8's 3 stages (CUFLASH_DECODE_STAGES=3): the
+    """decode_sm80's deep cp.async ring (grids of at most one block an SM:
+    CUFLASH_DECODE_STAGES=auto) against session 8's 3 stages (the default): the
     same operations in the same order, so bitwise the same output and lse, with 1, 2 and 3
     splits (the fused merge), call after call and on two streams; batch row 2 empty; within
     the reference's tolerance."""
@@ -189,7 +193,7 @@ def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
     host, dev, kw = _gpu_call(case, seqlens=[8192, 5001, 0, 77], B=4)
     results, deep = {}, set()
     try:
-        for env in ("3", ""):
+        for env in ("3", "auto"):
             monkeypatch.setenv("CUFLASH_DECODE_STAGES", env)
             _api.clear_plans()
             for n in (1, 2, 3):
@@ -197,7 +201,7 @@ def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
                 c = _inference.check_kvcache(*dev[:5], None, None, n, None, False, True)
                 spec = _inference_gpu.spec_or_reason(c)
                 assert not isinstance(spec, str), spec
-                assert spec.stages == 3 or env == ""
+                assert spec.stages == 3 or env == "auto"
                 if spec.stages > 3:
                     deep.add(n)
                     assert spec.split[1].endswith(f", false, {spec.stages}>"), spec.explain()
@@ -209,10 +213,10 @@ def test_deep_ring_equals_three_stages_bitwise(page_size, monkeypatch):
     if not deep:
         pytest.skip("this GPU runs these grids (32 to 96 blocks) with more than one block an SM")
     for n in (1, 2, 3):
-        (o0, l0), (o1, l1) = results["3", n], results["", n]
+        (o0, l0), (o1, l1) = results["3", n], results["auto", n]
         assert numpy.array_equal(o0.view(numpy.uint16), o1.view(numpy.uint16)), n
         assert numpy.array_equal(l0, l1), n
-    o, lse = results["", 3]
+    o, lse = results["auto", 3]
     assert (o[2] == 0).all() and numpy.isneginf(lse[2]).all()
     _check_rows(*_without_row(host, o, lse, 2, page_size), 0, False, page_size or 16)
 

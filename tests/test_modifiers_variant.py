@@ -608,3 +608,26 @@ MODIFIER_FIELDS_COMPARED = ("bias_batch_stride", "mask_batch_stride", "slope_bat
                             "sink_batch_stride", "bias_row", "bias_col", "mask_row", "mask_col",
                             "softcap", "inv_softcap", "window_left", "window_right", "diag",
                             "heads", "batch_base", "mask_mod_captured_base")
+
+
+def test_ex2_poly_is_as_accurate_as_ex2_approx():
+    """online_softmax.cuh's ex2_poly (2^x on the FMA pipe, for a share of the softcap's softmax
+    exponentials): its coefficients, read from the source and evaluated in float32 by Horner's
+    rule, keep the relative error of 2^f on [-1/2, 1/2] under 2.5e-7. The row sum l, so lse,
+    carries it unrounded (session 9's campaign found lse 10x off its bound with the degree-3
+    fit's 7.5e-5)."""
+    import pathlib
+    import re
+    src = (pathlib.Path(__file__).parent.parent / "cuda_src" / "online_softmax.cuh").read_text()
+    body = src[src.index("float ex2_poly(float x)"):]
+    body = body[:body.index("return")]
+    line = body[body.index("const float p"):body.index(";", body.index("const float p"))]
+    coeffs = [float(c) for c in re.findall(r"([0-9]*\.[0-9]+)f", line)]
+    assert len(coeffs) == 6, f"expected a degree-5 fit, read {coeffs} from {line!r}"
+    # fmaf(fmaf(c5, f, c4), f, c3) ...: the first literal is the highest power
+    f = numpy.linspace(-0.5, 0.5, 100001).astype(numpy.float32)
+    p = numpy.full_like(f, numpy.float32(coeffs[0]))
+    for c in coeffs[1:]:
+        p = (p.astype(numpy.float64) * f + numpy.float32(c)).astype(numpy.float32)
+    err = numpy.abs(p.astype(numpy.float64) / numpy.exp2(f.astype(numpy.float64)) - 1).max()
+    assert err < 2.5e-7, f"ex2_poly's relative error {err:.3g} (coefficients {coeffs})"
