@@ -46,7 +46,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first
 // Why degree 5: P is rounded to 16 bits for the P V product, but the row sum l (so lse = m +
 // log l) adds the float32 P. Session 8's degree-3 fit (7.5e-5) put lse 2.4e-5 off in a row with
 // two visible keys, ten times the kit's bound (session 9's campaign, pinned in
-// tests/test_gpu_modifiers.py); degree 4 (2.7e-6) would still be at that bound's floor.
+// tests/test_testing.py's CAMPAIGN_FAILURES); degree 4 (2.7e-6) would still be at that bound's
+// floor.
 // Numerics: x < -126 (x = -inf: a masked score) gives exactly 0 by the final select, as
 // ex2.approx.ftz flushes there (the intermediates are garbage or NaN then, never used): a row
 // with no visible key keeps l = 0, so o = 0 and lse = -inf; x slightly above 0 (the max's

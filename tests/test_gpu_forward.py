@@ -66,6 +66,16 @@ def check_case(case, out_layout="c"):
 @given(attention_cases(min_seqlen=0, max_seqlen=257), st.sampled_from(["c", "transposed", "strided"]))
 @example(AttentionCase.make("float16", (2, 113, 111), (2, 203, 111), (2, 203, 111), seed=1,
                             causal=True), "c").via("ragged tensor-core case: 113 x 203, d = 111")
+@example(AttentionCase.make(
+    "bfloat16", (3, 3, 160), (1, 3, 128, 160), (128, 160), seed=30888,
+    layouts=("strided", "strided", "c", "reversed"), expanded=((0,), (1,), ()), logit_scale=0.1,
+    value_scale=0.01, scale=None, causal="bottom_right", window=(87, None), softcap=50.0,
+    alibi_slopes={"shape": (1, 3), "expanded": (), "scale": 1.0, "dtype": "float32"},
+    bias={"shape": (1, 3, 3, 128), "expanded": (), "layout": "transposed", "scale": 10.0,
+          "hide": 1.0, "dtype": "float32"},
+    mask={"shape": (1, 1, 1, 128), "expanded": (), "layout": "reversed", "keep": 0.5},
+    score_mod="tanh_cap", mask_mod="dilated", block_mask={"mask_mod": "dilated", "block": (1, 7)}),
+    "c").via("session 9's campaign: lse off by ex2_poly's degree-3 fit (test_testing.CAMPAIGN_FAILURES)")
 def test_matches_reference(case, out_layout):
     import cupy
     target(check_case(case.with_xp(cupy), out_layout))
