@@ -36,7 +36,11 @@ speed, which with the header's ``cpu_model`` / ``cpu_mhz_mean`` makes host times
 machines comparable. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
 "us_per_call", ...}`` and the header of bench/bench_attention.py) and prints a table.
 ``--profile`` also prints the 25 functions with the most own time in cuflash's forward call,
-and in its backward call.
+and in its backward call. ``--parts`` also times the pieces of the backward's fast path on its
+own cached plan, each alone (rows ``bwd_part_*``: the key of six layouts, the device check, the
+stream, the patch and two launches, each raw launch, the three arrays of the result, and the
+plan's ``run``), and the forward's raw launch (``fwd_part_launch``), to say where the
+backward's host time goes (issue 9: <= 25 us).
 """
 from __future__ import annotations
 
@@ -261,6 +265,63 @@ def build(q, k, v) -> dict[str, Callable[[], Any]]:
     return fns
 
 
+def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
+    """The pieces of ``attention_backward``'s fast path, each callable alone, on the plan that
+    a first call caches (``--parts``). The launches get buffers held here, so each piece can
+    run any number of times: the main kernel alone is safe (its dQ counters only count; no
+    block waits on them)."""
+    import cupy as cp
+    import cuflash
+    from cuflash import _api, _fast, _plan
+    from cupy.cuda import driver
+    o, lse = cuflash.attention(q, k, v, return_lse=True)
+    do = cp.asarray(cp.random.RandomState(2).standard_normal(o.shape, dtype=cp.float32)
+                    .astype(o.dtype))
+    cuflash.attention_backward(do, q, k, v, o, lse)
+    fast = next(f for f in _api._BWD_PLANS._d.values() if isinstance(f, _fast.FastBackward))
+    plan = fast.plan
+    fwd = next(f for f in _api._FWD_PLANS._d.values() if isinstance(f, _fast.FastForward)).plan
+    stream = cp.cuda.get_current_stream().ptr
+    held = cp.cuda.alloc(fast.nbytes)
+    ws = cp.cuda.alloc(plan.workspace)
+    base, (_, ok, ov) = held.ptr, fast.offsets
+    dpsum, dq_acc, dq_sem = plan._ws_words
+    words = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr,
+             ws.ptr + dpsum, ws.ptr + dq_acc, base + ok, base + ov, ws.ptr + dq_sem)
+    extra = ((_plan._DQ_WORD, base),) if plan.fused_dq else ()
+    plan.launch(stream, words, extra=extra)      # the block now holds these pointers
+    launch = driver.launchKernel
+    argv = plan.launch.argv_ptr
+
+    def raw(kernel, argv_ptr):
+        fn, grid, block, smem = kernel
+        return lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
+    layout = _fast.layout
+    shapes, dt = fast.shapes, fast.dtype
+    parts = {
+        "bwd_part_key": lambda: (layout(do), layout(q), layout(k), layout(v), layout(o),
+                                 layout(lse), None, type(None), False, bool, False),
+        "bwd_part_get_device": cp.cuda.runtime.getDevice,
+        "bwd_part_stream": lambda: cp.cuda.get_current_stream().ptr,
+        "bwd_part_patch_and_launches": lambda: plan.launch(stream, words, extra=extra),
+        "bwd_part_launch_dot": raw(plan.launch.kernels[0], argv),
+        "bwd_part_launch_main": raw(plan.launch.kernels[-1], argv),
+        "fwd_part_launch": raw(fwd.launch.kernels[0], fwd.launch.argv_ptr),
+        "bwd_part_three_arrays": lambda: (cp.ndarray(shapes[0], dt, memptr=held),
+                                          cp.ndarray(shapes[1], dt, memptr=held + ok),
+                                          cp.ndarray(shapes[2], dt, memptr=held + ov)),
+    }
+    if plan._one_launch:
+        parts["bwd_part_run"] = lambda: plan.run(stream, do.data.ptr, q.data.ptr, k.data.ptr,
+                                                 v.data.ptr, o.data.ptr, lse.data.ptr, base,
+                                                 base + ok, base + ov)
+    _KEEP.append((o, lse, do, held, ws))      # alive for the process: the launches use them
+    return parts
+
+
+_KEEP: list = []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
@@ -272,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "3 launches and the launch queue holds ~1000)")
     p.add_argument("--no-json", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward and backward calls")
+    p.add_argument("--parts", action="store_true",
+                   help="also time the pieces of the backward's fast path (rows bwd_part_*)")
     args = p.parse_args(argv)
     try:
         import cupy as cp
@@ -294,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sync = cp.cuda.Device().synchronize
     rows = []
     fns = build(q, k, v)
+    if args.parts:
+        try:
+            fns.update(backward_parts(q, k, v))
+        except Exception as e:
+            print(f"--parts: FAILED ({ba.short_error(e)})", file=sys.stderr)
     spin_kernel = cp.RawKernel(SPIN_SOURCE, "cuflash_spin")
 
     def spin(seconds: float):

@@ -8,7 +8,8 @@ times, so that Nsight Compute can profile the third launch of one kernel:
         python bench/probes/profile_points.py document fwd
 
 Points: plain | softcap | alibi | window | document | prefix (block masks as the suite's
-``cuflash_block_mask`` rows) | bias, each ``fwd`` or ``fwd_bwd`` (d 128, L 4k, B 4, H 16);
+``cuflash_block_mask`` rows) | bias | awindow (the analytic ``window=`` keyword, causal, the
+suite's own cuflash row) | causal (plain causal attention), each ``fwd`` or ``fwd_bwd`` (d 128, L 4k, B 4, H 16);
 ``decode B Lk`` (Hq 32 / Hkv 8, d 128, dense cache). ``--time`` instead prints the median
 CUDA-event ms of 20 calls (no profiler).
 """
@@ -32,10 +33,13 @@ def mods_call(name: str, mode: str, L: int, d: int):
     rng = numpy.random.default_rng(0)
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     q, k, v, do = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(4))
-    mod = suite_mods.mods_for(L, H)[name]
-    if name in ("window", "document", "prefix"):
+    if name == "causal":
+        kw = dict(causal=True)
+    elif name in ("window", "document", "prefix"):
+        mod = suite_mods.mods_for(L, H)[name]
         kw = dict(block_mask=cuflash.block_mask(mod.mask_mod, (1, 1), L, L), causal=mod.mask_causal)
     else:
+        mod = suite_mods.mods_for(L, H)["window" if name == "awindow" else name]
         bias = cupy.asarray((rng.standard_normal((H, L, L)) * 0.5).astype(bf16)) if name == "bias" else None
         kw = suite_mods.cuflash_kwargs(mod, L, H, cupy, bias=bias)
     if mode == "fwd":
