@@ -45,6 +45,7 @@ backward's host time goes (issue 9: <= 25 us).
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import statistics
 import sys
@@ -271,6 +272,7 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     run any number of times: the main kernel alone is safe (its dQ counters only count; no
     block waits on them)."""
     import cupy as cp
+    import numpy
     import cuflash
     from cuflash import _api, _fast, _plan
     from cupy.cuda import driver
@@ -311,11 +313,24 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
                                           cp.ndarray(shapes[1], dt, memptr=held + ok),
                                           cp.ndarray(shapes[2], dt, memptr=held + ov)),
     }
+    # ways to make one result array, to compare with the three above (the cost of one
+    # ndarray on new memory read 1.6 us back to back but 3 us behind the spin in session 10)
+    flat = cp.ndarray((fast.nbytes // dt.itemsize,), dt, memptr=held)
+    n0 = math.prod(shapes[0])
+    parts["bwd_part_one_array"] = lambda: cp.ndarray(shapes[0], dt, memptr=held)
+    parts["bwd_part_one_view"] = lambda: flat[:n0].reshape(shapes[0])
+    parts["bwd_part_one_empty"] = lambda: cp.empty(shapes[0], dt)
+    parts["bwd_part_memptr_add"] = lambda: held + ok
+    # a launch with an empty parameter block, raw: does the 1008-byte block cost launch time?
+    empty = cp.RawKernel(r'extern "C" __global__ void cuflash_empty_raw() {}', "cuflash_empty_raw")
+    empty((1,), (1,), ())
+    none = numpy.zeros(1, numpy.uint64)
+    parts["raw_launch_no_params"] = raw((empty.kernel.ptr, 1, 1, 0), none.ctypes.data)
     if plan._one_launch:
         parts["bwd_part_run"] = lambda: plan.run(stream, do.data.ptr, q.data.ptr, k.data.ptr,
                                                  v.data.ptr, o.data.ptr, lse.data.ptr, base,
                                                  base + ok, base + ov)
-    _KEEP.append((o, lse, do, held, ws))      # alive for the process: the launches use them
+    _KEEP.append((o, lse, do, held, ws, flat, empty, none))      # alive for the process: the launches use them
     return parts
 
 
