@@ -39,8 +39,9 @@ machines comparable. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{
 and in its backward call. ``--parts`` also times the pieces of the backward's fast path on its
 own cached plan, each alone (rows ``bwd_part_*``: the key of six layouts, the device check, the
 stream, the patch and two launches, each raw launch, the three arrays of the result, and the
-plan's ``run``), and the forward's raw launch (``fwd_part_launch``), to say where the
-backward's host time goes (issue 9: <= 25 us).
+plan's ``run``), the forward's raw launch (``fwd_part_launch``), and both fast paths copied
+step by step (``fwd_step1..4``, ``bwd_step1..4``: key and lookup; + allocation; + launches;
++ result arrays), to say where the host time goes (issue 9: <= 15 / 25 us).
 """
 from __future__ import annotations
 
@@ -282,7 +283,8 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     cuflash.attention_backward(do, q, k, v, o, lse)
     fast = next(f for f in _api._BWD_PLANS._d.values() if isinstance(f, _fast.FastBackward))
     plan = fast.plan
-    fwd = next(f for f in _api._FWD_PLANS._d.values() if isinstance(f, _fast.FastForward)).plan
+    fwd_fast = next(f for f in _api._FWD_PLANS._d.values() if isinstance(f, _fast.FastForward))
+    fwd = fwd_fast.plan
     stream = cp.cuda.get_current_stream().ptr
     held = cp.cuda.alloc(fast.nbytes)
     ws = cp.cuda.alloc(plan.workspace)
@@ -326,6 +328,7 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     empty((1,), (1,), ())
     none = numpy.zeros(1, numpy.uint64)
     parts["raw_launch_no_params"] = raw((empty.kernel.ptr, 1, 1, 0), none.ctypes.data)
+    parts.update(cumulative_steps(q, k, v, do, o, lse, fast, fwd_fast))
     if plan._one_launch:
         parts["bwd_part_run"] = lambda: plan.run(stream, do.data.ptr, q.data.ptr, k.data.ptr,
                                                  v.data.ptr, o.data.ptr, lse.data.ptr, base,
@@ -335,6 +338,62 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
 
 
 _KEEP: list = []
+
+
+def cumulative_steps(q, k, v, do, o, lse, bwd, fwd) -> dict[str, Callable[[], Any]]:
+    """The fast paths of ``attention`` and ``attention_backward`` copied step by step, each
+    row one step longer than the last (``*_step1`` .. ``*_step4``; step 4 is the whole path):
+    the difference between two rows is what a step costs where it runs, frees of the last
+    call's objects included. Rows ``bwd_part_*`` time the pieces out of that context."""
+    import cupy as cp
+    from cuflash import _api
+    layout = _api._layout
+    fcache, bcache = _api._FWD_PLANS, _api._BWD_PLANS
+
+    def fwd_step(n):
+        def call(scale=None, causal=False):
+            key = (layout(q), layout(k), layout(v), scale, scale.__class__, causal,
+                   causal.__class__)
+            fast = fcache.get(key)
+            if cp.cuda.runtime.getDevice() != fast.device_id or n == 1:
+                return None
+            mem = cp.cuda.alloc(fast.nbytes)
+            stream = cp.cuda.get_current_stream().ptr
+            if n == 2:
+                return mem
+            fast.plan.run(stream, q.data.ptr, k.data.ptr, v.data.ptr, mem.ptr,
+                          mem.ptr + fast.lse_offset)
+            if n == 3:
+                return mem
+            return cp.ndarray(fast.o_shape, fast.dtype, memptr=mem)
+        return call
+
+    def bwd_step(n):
+        def call(scale=None, causal=False, det=False):
+            key = (layout(do), layout(q), layout(k), layout(v), layout(o), layout(lse), scale,
+                   scale.__class__, causal, causal.__class__, det)
+            fast = bcache.get(key)
+            if cp.cuda.runtime.getDevice() != fast.device_id or n == 1:
+                return None
+            mem = cp.cuda.alloc(fast.nbytes)
+            stream = cp.cuda.get_current_stream().ptr
+            if n == 2:
+                return mem
+            _, ok, ov = fast.offsets
+            base = mem.ptr
+            fast.plan.run(stream, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                          lse.data.ptr, base, base + ok, base + ov)
+            if n == 3:
+                return mem
+            sq, sk, sv = fast.shapes
+            return (cp.ndarray(sq, fast.dtype, memptr=mem),
+                    cp.ndarray(sk, fast.dtype, memptr=mem + ok),
+                    cp.ndarray(sv, fast.dtype, memptr=mem + ov))
+        return call
+    steps = {f"fwd_step{n}": fwd_step(n) for n in (1, 2, 3, 4)}
+    if bwd.shared and bwd.plan._one_launch:
+        steps.update({f"bwd_step{n}": bwd_step(n) for n in (1, 2, 3, 4)})
+    return steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
