@@ -45,6 +45,14 @@ def _bool(x: bool) -> str:
     return "true" if x else "false"
 
 
+def _spelled(args: dict) -> dict:
+    """Tile arguments as a template spells them: fwd_sm90's ``persist`` is a trailing default
+    argument (PERSIST = 0), written only when set, so the builds without it keep their names."""
+    if "persist" in args:
+        args["persist"] = f", {args['persist']}" if args["persist"] else ""
+    return args
+
+
 # Devices: what the dispatcher needs to know about a GPU (_devices.py; named here too)
 from ._devices import PROFILES, DeviceInfo, device_info  # noqa: E402,F401
 
@@ -64,12 +72,17 @@ class Shape:
     dv: int
     variant: Variant
     deterministic: bool = False   # backward only
+    #: a block mask's mean keys a 128-row query block visits (its map's non-empty blocks a
+    #: row, times their width; 0 without one): fwd_sm90's blocks an SM (session 10)
+    bmask_keys: int = 0
 
     @classmethod
     def of(cls, prob, deterministic: bool = False, mods=None) -> "Shape":
         from ._variant import variant_of
+        bm = getattr(mods, "block_mask", None)
+        keys = bm.mean_row_keys() if bm is not None else 0
         return cls(prob.dtype.name, math.prod(prob.batch_shape), prob.Lq, prob.Lk, prob.d,
-                   prob.dv, variant_of(prob, mods), bool(deterministic))
+                   prob.dv, variant_of(prob, mods), bool(deterministic), keys)
 
     @property
     def dmax(self) -> int:
@@ -111,7 +124,7 @@ class Family:
     def expr(self, dtype, traits: Traits | None = None, variant: Variant | None = None,
              **flags) -> str:
         """The NVRTC name expression of one specialisation."""
-        values = dict(traits.args) if traits is not None else {}
+        values = _spelled(dict(traits.args)) if traits is not None else {}
         values.update({k: _bool(v) if isinstance(v, bool) else v for k, v in flags.items()})
         types = {"T": ctype(dtype), "Acc": acc_ctype(dtype)}
         values = {k: types.get(v, v) for k, v in values.items()}   # a flag may name a type
@@ -121,7 +134,7 @@ class Family:
         """The kernel's own shared-memory size of ``traits`` as a C++ expression."""
         dtype = "float64" if traits.acc == 8 else ("float32" if traits.family.endswith("simt")
                                                    else "float16")
-        return self.smem_expr.format(T=ctype(dtype), **dict(traits.args))
+        return self.smem_expr.format(T=ctype(dtype), **_spelled(dict(traits.args)))
 
     def arch_ok(self, cc: int) -> bool:
         return self.min_cc <= cc <= self.max_cc
@@ -239,6 +252,13 @@ def _fwd_sm90_select(fam, shape, dev):
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
+    if (t.min_blocks > 1 and shape.variant.block_mask and shape.variant.score_path
+            and 0 < bmask_long_keys() <= shape.bmask_keys):
+        # (the 2 blocks an SM kept for short lists: prefix-LM at 4k, 34.75 key tiles a block,
+        # ran 4% slower so than at min_blocks 1, whose build has the same 128 registers)
+        t = t.replace(min_blocks=1)
+        why.append(f"min_blocks=1: the block mask's lists are long ({shape.bmask_keys} keys a "
+                   f"query block on average, >= {bmask_long_keys()}: CUFLASH_FWD90_BMASK_LONG)")
     if t.min_blocks > 1 and shape.variant.score_path and (
             not even or (shape.variant, even) in _KEPT_BLOCKS_SPILLED):
         # (a block mask's kept blocks an SM, _traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK: the
@@ -247,7 +267,56 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(min_blocks=1)
         why.append("min_blocks=1: " + ("the predicated build spills at 2 blocks an SM" if not even
                                        else "this mask_mod's build at 2 blocks an SM used local memory"))
+    if even and persist_wanted(shape, t, dev):   # (the predicated causal window spills 4 bytes)
+        t = t.replace(persist=1)
+        why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
+                   "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
+                   "during the one before (equal short blocks: CUFLASH_FWD90_PERSIST)")
     return t, {"even": even}, why
+
+
+def bmask_long_keys() -> int:
+    """``CUFLASH_FWD90_BMASK_LONG`` (plan time; session 10): the mean keys a query block of a
+    block mask visits from which fwd_sm90 gives it 1 block an SM (min_blocks) instead of the 2
+    kept for short lists (``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``); "0": never (session 9)."""
+    value = os.environ.get("CUFLASH_FWD90_BMASK_LONG", "").strip()
+    if value == "":
+        return _traits.FWD_SM90_BMASK_LONG_KEYS
+    if not value.isdigit():
+        raise ValueError(f"CUFLASH_FWD90_BMASK_LONG={value!r}: expected a number of keys (0: off)")
+    return int(value)
+
+
+def persist_wanted(shape: Shape, t: Traits, dev) -> bool:
+    """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``):
+    ``CUFLASH_FWD90_PERSIST`` (plan time) "window" (default: the analytic window, with causal
+    or not), "all" (any Variant without a block mask), "0" (never); only where the grid has
+    more (batch item, Q tile) items than resident blocks and the second Q buffer fits."""
+    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "window"
+    if value not in ("window", "all", "0"):
+        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected window, all or 0")
+    v = shape.variant
+    if value == "0" or v.block_mask or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
+        return False
+    if value == "window" and not (v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES):
+        return False
+    items = shape.nbatch * -(-shape.Lq // t.block_m)
+    return (items > fwd_sm90_grid(t.replace(persist=1), items, dev)
+            and t.replace(persist=1).smem_bytes <= dev.smem_optin)
+
+
+def fwd_sm90_grid(t: Traits, items: int, dev) -> int:
+    """The forward's grid for ``items`` (batch item, Q tile) blocks of work: one block each, or
+    for a persistent build (``persist``) ``CUFLASH_FWD90_PERSIST_GRID``: "slots" (default:
+    ``min_blocks`` blocks an SM, the resident ones) or k (k items a block: ceil(items / k))."""
+    if t.family != "fwd_sm90" or not t["persist"]:
+        return items
+    value = os.environ.get("CUFLASH_FWD90_PERSIST_GRID", "").strip() or "slots"
+    if value == "slots":
+        return max(1, min(items, t.min_blocks * dev.num_sms))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"CUFLASH_FWD90_PERSIST_GRID={value!r}: expected slots or k >= 1")
+    return -(-items // int(value))
 
 
 #: (Variant, EVEN) of fwd_sm90 builds that kept 2 blocks an SM for a block mask and, compiled
@@ -380,11 +449,11 @@ REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
            "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
-           "{variant}, {even}>",
+           "{variant}, {even}{persist}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 256), tensor_core_rows=True,
            features=FWD_FEATURES,
            smem_expr="cuflash::sm90::Sm90Traits<{T}, {head_dim}, {block_n}, {warpgroups}, "
-                     "{min_blocks}>::kSmemBytes",
+                     "{min_blocks}{persist}>::kSmemBytes",
            select=_fwd_sm90_select, instances=_fwd_sm90_instances,
            summary="Hopper wgmma forward (FA-2 Algorithm 1, operands from shared memory)"),
     Family("fwd_sm80", "fwd", "fwd_sm80.cu",

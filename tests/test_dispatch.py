@@ -277,6 +277,9 @@ def test_traits_smem_match_the_kernel(name):
     entries = set(_traits.TABLES[name].values())
     if name == "fwd_sm80":
         entries |= {_traits.small_grid(t) for t in entries}
+    if name == "fwd_sm90":   # the persistent builds' second Q buffer (session 10)
+        entries |= {t.replace(persist=1) for t in entries
+                    if t.head_dim <= _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM}
     checks = [f'static_assert({fam.smem_check(t)} == {t.smem_bytes}, "{t.describe()}");'
               for t in entries]
     src = (_jit.load_source(fam.source) + "\nnamespace cuflash_probe {\n" + "\n".join(checks)
@@ -327,3 +330,73 @@ def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
     assert wg() == wg(True) == wg(sink=True) == full
     assert wg(env="2") == wg(True, env="2") == 2
     assert wg(mask=True) == wg(softcap=True) == 2
+
+
+def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
+    """Session 10: the analytic window (with causal or not, nothing else) runs fwd_sm90's
+    persistent build (``persist``: a second Q buffer, a grid of min_blocks blocks an SM) where
+    its EVEN build has more (batch item, Q tile) items than resident blocks;
+    ``CUFLASH_FWD90_PERSIST`` "0" never, "all" any Variant without a block mask;
+    ``CUFLASH_FWD90_PERSIST_GRID`` k items a block. Plain attention keeps its name expression."""
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_PERSIST_GRID"):
+        monkeypatch.delenv(var, raising=False)
+
+    def choice(d=64, L=4096, nbatch=128, window=True, causal=True):
+        v = Variant(causal=causal, window=window)
+        return _families.choose("fwd", Shape(BF16, nbatch, L, L, d, d, v), H200)
+
+    c = choice()
+    assert c.traits["persist"] == 1 and c.traits.min_blocks == 2
+    assert c.expr.endswith(", true, 1>")
+    assert c.traits.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 1024
+    assert _families.fwd_sm90_grid(c.traits, 128 * 32, H200) == 2 * 132
+    assert choice(d=128).traits["persist"] == 1 and choice(d=128).traits.smem_bytes <= H200.smem_optin
+    assert choice(causal=False).traits["persist"] == 1
+    for other in (choice(window=False), choice(d=256), choice(L=4000), choice(nbatch=1, L=1024)):
+        assert other.traits["persist"] == 0 and not other.expr.endswith(", 1>")
+    assert choice(window=False).expr == "cuflash::sm90::fwd_sm90<__nv_bfloat16, 64, 64, 2, 2, cuflash::Variant<true>, true>"
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "2")
+    assert _families.fwd_sm90_grid(c.traits, 4096, H200) == 2048
+    assert _families.fwd_sm90_grid(choice(window=False).traits, 4096, H200) == 4096
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "0")
+    assert choice().traits["persist"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
+    assert choice(window=False).traits["persist"] == 1
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_PERSIST"):
+        choice()
+    # CUFLASH_TILES may leave the schedule out (it is not a tile)
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:64=64:1:4")
+    assert choice().traits["warpgroups"] == 1 and choice().traits["persist"] == 1
+
+
+def test_fwd_sm90_block_mask_long_lists_take_one_block(monkeypatch):
+    """Session 10: a block mask whose query blocks visit >= FWD_SM90_BMASK_LONG_KEYS keys on
+    average (prefix-LM at 4k: 2224) runs the min_blocks 1 build at d = 64; short lists (the
+    documents: 320 at 4k, 1088 at 16k) keep 2; ``CUFLASH_FWD90_BMASK_LONG`` sets the bound, 0
+    turns the rule off. Shape.of reads the keys from the block mask's map."""
+    import cuflash
+    from cuflash import _trace, _trace_cuda
+    monkeypatch.delenv("CUFLASH_FWD90_BMASK_LONG", raising=False)
+    L = 4096
+    prefix = lambda b, h, q, kv: (kv < L // 4) | (q >= kv)            # noqa: E731
+    docs = lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv)  # noqa: E731
+    assert cuflash.block_mask(prefix, (1, 1), L, L).mean_row_keys() == 2224
+    assert cuflash.block_mask(docs, (1, 1), L, L).mean_row_keys() == 320
+    tr = _trace.trace_mask_mod(prefix)
+
+    def blocks(keys):
+        v = Variant(causal=False, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source)
+        shape = Shape(BF16, 128, L, L, 64, 64, v, False, keys)
+        return _families.choose("fwd", shape, H200).traits.min_blocks
+
+    assert blocks(2224) == 1 and blocks(320) == 2 and blocks(1088) == 2
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "0")
+    assert blocks(2224) == 2
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "300")
+    assert blocks(320) == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "long")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_LONG"):
+        blocks(320)
