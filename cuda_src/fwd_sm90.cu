@@ -314,8 +314,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
   //    written to HBM
-  cp_async_wait<0>();   // with no key tile (every row masked) Q's copy is still pending
-                        // (PERSIST: and the next item's, issued a key tile ago)
+  // with no key tile (every row masked) Q's copy is still pending (O is staged over it).
+  // PERSIST: after a key tile the only copies in flight are the next item's (the other Q
+  // buffer, the stage the last tile left free), which its first tile waits for
+  if (!kLoop || n_blocks <= j0) cp_async_wait<0>();
   float inv_l[2];
   finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
   // Stage O through shared memory (over Q, which other warpgroups may still be reading: hence

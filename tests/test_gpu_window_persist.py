@@ -1,0 +1,79 @@
+"""GPU tests of fwd_sm90's persistent schedule (session 10, bench/NOTES.md "the window at short
+lists (session 10)"): the analytic window's EVEN builds run a grid of fewer blocks than query
+tiles, each block taking (batch item, Q tile) items in turn with the next item's Q and first
+K/V loaded during the current one's last key tile. Results by the kit's rule
+(tests/_naive_modifiers.check_result), the switch off and on, grids of 1 to 3 items a block,
+rows that see no key (bottom-right causal with Lq > Lk: items with no key tile, whose successor
+loads its own Q), and plain attention through ``CUFLASH_FWD90_PERSIST=all``."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy
+import pytest
+
+import cuflash
+import _naive_modifiers as naive
+
+pytestmark = pytest.mark.gpu
+
+BF16 = numpy.dtype(ml_dtypes.bfloat16)
+
+
+def _forward(monkeypatch, persist, grid, d, Lq, Lk, causal, kw):
+    import cupy
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", persist)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", grid)
+    _api.clear_plans()
+    # more (batch item, Q tile) items than resident blocks: d 64 (128-row blocks, 2 an SM on
+    # 132 SMs) 80 x 4 = 320 > 264; d 128 (192-row blocks, 1 an SM) 64 x 3 = 192 > 132
+    batch = (5, 16) if d == 64 else (4, 16)
+    rng = numpy.random.default_rng(Lq + Lk + d)
+    q = rng.standard_normal(batch + (Lq, d)).astype(BF16)
+    k, v = (rng.standard_normal(batch + (Lk, d)).astype(BF16) for _ in range(2))
+    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
+                               return_lse=True, **kw)
+    out = cupy.asnumpy(o), cupy.asnumpy(lse)
+    _api.clear_plans()
+    return q, k, v, out
+
+
+@pytest.mark.parametrize("persist, grid", [("0", "slots"), ("window", "slots"), ("window", "2"),
+                                           ("window", "3")])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window, causal, Lq, Lk", [
+    ((200, 0), True, 512, 512),       # the issue's shape, small: the first tiles see fewer keys
+    ((100, 60), False, 512, 512),     # both sides
+    ((150, 0), True, 500, 512),       # a partial last Q tile (Q is always predicated)
+    ((130, 0), True, 512, 256),       # bottom-right: rows 0..255 see no key (items with no tile)
+])
+def test_window_persistent(monkeypatch, persist, grid, d, window, causal, Lq, Lk):
+    kw = {"window": window}
+    q, k, v, (o, lse) = _forward(monkeypatch, persist, grid, d, Lq, Lk, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
+def test_plain_attention_persistent_opt_in(monkeypatch, causal, d):
+    """``CUFLASH_FWD90_PERSIST=all``: plain attention (varying tile lengths under causal) on the
+    persistent build is right too."""
+    q, k, v, (o, lse) = _forward(monkeypatch, "all", "slots", d, 512, 512, causal, {})
+    naive.check_result(q, k, v, causal, {}, o, lse)
+
+
+def test_the_window_plan_is_persistent(monkeypatch):
+    """The dispatcher's choice for the shapes above is the persistent build, with a grid of
+    min_blocks blocks an SM (what the tests above exercise)."""
+    from cuflash import _api, _families
+    from cuflash._variant import Variant
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST_GRID", raising=False)
+    _api.clear_plans()
+    dev = _families.device_info(0)
+    shape = _families.Shape("bfloat16", 80, 512, 512, 64, 64, Variant(causal=True, window=True))
+    c = _families.choose("fwd", shape, dev)
+    if c.family.name != "fwd_sm90":
+        pytest.skip(f"not a Hopper: {c.family.name}")
+    assert c.traits["persist"] == 1
+    assert _families.fwd_sm90_grid(c.traits, 320, dev) == min(320, 2 * dev.num_sms)
