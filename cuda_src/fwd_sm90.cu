@@ -66,8 +66,12 @@ struct Sm90Traits {
 // staged over its own Q buffer, stored) runs while those copies land. Without it a window
 // block's Q, K_0, V_0 latency and its epilogue stood between equal-length blocks that start
 // and end together on an SM (bench/NOTES.md, "the window at short lists (session 10)").
-// Not for block masks or varlen builds (their tile comes from a list / a work item): they
-// compile as PERSIST = 0.
+// With a block mask they are issued once the last tile is (in the last tile, with the list
+// walk's registers live, the causal builds spilled 16-40 bytes at d = 128), after the next
+// item's first list entry is read; the dispatcher uses it where a block has the registers
+// (min_blocks 1: at d = 64's 128-register cap of 2 blocks an SM, the outer loop alone made the
+// suite's causal builds spill 16-64 bytes). Not for varlen builds (a block's work item is its
+// sequence's): they compile as PERSIST = 0.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN,
           int PERSIST = 0>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
@@ -76,7 +80,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 #ifdef CUFLASH_VARLEN
   constexpr bool kLoop = false;
 #else
-  constexpr bool kLoop = PERSIST != 0 && !Var::kBlockMask;
+  constexpr bool kLoop = PERSIST != 0;
 #endif
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS, PERSIST>;
   using QTile = typename Tr::QTile;
@@ -129,9 +133,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int j_first_wg = Var::kKeyLo ? Var::key_begin(p.var, p.mod, wg_row_first) / BLOCK_N : 0;
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
-  // PERSIST: key tile j is in stage (j + slot_off) % kStages (without it: j % kStages, as
-  // before), slot_off chosen so that j_first's stage is the one the previous item left free
-  const int slot_off = kLoop ? ((free_stage - j_first) & 1) : 0;
+  // PERSIST: key tile j (a block mask: visit v) is in stage (j + slot_off) % kStages ((v +
+  // slot_off) % kStages; without it j or v, as before), slot_off chosen so that the first
+  // tile's stage is the one the previous item left free
+  const int slot_off = kLoop ? ((free_stage - (Var::kBlockMask ? 0 : j_first)) & 1) : 0;
   // Within [j_first, n_blocks) a block mask visits only the key tiles of its list for this
   // row block (Mod::tile_list: those some row of the block may see; the others are never
   // loaded nor computed), each with the kind of every warpgroup's 64 rows. The loop visits the
@@ -151,6 +156,40 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   int e_walk = Var::kBlockMask ? entry(1) : 0;
   const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;
   int j_walk = Var::kBlockMask ? Var::Mod::entry_tile(e_walk) : 0, visit = 0;
+  // PERSIST: the next item of this block (bid + gridDim.x), its Q into the other Q buffer and
+  // its first key tile into the stage after this item's last (n_blocks + slot_off)
+  [[maybe_unused]] const unsigned next = bid + gridDim.x;
+  // (a block mask: once this item's loop is done, where its list walk's registers are free:
+  // the next item's first list entry, read here, decides which tile; the stage is visit's,
+  // one past the last visit's)
+  auto prefetch_next_now = [&]() {
+    if constexpr (kLoop) {
+      if (next < n_items) {
+        const BlockTile nt = block_tile(p, next);
+        const int nm0 = nt.m_block * kBlockM;
+        const BatchPtrs<T> ng = batch_ptrs<T>(p, batch_offsets(p, nt.b));
+        load_tile<QTile, kBlockM, kThreads, false>(qbuf ? sQ0 : sQ1, ng.q, p.q_row_stride, nm0, p.Lq, p.d);
+        const int nend = Var::key_end(p.var, p.mod, nm0 + kBlockM, p.Lk);
+        const int nblocks = nend > 0 ? (nend + BLOCK_N - 1) / BLOCK_N : 0;
+        int nj0 = Var::kKeyLo ? Var::key_begin(p.var, p.mod, nm0) / BLOCK_N : 0;
+        if constexpr (Var::kBlockMask) {
+          int count;
+          const auto nitem = Var::template item<float>(p, nt.b);
+          nj0 = Var::Mod::entry_tile(Var::Mod::list_entry(
+              Var::Mod::template tile_list<true>(p.mod, nitem, nt.m_block, count), 0, nblocks));
+        }
+        if (nblocks > nj0) {
+          const unsigned sK = sKV + (((Var::kBlockMask ? visit : n_blocks) + slot_off) & 1) * Tr::kStageBytes;
+          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, ng.k, p.k_row_stride, nj0 * BLOCK_N, p.Lk, p.d);
+          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, ng.v, p.v_row_stride, nj0 * BLOCK_N, p.Lk, p.dv);
+        }
+      }
+    }
+  };
+
+  auto prefetch_next = [&]() {   // at the top of the last key tile
+    if constexpr (!Var::kBlockMask) prefetch_next_now();
+  };
   auto walk_ahead = [&]() {   // (the current entry is dead by then: its register takes it)
     if constexpr (Var::kBlockMask) e_cur = entry(visit + 2);
   };
@@ -228,33 +267,12 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
   };
 
-  // PERSIST: the next item of this block (bid + gridDim.x), its Q into the other Q buffer and
-  // its first key tile into the stage after this item's last (n_blocks + slot_off)
-  [[maybe_unused]] const unsigned next = bid + gridDim.x;
-  auto prefetch_next = [&]() {
-    if constexpr (kLoop) {
-      if (next < n_items) {
-        const BlockTile nt = block_tile(p, next);
-        const int nm0 = nt.m_block * kBlockM;
-        const BatchPtrs<T> ng = batch_ptrs<T>(p, batch_offsets(p, nt.b));
-        load_tile<QTile, kBlockM, kThreads, false>(qbuf ? sQ0 : sQ1, ng.q, p.q_row_stride, nm0, p.Lq, p.d);
-        const int nj0 = Var::kKeyLo ? Var::key_begin(p.var, p.mod, nm0) / BLOCK_N : 0;
-        const int nend = Var::key_end(p.var, p.mod, nm0 + kBlockM, p.Lk);
-        if (nend > 0 && (nend + BLOCK_N - 1) / BLOCK_N > nj0) {
-          const unsigned sK = sKV + ((n_blocks + slot_off) & 1) * Tr::kStageBytes;
-          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, ng.k, p.k_row_stride, nj0 * BLOCK_N, p.Lk, p.d);
-          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, ng.v, p.v_row_stride, nj0 * BLOCK_N, p.Lk, p.dv);
-        }
-      }
-    }
-  };
-
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
   if (!kLoop || !prefetched) {   // (PERSIST: loaded during the previous item's last key tile)
     load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-    if (n_blocks > j0) load_kv(j0, Var::kBlockMask ? 0 : j0 + slot_off);
+    if (n_blocks > j0) load_kv(j0, Var::kBlockMask ? slot_off : j0 + slot_off);
     cp_async_commit();
   }
 
@@ -273,7 +291,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
     __syncthreads();       // ... for every thread, and every warpgroup is done with the other stage
     if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
-      load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 : j + 1 + slot_off);
+      load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 + slot_off : j + 1 + slot_off);
     else
       prefetch_next();   // PERSIST: the next item's Q and first K/V, during this last key tile
     cp_async_commit();
@@ -295,7 +313,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
 
     wgmma_fence();
-    issue_s(s, Var::kBlockMask ? visit : j + slot_off);
+    issue_s(s, Var::kBlockMask ? visit + slot_off : j + slot_off);
     walk_ahead();
     wgmma_wait<0>();
     fence_regs(s);
@@ -307,9 +325,16 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
     fence_regs(o);
     wgmma_fence();
-    issue_pv(o, pa, Var::kBlockMask ? visit : j + slot_off);
+    issue_pv(o, pa, Var::kBlockMask ? visit + slot_off : j + slot_off);
     wgmma_wait<0>();
     fence_regs(o);
+  }
+
+  if constexpr (kLoop && Var::kBlockMask) {   // PERSIST: the next item's copies (above)
+    if (n_blocks > j0) {
+      prefetch_next_now();
+      cp_async_commit();
+    }
   }
 
   // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
@@ -330,7 +355,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     break;
   } else {   // the next item: its Q and first K/V were loaded if this one had a key tile
     prefetched = n_blocks > j0;
-    free_stage = (n_blocks + slot_off) & 1;
+    free_stage = ((Var::kBlockMask ? visit : n_blocks) + slot_off) & 1;
     qbuf = !qbuf;
     bid = next;
     if (bid >= n_items) break;

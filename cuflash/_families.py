@@ -253,7 +253,8 @@ def _fwd_sm90_select(fam, shape, dev):
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
     if (t.min_blocks > 1 and shape.variant.block_mask and shape.variant.score_path
-            and 0 < bmask_long_keys() <= shape.bmask_keys):
+            and 0 < bmask_long_keys() <= shape.bmask_keys
+            and (shape.variant, even) not in _LONG_LISTS_TWO_BLOCKS):
         # (the 2 blocks an SM kept for short lists: prefix-LM at 4k, 34.75 key tiles a block,
         # ran 4% slower so than at min_blocks 1, whose build has the same 128 registers)
         t = t.replace(min_blocks=1)
@@ -267,7 +268,8 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(min_blocks=1)
         why.append("min_blocks=1: " + ("the predicated build spills at 2 blocks an SM" if not even
                                        else "this mask_mod's build at 2 blocks an SM used local memory"))
-    if even and persist_wanted(shape, t, dev):   # (the predicated causal window spills 4 bytes)
+    if even and persist_wanted(shape, t, dev) and (shape.variant, even) not in _KEPT_BLOCKS_SPILLED:
+        # (the predicated causal window spills 4 bytes)
         t = t.replace(persist=1)
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
@@ -289,16 +291,22 @@ def bmask_long_keys() -> int:
 
 def persist_wanted(shape: Shape, t: Traits, dev) -> bool:
     """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``):
-    ``CUFLASH_FWD90_PERSIST`` (plan time) "window" (default: the analytic window, with causal
-    or not), "all" (any Variant without a block mask), "0" (never); only where the grid has
-    more (batch item, Q tile) items than resident blocks and the second Q buffer fits."""
-    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "window"
-    if value not in ("window", "all", "0"):
-        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected window, all or 0")
+    ``CUFLASH_FWD90_PERSIST`` (plan time) "short" (default: the analytic window, with causal or
+    not, and a block mask's mask_mod, with causal or not, whose lists are short: fewer than
+    ``bmask_long_keys()`` keys a query block), "window" (the analytic window only), "all" (any
+    Variant), "0" (never); only where the grid has more (batch item, Q tile) items than
+    resident blocks and the second Q buffer fits."""
+    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "short"
+    if value not in ("short", "window", "all", "0"):
+        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected short, window, all or 0")
     v = shape.variant
-    if value == "0" or v.block_mask or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
+    if value == "0" or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
         return False
-    if value == "window" and not (v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES):
+    window = v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES
+    short = (v.block_mask and v.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
+             and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
+             and t.min_blocks == 1)   # (at 2 blocks an SM, d = 64, its builds spill)
+    if not (value == "all" or window or (value == "short" and short)):
         return False
     items = shape.nbatch * -(-shape.Lq // t.block_m)
     return (items > fwd_sm90_grid(t.replace(persist=1), items, dev)
@@ -319,6 +327,11 @@ def fwd_sm90_grid(t: Traits, items: int, dev) -> int:
     return -(-items // int(value))
 
 
+#: (Variant, EVEN) of fwd_sm90 block-mask builds whose min_blocks 1 build (the long-list rule,
+#: ``bmask_long_keys``) took more than 128 registers on the GPU, so would run 1 block an SM
+#: instead of 2: they keep the 2-block build (``kept_blocks_spilled``)
+_LONG_LISTS_TWO_BLOCKS: set = set()
+
 #: (Variant, EVEN) of fwd_sm90 builds that kept 2 blocks an SM for a block mask and, compiled
 #: on the GPU, used local memory (a heavier user mask_mod: spills at the 128-register cap); the
 #: dispatcher gives them min_blocks 1 from then on (``kept_blocks_spilled``)
@@ -331,11 +344,24 @@ def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
     for ``device_id`` (memoised: the plan's own compile reuses it), uses local memory; then it
     is recorded, and ``choose`` run again picks min_blocks 1 (0 spills: the suite's mask_mods
     and most of the testing kit's compile without; a mask_mod dividing by a constant that is not
-    a power of two spilled 16-32 bytes, session 9)."""
+    a power of two spilled 16-32 bytes, session 9). The same for a persistent build (``persist``,
+    session 10: a block mask with short lists at min_blocks 1), which ``choose`` then gives up;
+    and a build of the long-list rule (min_blocks 1 for lists of >= ``bmask_long_keys()`` keys)
+    whose registers leave room for 1 block an SM only is recorded, and ``choose`` keeps 2."""
     t, v = choice.traits, shape.variant
-    if choice.family.name != "fwd_sm90" or t.min_blocks < 2 or not (v.block_mask and v.score_path):
+    if choice.family.name != "fwd_sm90" or not (v.block_mask and v.score_path):
         return False
     from . import _jit
+    if any("CUFLASH_FWD90_BMASK_LONG" in r for r in choice.reasons):
+        # the long-list rule's min_blocks 1 build: it paid where it kept 2 blocks an SM (<= 128
+        # registers for 256 threads, as prefix-LM's does); one that takes more goes back to
+        # the 2-block build (the suite's prefix with causal=True: 130 registers)
+        kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
+        if kernel.num_regs * t.threads * 2 > 65536:
+            _LONG_LISTS_TWO_BLOCKS.add((v, bool(choice.flag.get("even"))))
+            return True
+    if not (t.min_blocks >= 2 or t["persist"]):
+        return False
     kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
     if not kernel.local_size_bytes:
         return False

@@ -324,7 +324,7 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 #: mask_mod keep 1 (more live registers a score). ``CUFLASH_FWD90_BMASK_BLOCKS=1`` restores 1.
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: The Variants fwd_sm90 runs PERSISTENT (session 10; ``CUFLASH_FWD90_PERSIST``, read at plan
-#: time: "window" the default, "0" never, "all" every Variant without a block mask): a grid of
+#: time: "short" the default, "window", "0" never, "all" every Variant): a grid of
 #: ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ... with
 #: the next item's Q and first K/V loaded during the current one's last key tile. For the
 #: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so the blocks
@@ -333,6 +333,12 @@ FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: plain causal's TFLOP/s on visible pairs (issue 10: >= 0.85x). Head dims <= 128 (the second Q
 #: buffer: 65 KB a block at d = 64, 161 KB at d = 128; 263 KB at d = 256 does not fit).
 FWD_SM90_PERSIST_FEATURES = frozenset({"causal", "window"})
+#: ... and, with a block mask whose query blocks visit few keys (``Shape.bmask_keys`` below
+#: ``FWD_SM90_BMASK_LONG_KEYS``: 8 causal documents at 4k visit 320 keys a block on average, 5
+#: key tiles, and fixed cost was ~45% of such a block in session 9), a mask_mod alone or with
+#: causal (the next item's first list entry is read during the last visit, after its S wgmma is
+#: issued).
+FWD_SM90_PERSIST_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 FWD_SM90_PERSIST_MAX_HEAD_DIM = 128
 #: The mean keys a 128-row query block of a block mask visits (``_families.Shape.bmask_keys``)
 #: from which fwd_sm90 runs it at 1 block an SM's build (min_blocks 1) instead of the 2 kept for

@@ -400,3 +400,56 @@ def test_fwd_sm90_block_mask_long_lists_take_one_block(monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "long")
     with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_LONG"):
         blocks(320)
+
+
+def test_fwd_sm90_block_mask_persistent_where_registers_allow(monkeypatch):
+    """Session 10: a block mask's mask_mod (with causal or not) with short lists runs fwd_sm90's
+    persistent build where the build has min_blocks 1 (d = 128: 168-register cap, 0 spills);
+    at d = 64 its 2 blocks an SM (128 registers) stay unpersisted (the outer loop spills there);
+    long lists, CUFLASH_FWD90_PERSIST=window or 0, and a recorded spill leave it off."""
+    from cuflash import _trace, _trace_cuda
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_BMASK_LONG", "CUFLASH_FWD90_BMASK_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv))
+    v = Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                prelude=tr.source)
+
+    def traits(d=128, keys=320, L=4096):
+        return _families.choose("fwd", Shape(BF16, 128, L, L, d, d, v, False, keys), H200).traits
+
+    assert traits()["persist"] == 1 and traits().min_blocks == 1
+    assert traits(d=64)["persist"] == 0 and traits(d=64).min_blocks == 2
+    assert traits(keys=2224)["persist"] == 0 and traits(keys=0)["persist"] == 0
+    assert traits(L=4000)["persist"] == 0            # EVEN builds only
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+    assert traits()["persist"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
+    assert traits(keys=2224)["persist"] == 1
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
+    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", {(v, True)})
+    assert traits()["persist"] == 0
+
+
+def test_long_list_rule_keeps_two_blocks_where_its_build_is_heavier(monkeypatch):
+    """The long-list rule's min_blocks 1 build runs only where it still fits 2 blocks an SM
+    (<= 128 registers at 256 threads): ``kept_blocks_spilled`` loads it (the plan's compile) and
+    records a heavier one, after which ``choose`` keeps the 2-block build."""
+    from cuflash import _jit, _trace, _trace_cuda
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_BMASK_LONG", "CUFLASH_FWD90_BMASK_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: (kv < 1024) | (q >= kv))
+    v = Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                prelude=tr.source)
+    shape = Shape(BF16, 128, 4096, 4096, 64, 64, v, False, 2224)
+
+    class Kernel:
+        local_size_bytes, num_regs = 0, 128
+
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: Kernel)
+    monkeypatch.setattr(_families, "_LONG_LISTS_TWO_BLOCKS", set())
+    c = _families.choose("fwd", shape, H200)
+    assert c.traits.min_blocks == 1 and not _families.kept_blocks_spilled(c, shape, 0)
+    Kernel.num_regs = 130
+    assert _families.kept_blocks_spilled(c, shape, 0)
+    again = _families.choose("fwd", shape, H200)
+    assert again.traits.min_blocks == 2 and not _families.kept_blocks_spilled(again, shape, 0)

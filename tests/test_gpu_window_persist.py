@@ -77,3 +77,58 @@ def test_the_window_plan_is_persistent(monkeypatch):
         pytest.skip(f"not a Hopper: {c.family.name}")
     assert c.traits["persist"] == 1
     assert _families.fwd_sm90_grid(c.traits, 320, dev) == min(320, 2 * dev.num_sms)
+
+
+@pytest.mark.parametrize("persist", ["0", "short"])
+@pytest.mark.parametrize("mask", ["documents", "late_rows"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_mask_persistent_at_d128(monkeypatch, persist, mask, causal):
+    """A block mask with short lists at d = 128 (min_blocks 1: the registers to spare) runs the
+    persistent build: the next item's first list entry is read and its Q, K, V loaded once the
+    current item's last tile is issued. 64 items x 6 row blocks of 192 > 132 resident blocks.
+    ``late_rows``: the first 256 rows see no key (items with an empty list, after which the
+    next item loads its own Q and K/V)."""
+    import cupy
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", persist)
+    _api.clear_plans()
+    L, d = 1024, 128
+    if mask == "documents":
+        mm = lambda b, h, q, kv: ((q // 128) == (kv // 128)) & (q >= kv)   # noqa: E731
+    else:
+        mm = lambda b, h, q, kv: (q >= 256) & (kv <= q) & (q - kv < 300)   # noqa: E731
+    rng = numpy.random.default_rng(7)
+    q, k, v = (rng.standard_normal((4, 16, L, d)).astype(BF16) for _ in range(3))
+    bm = cuflash.block_mask(mm, (1, 1), L, L)
+    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
+                               return_lse=True, block_mask=bm)
+    naive.check_result(q, k, v, causal, {"block_mask": bm}, cupy.asnumpy(o), cupy.asnumpy(lse))
+    _api.clear_plans()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefix_long_lists_keep_two_blocks_an_sm(causal):
+    """Prefix-LM at 4k (query blocks visit 2224 keys on average): the long-list rule gives
+    fwd_sm90 the min_blocks 1 build only where it still fits 2 blocks an SM; after a call the
+    dispatcher's build for it has <= 128 registers or min_blocks 2 (causal=True: 130 registers
+    at min_blocks 1 on NVRTC 13, so it keeps 2), and the call is right."""
+    import cupy
+    from cuflash import _families, _jit, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    L, d = 4096, 64
+    mm = lambda b, h, q, kv: (kv < L // 4) | (q >= kv)   # noqa: E731
+    rng = numpy.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, L, d)).astype(BF16) for _ in range(3))
+    bm = cuflash.block_mask(mm, (1, 1), L, L)
+    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
+                               return_lse=True, block_mask=bm)
+    naive.check_result(q, k, v, causal, {"block_mask": bm}, cupy.asnumpy(o), cupy.asnumpy(lse))
+    tr = _trace.trace_mask_mod(mm)
+    var = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                  prelude=tr.source)
+    c = _families.choose("fwd", _families.Shape("bfloat16", 2, L, L, d, d, var, False,
+                                                bm.mean_row_keys()), _families.device_info(0))
+    if c.family.name != "fwd_sm90":
+        pytest.skip(f"not a Hopper: {c.family.name}")
+    kernel = _jit.get_kernel(c.family.source, c.expr, 0, var.prelude)
+    assert c.traits.min_blocks == 2 or kernel.num_regs <= 128, (c.expr, kernel.num_regs)

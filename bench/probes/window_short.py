@@ -10,15 +10,16 @@ window at short lists (session 10) — prediction".)
 
 One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d; bench/suite_mods.py):
 ``awindow`` (the analytic ``window=(1024, 0)``, causal) and ``plain`` (causal, no modifier: the
-target's baseline) at every d and L, ``prefix`` (prefix-LM block mask) and ``document`` (8
-causal documents) at d 64, L 4k only; forward and fwd+bwd, CUDA-event medians. Arms (plan-time
-switches; the plan cache is cleared around each):
+target's baseline) at every d and L, ``prefix`` (prefix-LM block mask) at d 64 and ``document``
+(8 causal documents) at d 64 and 128, L 4k only; forward and fwd+bwd, CUDA-event medians. Arms
+(plan-time switches; the plan cache is cleared around each):
 
 - ``old``: ``CUFLASH_FWD90_PERSIST=0`` (one block a query tile, as main 9b6d075) and
   ``CUFLASH_FWD90_BMASK_LONG=0`` (the session-9 2-block rule for every block mask);
 - ``new``: the defaults (the window persistent: min_blocks blocks an SM, each running query
   tiles in turn with the next one's Q and first K/V loaded during the last key tile; block
-  masks whose query blocks visit >= 2048 keys on average at min_blocks 1);
+  masks with short lists persistent where the build has min_blocks 1, i.e. documents at d 128;
+  block masks whose query blocks visit >= 2048 keys on average at min_blocks 1: prefix);
 - with ``--arms`` also ``two`` (new with 2 query tiles a block instead of a resident grid:
   ``CUFLASH_FWD90_PERSIST_GRID=2``) and ``pall`` (new with plain causal persistent too:
   ``CUFLASH_FWD90_PERSIST=all``; only its ``plain`` rows differ from new);
@@ -57,8 +58,8 @@ def _points(a):
     for name in a.points.split(","):
         if name in ("awindow", "plain"):
             out += [(name, d, L) for d in ds for L in lengths]
-        else:                                   # the block masks: d 64, 4k (the issue's points)
-            out.append((name, 64, 4096))
+        else:       # the block masks at 4k: d 64 (the issue's points), documents also at d 128
+            out += [(name, 64, 4096)] + ([(name, 128, 4096)] if name == "document" else [])
     return out
 
 
