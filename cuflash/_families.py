@@ -273,7 +273,7 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(persist=1)
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
-                   "during the one before (equal short blocks: CUFLASH_FWD90_PERSIST)")
+                   "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
     return t, {"even": even}, why
 
 
@@ -290,15 +290,17 @@ def bmask_long_keys() -> int:
 
 
 def persist_wanted(shape: Shape, t: Traits, dev) -> bool:
-    """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``):
-    ``CUFLASH_FWD90_PERSIST`` (plan time) "short" (default: the analytic window, with causal or
-    not, and a block mask's mask_mod, with causal or not, whose lists are short: fewer than
-    ``bmask_long_keys()`` keys a query block), "window" (the analytic window only), "all" (any
-    Variant), "0" (never); only where the grid has more (batch item, Q tile) items than
-    resident blocks and the second Q buffer fits."""
-    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "short"
-    if value not in ("short", "window", "all", "0"):
-        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected short, window, all or 0")
+    """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``).
+    ``CUFLASH_FWD90_PERSIST`` (plan time): "auto" (default) where a block is alone on its SM
+    (min_blocks 1: d = 128's 3 warpgroups), for the analytic window (with causal or not) and a
+    block mask's mask_mod (with causal or not) whose lists are short (fewer than
+    ``bmask_long_keys()`` keys a query block): there nothing overlaps a block's prologue and
+    epilogue; "window": also the window at 2 blocks an SM (d = 64); "all": any Variant; "0":
+    never. Only where the grid has more (batch item, Q tile) items than resident blocks and the
+    second Q buffer fits."""
+    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "auto"
+    if value not in ("auto", "window", "all", "0"):
+        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected auto, window, all or 0")
     v = shape.variant
     if value == "0" or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
         return False
@@ -306,7 +308,8 @@ def persist_wanted(shape: Shape, t: Traits, dev) -> bool:
     short = (v.block_mask and v.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
              and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
              and t.min_blocks == 1)   # (at 2 blocks an SM, d = 64, its builds spill)
-    if not (value == "all" or window or (value == "short" and short)):
+    alone = t.min_blocks == 1
+    if not (value == "all" or (value == "window" and window) or (alone and (window or short))):
         return False
     items = shape.nbatch * -(-shape.Lq // t.block_m)
     return (items > fwd_sm90_grid(t.replace(persist=1), items, dev)

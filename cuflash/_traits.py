@@ -323,21 +323,24 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 #: document build took 140 registers: one block of 8 warps an SM). Softcap or ALiBi beside a
 #: mask_mod keep 1 (more live registers a score). ``CUFLASH_FWD90_BMASK_BLOCKS=1`` restores 1.
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
-#: The Variants fwd_sm90 runs PERSISTENT (session 10; ``CUFLASH_FWD90_PERSIST``, read at plan
-#: time: "short" the default, "window", "0" never, "all" every Variant): a grid of
-#: ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ... with
-#: the next item's Q and first K/V loaded during the current one's last key tile. For the
-#: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so the blocks
-#: of an SM start and end together and each one's prologue (Q, K_0, V_0 from memory) and
-#: epilogue (O staged and stored) ran with nothing beside it: at 16k the window reached 0.76-0.79x
-#: plain causal's TFLOP/s on visible pairs (issue 10: >= 0.85x). Head dims <= 128 (the second Q
-#: buffer: 65 KB a block at d = 64, 161 KB at d = 128; 263 KB at d = 256 does not fit).
+#: The Variants fwd_sm90 runs PERSISTENT (session 10; ``_families.persist_wanted``,
+#: ``CUFLASH_FWD90_PERSIST`` read at plan time: "auto" the default, "window", "all", "0"): a grid
+#: of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
+#: with the next item's Q and first K/V loaded during the current one's last key tile. For the
+#: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so each one's
+#: prologue (Q, K_0, V_0 from memory) and epilogue (O staged and stored) recur every 18 tiles,
+#: not every ~64 as in causal attention at 16k: the window reached 0.76-0.79x plain causal's
+#: TFLOP/s on visible pairs (issue 10: >= 0.85x). By default only where a block is alone on its
+#: SM (d = 128): the lead's ncu (session 10, FINDINGS) has the d = 64 window, 2 blocks an SM,
+#: issuing as busily as causal (57.4% / 56.3% of slots): its loss is instructions (1.30x a
+#: visible pair), which the schedule does not remove. Head dims <= 128 (the second Q buffer:
+#: 65 KB a block at d = 64, 161 KB at d = 128; 263 KB at d = 256 does not fit).
 FWD_SM90_PERSIST_FEATURES = frozenset({"causal", "window"})
 #: ... and, with a block mask whose query blocks visit few keys (``Shape.bmask_keys`` below
 #: ``FWD_SM90_BMASK_LONG_KEYS``: 8 causal documents at 4k visit 320 keys a block on average, 5
 #: key tiles, and fixed cost was ~45% of such a block in session 9), a mask_mod alone or with
-#: causal (the next item's first list entry is read during the last visit, after its S wgmma is
-#: issued).
+#: causal, at min_blocks 1 (d = 128; the next item's first list entry is read, and its copies
+#: issued, once the current item's last tile is: at d = 64's 2 blocks an SM the loop spills).
 FWD_SM90_PERSIST_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 FWD_SM90_PERSIST_MAX_HEAD_DIM = 128
 #: The mean keys a 128-row query block of a block mask visits (``_families.Shape.bmask_keys``)

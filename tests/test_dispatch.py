@@ -332,14 +332,26 @@ def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
     assert wg(mask=True) == wg(softcap=True) == 2
 
 
+def choice_default_d64_is_not_persistent(monkeypatch) -> bool:
+    """(the default: the d = 64 window, 2 blocks an SM, runs one block a Q tile; d = 128's
+    is persistent)"""
+    def pick(d):
+        v = Variant(causal=True, window=True)
+        return _families.choose("fwd", Shape(BF16, 128, 4096, 4096, d, d, v), H200).traits
+    return pick(64)["persist"] == 0 and pick(128)["persist"] == 1
+
+
 def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
     """Session 10: the analytic window (with causal or not, nothing else) runs fwd_sm90's
     persistent build (``persist``: a second Q buffer, a grid of min_blocks blocks an SM) where
-    its EVEN build has more (batch item, Q tile) items than resident blocks;
-    ``CUFLASH_FWD90_PERSIST`` "0" never, "all" any Variant without a block mask;
-    ``CUFLASH_FWD90_PERSIST_GRID`` k items a block. Plain attention keeps its name expression."""
+    its EVEN build has more (batch item, Q tile) items than resident blocks, by default where a
+    block is alone on its SM (d = 128), with ``CUFLASH_FWD90_PERSIST=window`` at d = 64 too;
+    "0" never, "all" any Variant; ``CUFLASH_FWD90_PERSIST_GRID`` k items a block. Plain
+    attention keeps its name expression."""
     for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_PERSIST_GRID"):
         monkeypatch.delenv(var, raising=False)
+    assert choice_default_d64_is_not_persistent(monkeypatch)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
 
     def choice(d=64, L=4096, nbatch=128, window=True, causal=True):
         v = Variant(causal=causal, window=window)
@@ -359,14 +371,14 @@ def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
     assert _families.fwd_sm90_grid(c.traits, 4096, H200) == 2048
     assert _families.fwd_sm90_grid(choice(window=False).traits, 4096, H200) == 4096
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "0")
-    assert choice().traits["persist"] == 0
+    assert choice().traits["persist"] == 0 and choice(d=128).traits["persist"] == 0
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
     assert choice(window=False).traits["persist"] == 1
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "yes")
     with pytest.raises(ValueError, match="CUFLASH_FWD90_PERSIST"):
         choice()
     # CUFLASH_TILES may leave the schedule out (it is not a tile)
-    monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
     monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:64=64:1:4")
     assert choice().traits["warpgroups"] == 1 and choice().traits["persist"] == 1
 
@@ -406,7 +418,7 @@ def test_fwd_sm90_block_mask_persistent_where_registers_allow(monkeypatch):
     """Session 10: a block mask's mask_mod (with causal or not) with short lists runs fwd_sm90's
     persistent build where the build has min_blocks 1 (d = 128: 168-register cap, 0 spills);
     at d = 64 its 2 blocks an SM (128 registers) stay unpersisted (the outer loop spills there);
-    long lists, CUFLASH_FWD90_PERSIST=window or 0, and a recorded spill leave it off."""
+    long lists, CUFLASH_FWD90_PERSIST=0, and a recorded spill leave it off."""
     from cuflash import _trace, _trace_cuda
     for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_BMASK_LONG", "CUFLASH_FWD90_BMASK_BLOCKS"):
         monkeypatch.delenv(var, raising=False)
@@ -421,7 +433,7 @@ def test_fwd_sm90_block_mask_persistent_where_registers_allow(monkeypatch):
     assert traits(d=64)["persist"] == 0 and traits(d=64).min_blocks == 2
     assert traits(keys=2224)["persist"] == 0 and traits(keys=0)["persist"] == 0
     assert traits(L=4000)["persist"] == 0            # EVEN builds only
-    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "0")
     assert traits()["persist"] == 0
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
     assert traits(keys=2224)["persist"] == 1

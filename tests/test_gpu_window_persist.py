@@ -64,22 +64,30 @@ def test_plain_attention_persistent_opt_in(monkeypatch, causal, d):
 
 def test_the_window_plan_is_persistent(monkeypatch):
     """The dispatcher's choice for the shapes above is the persistent build, with a grid of
-    min_blocks blocks an SM (what the tests above exercise)."""
+    min_blocks blocks an SM (what the tests above exercise): by default at d = 128 (a block
+    alone on its SM), with ``CUFLASH_FWD90_PERSIST=window`` at d = 64 too."""
     from cuflash import _api, _families
     from cuflash._variant import Variant
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST_GRID", raising=False)
     _api.clear_plans()
     dev = _families.device_info(0)
-    shape = _families.Shape("bfloat16", 80, 512, 512, 64, 64, Variant(causal=True, window=True))
-    c = _families.choose("fwd", shape, dev)
-    if c.family.name != "fwd_sm90":
-        pytest.skip(f"not a Hopper: {c.family.name}")
+
+    def choice(d, nbatch):
+        v = Variant(causal=True, window=True)
+        return _families.choose("fwd", _families.Shape("bfloat16", nbatch, 512, 512, d, d, v), dev)
+
+    if choice(128, 64).family.name != "fwd_sm90":
+        pytest.skip(f"not a Hopper: {choice(128, 64).family.name}")
+    assert choice(128, 64).traits["persist"] == 1 and choice(64, 80).traits["persist"] == 0
+    assert _families.fwd_sm90_grid(choice(128, 64).traits, 192, dev) == min(192, dev.num_sms)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+    c = choice(64, 80)
     assert c.traits["persist"] == 1
     assert _families.fwd_sm90_grid(c.traits, 320, dev) == min(320, 2 * dev.num_sms)
 
 
-@pytest.mark.parametrize("persist", ["0", "short"])
+@pytest.mark.parametrize("persist", ["0", "auto"])
 @pytest.mark.parametrize("mask", ["documents", "late_rows"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_block_mask_persistent_at_d128(monkeypatch, persist, mask, causal):

@@ -16,11 +16,14 @@ target's baseline) at every d and L, ``prefix`` (prefix-LM block mask) at d 64 a
 
 - ``old``: ``CUFLASH_FWD90_PERSIST=0`` (one block a query tile, as main 9b6d075) and
   ``CUFLASH_FWD90_BMASK_LONG=0`` (the session-9 2-block rule for every block mask);
-- ``new``: the defaults (the window persistent: min_blocks blocks an SM, each running query
-  tiles in turn with the next one's Q and first K/V loaded during the last key tile; block
-  masks with short lists persistent where the build has min_blocks 1, i.e. documents at d 128;
-  block masks whose query blocks visit >= 2048 keys on average at min_blocks 1: prefix);
-- with ``--arms`` also ``two`` (new with 2 query tiles a block instead of a resident grid:
+- ``new``: the defaults: persistent where a block is alone on its SM (d 128: the window, and
+  documents' short lists): min_blocks blocks an SM, each running query tiles in turn with the
+  next one's Q and first K/V loaded during the last key tile; block masks whose query blocks
+  visit >= 2048 keys on average at min_blocks 1 (prefix at d 64);
+- ``pwin``: new with the d 64 window persistent too (``CUFLASH_FWD90_PERSIST=window``; off by
+  default: the lead's ncu has the d 64 window issuing as busily as causal, so the schedule may
+  not pay where 2 blocks share an SM);
+- with ``--arms`` also ``two`` (pwin with 2 query tiles a block instead of a resident grid:
   ``CUFLASH_FWD90_PERSIST_GRID=2``) and ``pall`` (new with plain causal persistent too:
   ``CUFLASH_FWD90_PERSIST=all``; only its ``plain`` rows differ from new);
 - ``flex``: ``torch.compile``d FlexAttention with its own block mask (not for ``plain``).
@@ -47,7 +50,8 @@ _NEW = {"CUFLASH_FWD90_PERSIST": None, "CUFLASH_FWD90_PERSIST_GRID": None,
 ARMS = {
     "old": {**_NEW, "CUFLASH_FWD90_PERSIST": "0", "CUFLASH_FWD90_BMASK_LONG": "0"},
     "new": dict(_NEW),
-    "two": {**_NEW, "CUFLASH_FWD90_PERSIST_GRID": "2"},
+    "pwin": {**_NEW, "CUFLASH_FWD90_PERSIST": "window"},
+    "two": {**_NEW, "CUFLASH_FWD90_PERSIST": "window", "CUFLASH_FWD90_PERSIST_GRID": "2"},
     "pall": {**_NEW, "CUFLASH_FWD90_PERSIST": "all"},
 }
 
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask as cbm
         compiled = compile_flex(torch)
-    arms = ["old", "new"] + (["two", "pall"] if a.arms else [])
+    arms = ["old", "new", "pwin"] + (["two", "pall"] if a.arms else [])
     points, modes = _points(a), a.modes.split(",")
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t_start = [], time.perf_counter()
