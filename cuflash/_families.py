@@ -25,6 +25,7 @@ import numpy
 from . import _traits
 from ._traits import Traits
 from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
+from ._fwd_schedule import bmask_long_keys, fwd_sm90_grid, persist_wanted  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -275,59 +276,6 @@ def _fwd_sm90_select(fam, shape, dev):
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
                    "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
     return t, {"even": even}, why
-
-
-def bmask_long_keys() -> int:
-    """``CUFLASH_FWD90_BMASK_LONG`` (plan time; session 10): the mean keys a query block of a
-    block mask visits from which fwd_sm90 gives it 1 block an SM (min_blocks) instead of the 2
-    kept for short lists (``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``); "0": never (session 9)."""
-    value = os.environ.get("CUFLASH_FWD90_BMASK_LONG", "").strip()
-    if value == "":
-        return _traits.FWD_SM90_BMASK_LONG_KEYS
-    if not value.isdigit():
-        raise ValueError(f"CUFLASH_FWD90_BMASK_LONG={value!r}: expected a number of keys (0: off)")
-    return int(value)
-
-
-def persist_wanted(shape: Shape, t: Traits, dev) -> bool:
-    """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``).
-    ``CUFLASH_FWD90_PERSIST`` (plan time): "auto" (default) where a block is alone on its SM
-    (min_blocks 1: d = 128's 3 warpgroups), for the analytic window (with causal or not) and a
-    block mask's mask_mod (with causal or not) whose lists are short (fewer than
-    ``bmask_long_keys()`` keys a query block): there nothing overlaps a block's prologue and
-    epilogue; "window": also the window at 2 blocks an SM (d = 64); "all": any Variant; "0":
-    never. Only where the grid has more (batch item, Q tile) items than resident blocks and the
-    second Q buffer fits."""
-    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "auto"
-    if value not in ("auto", "window", "all", "0"):
-        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected auto, window, all or 0")
-    v = shape.variant
-    if value == "0" or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
-        return False
-    window = v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES
-    short = (v.block_mask and v.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
-             and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
-             and t.min_blocks == 1)   # (at 2 blocks an SM, d = 64, its builds spill)
-    alone = t.min_blocks == 1
-    if not (value == "all" or (value == "window" and window) or (alone and (window or short))):
-        return False
-    items = shape.nbatch * -(-shape.Lq // t.block_m)
-    return (items > fwd_sm90_grid(t.replace(persist=1), items, dev)
-            and t.replace(persist=1).smem_bytes <= dev.smem_optin)
-
-
-def fwd_sm90_grid(t: Traits, items: int, dev) -> int:
-    """The forward's grid for ``items`` (batch item, Q tile) blocks of work: one block each, or
-    for a persistent build (``persist``) ``CUFLASH_FWD90_PERSIST_GRID``: "slots" (default:
-    ``min_blocks`` blocks an SM, the resident ones) or k (k items a block: ceil(items / k))."""
-    if t.family != "fwd_sm90" or not t["persist"]:
-        return items
-    value = os.environ.get("CUFLASH_FWD90_PERSIST_GRID", "").strip() or "slots"
-    if value == "slots":
-        return max(1, min(items, t.min_blocks * dev.num_sms))
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"CUFLASH_FWD90_PERSIST_GRID={value!r}: expected slots or k >= 1")
-    return -(-items // int(value))
 
 
 #: (Variant, EVEN) of fwd_sm90 block-mask builds whose min_blocks 1 build (the long-list rule,
