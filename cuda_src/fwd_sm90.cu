@@ -27,7 +27,7 @@ namespace sm90 {
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
 // FWD_SM90 in cuflash/_traits.py.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int PERSIST = 0>
 struct Sm90Traits {
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kBlockM = 64 * WARPGROUPS;   // 64 rows a warpgroup (the wgmma M)
@@ -43,8 +43,11 @@ struct Sm90Traits {
   // intra-warpgroup pipeline measured slower with this barrier-per-tile loop: bench/NOTES.md.)
   static constexpr int kStages = 2;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
+  // PERSIST (a block runs query tiles one after another, fwd_sm90 below): a second Q buffer,
+  // after the K/V stages, into which the next tile's Q lands while this one's O is staged
+  static constexpr int kQBuffers = PERSIST ? 2 : 1;
   // + 1024: the dynamic shared memory base is aligned up to the 1024-byte swizzle atom
-  static constexpr int kSmemBytes = QTile::kBytes + kStages * kStageBytes + 1024;
+  static constexpr int kSmemBytes = kQBuffers * QTile::kBytes + kStages * kStageBytes + 1024;
 
   static_assert(sizeof(T) == 2, "wgmma here takes float16 / bfloat16");
   static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head dims in whole 128-byte column blocks");
@@ -55,11 +58,31 @@ struct Sm90Traits {
   static_assert(OTile::kBytes <= QTile::kBytes, "O is staged in Q's space");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN>
+// PERSIST (the analytic window's schedule, session 10): the grid holds fewer blocks than query
+// tiles (cuflash/_families.fwd_sm90_grid), and block bid runs the (batch item, Q tile) items
+// bid, bid + gridDim.x, ... one after another. During the last key tile of one item the next
+// item's Q_i (into the other Q buffer) and its first K_j, V_j (into the stage the last tile
+// does not use) are loaded, so the next item's first S waits for nothing, and its epilogue (O
+// staged over its own Q buffer, stored) runs while those copies land. Without it a window
+// block's Q, K_0, V_0 latency and its epilogue stood between equal-length blocks that start
+// and end together on an SM (bench/NOTES.md, "the window at short lists (session 10)").
+// With a block mask they are issued once the last tile is (in the last tile, with the list
+// walk's registers live, the causal builds spilled 16-40 bytes at d = 128), after the next
+// item's first list entry is read; the dispatcher uses it where a block has the registers
+// (min_blocks 1: at d = 64's 128-register cap of 2 blocks an SM, the outer loop alone made the
+// suite's causal builds spill 16-64 bytes). Not for varlen builds (a block's work item is its
+// sequence's): they compile as PERSIST = 0.
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN,
+          int PERSIST = 0>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
-  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS>;
+#ifdef CUFLASH_VARLEN
+  constexpr bool kLoop = false;
+#else
+  constexpr bool kLoop = PERSIST != 0;
+#endif
+  using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS, PERSIST>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kThreads = Tr::kThreads;
@@ -67,13 +90,23 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
-  const unsigned sQ = (raw + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (sQ - raw);
-  const unsigned sKV = sQ + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
+  const unsigned sQ0 = (raw + 1023u) & ~1023u;
+  const unsigned sKV = sQ0 + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
+  [[maybe_unused]] const unsigned sQ1 = sKV + Tr::kStages * Tr::kStageBytes;   // PERSIST's other Q
 
   const int wg = threadIdx.x / 128;                 // warpgroup: rows 64 wg .. 64 wg + 63
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const BlockTile tile = block_tile(p);
+  // PERSIST: the item this block runs (bid), which Q buffer holds its Q (qbuf), whether its Q
+  // and first K/V were loaded during the previous item (prefetched), and the K/V stage offset
+  // that makes its first key tile's stage the one the previous item's last tile left free
+  [[maybe_unused]] unsigned bid = blockIdx.x;
+  [[maybe_unused]] const unsigned n_items = kLoop ? unsigned(p.nbatch) * unsigned(p.num_m_blocks) : 0u;
+  [[maybe_unused]] bool qbuf = false, prefetched = false;
+  [[maybe_unused]] int free_stage = 0;
+  for (;;) {
+  const unsigned sQ = kLoop && qbuf ? sQ1 : sQ0;
+  unsigned char* smem = smem_raw + (sQ - raw);
+  const BlockTile tile = block_tile(p, bid);
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   const BatchOffsets off = batch_offsets(p, b);
@@ -100,6 +133,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int j_first_wg = Var::kKeyLo ? Var::key_begin(p.var, p.mod, wg_row_first) / BLOCK_N : 0;
   const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
   const int n_wg = n_end_wg > 0 ? (n_end_wg + BLOCK_N - 1) / BLOCK_N : 0;
+  // PERSIST: key tile j (a block mask: visit v) is in stage (j + slot_off) % kStages ((v +
+  // slot_off) % kStages; without it j or v, as before), slot_off chosen so that the first
+  // tile's stage is the one the previous item left free
+  const int slot_off = kLoop ? ((free_stage - (Var::kBlockMask ? 0 : j_first)) & 1) : 0;
   // Within [j_first, n_blocks) a block mask visits only the key tiles of its list for this
   // row block (Mod::tile_list: those some row of the block may see; the others are never
   // loaded nor computed), each with the kind of every warpgroup's 64 rows. The loop visits the
@@ -119,6 +156,40 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   int e_walk = Var::kBlockMask ? entry(1) : 0;
   const int j0 = Var::kBlockMask ? Var::Mod::entry_tile(e_cur) : j_first;
   int j_walk = Var::kBlockMask ? Var::Mod::entry_tile(e_walk) : 0, visit = 0;
+  // PERSIST: the next item of this block (bid + gridDim.x), its Q into the other Q buffer and
+  // its first key tile into the stage after this item's last (n_blocks + slot_off)
+  [[maybe_unused]] const unsigned next = bid + gridDim.x;
+  // (a block mask: once this item's loop is done, where its list walk's registers are free:
+  // the next item's first list entry, read here, decides which tile; the stage is visit's,
+  // one past the last visit's)
+  auto prefetch_next_now = [&]() {
+    if constexpr (kLoop) {
+      if (next < n_items) {
+        const BlockTile nt = block_tile(p, next);
+        const int nm0 = nt.m_block * kBlockM;
+        const BatchPtrs<T> ng = batch_ptrs<T>(p, batch_offsets(p, nt.b));
+        load_tile<QTile, kBlockM, kThreads, false>(qbuf ? sQ0 : sQ1, ng.q, p.q_row_stride, nm0, p.Lq, p.d);
+        const int nend = Var::key_end(p.var, p.mod, nm0 + kBlockM, p.Lk);
+        const int nblocks = nend > 0 ? (nend + BLOCK_N - 1) / BLOCK_N : 0;
+        int nj0 = Var::kKeyLo ? Var::key_begin(p.var, p.mod, nm0) / BLOCK_N : 0;
+        if constexpr (Var::kBlockMask) {
+          int count;
+          const auto nitem = Var::template item<float>(p, nt.b);
+          nj0 = Var::Mod::entry_tile(Var::Mod::list_entry(
+              Var::Mod::template tile_list<true>(p.mod, nitem, nt.m_block, count), 0, nblocks));
+        }
+        if (nblocks > nj0) {
+          const unsigned sK = sKV + (((Var::kBlockMask ? visit : n_blocks) + slot_off) & 1) * Tr::kStageBytes;
+          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, ng.k, p.k_row_stride, nj0 * BLOCK_N, p.Lk, p.d);
+          load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, ng.v, p.v_row_stride, nj0 * BLOCK_N, p.Lk, p.dv);
+        }
+      }
+    }
+  };
+
+  auto prefetch_next = [&]() {   // at the top of the last key tile
+    if constexpr (!Var::kBlockMask) prefetch_next_now();
+  };
   auto walk_ahead = [&]() {   // (the current entry is dead by then: its register takes it)
     if constexpr (Var::kBlockMask) e_cur = entry(visit + 2);
   };
@@ -199,9 +270,11 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
   // (Q is loaded once a block, so it is always predicated: EVEN is about keys, since 64-row
   // warpgroups make BLOCK_M = 192 a common choice that few Lq are multiples of)
-  load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
-  if (n_blocks > j0) load_kv(j0, Var::kBlockMask ? 0 : j0);
-  cp_async_commit();
+  if (!kLoop || !prefetched) {   // (PERSIST: loaded during the previous item's last key tile)
+    load_tile<QTile, kBlockM, kThreads, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d);
+    if (n_blocks > j0) load_kv(j0, Var::kBlockMask ? slot_off : j0 + slot_off);
+    cp_async_commit();
+  }
 
   // -- 5: On chip, initialise O_i = 0, l_i = 0, m_i = -inf
   float o[Tr::kNTilesO][4];
@@ -218,7 +291,9 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
     __syncthreads();       // ... for every thread, and every warpgroup is done with the other stage
     if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
-      load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 : j + 1);
+      load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 + slot_off : j + 1 + slot_off);
+    else
+      prefetch_next();   // PERSIST: the next item's Q and first K/V, during this last key tile
     cp_async_commit();
     if (j >= n_wg || (Var::kKeyLo && j < j_first_wg)) {
       walk_ahead();
@@ -238,7 +313,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
 
     wgmma_fence();
-    issue_s(s, Var::kBlockMask ? visit : j);
+    issue_s(s, Var::kBlockMask ? visit + slot_off : j + slot_off);
     walk_ahead();
     wgmma_wait<0>();
     fence_regs(s);
@@ -250,14 +325,24 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
     fence_regs(o);
     wgmma_fence();
-    issue_pv(o, pa, Var::kBlockMask ? visit : j);
+    issue_pv(o, pa, Var::kBlockMask ? visit + slot_off : j + slot_off);
     wgmma_wait<0>();
     fence_regs(o);
   }
 
+  if constexpr (kLoop && Var::kBlockMask) {   // PERSIST: the next item's copies (above)
+    if (n_blocks > j0) {
+      prefetch_next_now();
+      cp_async_commit();
+    }
+  }
+
   // -- 11: end for.  12-15: l_i over the quad, O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i),
   //    written to HBM
-  cp_async_wait<0>();   // with no key tile (every row masked) Q's copy is still pending
+  // with no key tile (every row masked) Q's copy is still pending (O is staged over it).
+  // PERSIST: after a key tile the only copies in flight are the next item's (the other Q
+  // buffer, the stage the last tile left free), which its first tile waits for
+  if (!kLoop || n_blocks <= j0) cp_async_wait<0>();
   float inv_l[2];
   finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
   // Stage O through shared memory (over Q, which other warpgroups may still be reading: hence
@@ -266,6 +351,16 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
   __syncthreads();
   store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
+  if constexpr (!kLoop) {
+    break;
+  } else {   // the next item: its Q and first K/V were loaded if this one had a key tile
+    prefetched = n_blocks > j0;
+    free_stage = ((Var::kBlockMask ? visit : n_blocks) + slot_off) & 1;
+    qbuf = !qbuf;
+    bid = next;
+    if (bid >= n_items) break;
+  }
+  }  // items
 }
 
 }  // namespace sm90

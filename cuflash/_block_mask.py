@@ -82,6 +82,14 @@ class BlockMask:
         """The fraction of tiles that are not empty (the work left, roughly)."""
         return float((self.kind != EMPTY).mean()) if self.kind.size else 0.0
 
+    def mean_row_keys(self) -> int:
+        """The keys a query row block of the map visits, on average over blocks and batch
+        items (its non-empty blocks times their width): how long the kernels' lists are
+        (fwd_sm90's blocks an SM, ``_families.Shape.bmask_keys``)."""
+        if not self.kind.size:
+            return 0
+        return int(round(float((self.kind != EMPTY).sum(-1).mean()) * self.block[1]))
+
     def classify(self, i0: int, i1: int, j0: int, j1: int) -> str:
         """'empty', 'partial' or 'full' for the rows ``[i0, i1)`` and keys ``[j0, j1)`` over all
         batch items (what the blocked CPU path, which handles all items at once, may skip)."""

@@ -25,6 +25,7 @@ import numpy
 from . import _traits
 from ._traits import Traits
 from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
+from ._fwd_schedule import bmask_long_keys, fwd_sm90_grid, persist_wanted  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -43,6 +44,14 @@ def acc_ctype(dtype) -> str:
 
 def _bool(x: bool) -> str:
     return "true" if x else "false"
+
+
+def _spelled(args: dict) -> dict:
+    """Tile arguments as a template spells them: fwd_sm90's ``persist`` is a trailing default
+    argument (PERSIST = 0), written only when set, so the builds without it keep their names."""
+    if "persist" in args:
+        args["persist"] = f", {args['persist']}" if args["persist"] else ""
+    return args
 
 
 # Devices: what the dispatcher needs to know about a GPU (_devices.py; named here too)
@@ -64,12 +73,17 @@ class Shape:
     dv: int
     variant: Variant
     deterministic: bool = False   # backward only
+    #: a block mask's mean keys a 128-row query block visits (its map's non-empty blocks a
+    #: row, times their width; 0 without one): fwd_sm90's blocks an SM (session 10)
+    bmask_keys: int = 0
 
     @classmethod
     def of(cls, prob, deterministic: bool = False, mods=None) -> "Shape":
         from ._variant import variant_of
+        bm = getattr(mods, "block_mask", None)
+        keys = bm.mean_row_keys() if bm is not None else 0
         return cls(prob.dtype.name, math.prod(prob.batch_shape), prob.Lq, prob.Lk, prob.d,
-                   prob.dv, variant_of(prob, mods), bool(deterministic))
+                   prob.dv, variant_of(prob, mods), bool(deterministic), keys)
 
     @property
     def dmax(self) -> int:
@@ -111,7 +125,7 @@ class Family:
     def expr(self, dtype, traits: Traits | None = None, variant: Variant | None = None,
              **flags) -> str:
         """The NVRTC name expression of one specialisation."""
-        values = dict(traits.args) if traits is not None else {}
+        values = _spelled(dict(traits.args)) if traits is not None else {}
         values.update({k: _bool(v) if isinstance(v, bool) else v for k, v in flags.items()})
         types = {"T": ctype(dtype), "Acc": acc_ctype(dtype)}
         values = {k: types.get(v, v) for k, v in values.items()}   # a flag may name a type
@@ -121,7 +135,7 @@ class Family:
         """The kernel's own shared-memory size of ``traits`` as a C++ expression."""
         dtype = "float64" if traits.acc == 8 else ("float32" if traits.family.endswith("simt")
                                                    else "float16")
-        return self.smem_expr.format(T=ctype(dtype), **dict(traits.args))
+        return self.smem_expr.format(T=ctype(dtype), **_spelled(dict(traits.args)))
 
     def arch_ok(self, cc: int) -> bool:
         return self.min_cc <= cc <= self.max_cc
@@ -239,6 +253,14 @@ def _fwd_sm90_select(fam, shape, dev):
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
+    if (t.min_blocks > 1 and shape.variant.block_mask and shape.variant.score_path
+            and 0 < bmask_long_keys() <= shape.bmask_keys
+            and (shape.variant, even) not in _LONG_LISTS_TWO_BLOCKS):
+        # (the 2 blocks an SM kept for short lists: prefix-LM at 4k, 34.75 key tiles a block,
+        # ran 4% slower so than at min_blocks 1, whose build has the same 128 registers)
+        t = t.replace(min_blocks=1)
+        why.append(f"min_blocks=1: the block mask's lists are long ({shape.bmask_keys} keys a "
+                   f"query block on average, >= {bmask_long_keys()}: CUFLASH_FWD90_BMASK_LONG)")
     if t.min_blocks > 1 and shape.variant.score_path and (
             not even or (shape.variant, even) in _KEPT_BLOCKS_SPILLED):
         # (a block mask's kept blocks an SM, _traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK: the
@@ -247,8 +269,19 @@ def _fwd_sm90_select(fam, shape, dev):
         t = t.replace(min_blocks=1)
         why.append("min_blocks=1: " + ("the predicated build spills at 2 blocks an SM" if not even
                                        else "this mask_mod's build at 2 blocks an SM used local memory"))
+    if even and persist_wanted(shape, t, dev) and (shape.variant, even) not in _KEPT_BLOCKS_SPILLED:
+        # (the predicated causal window spills 4 bytes)
+        t = t.replace(persist=1)
+        why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
+                   "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
+                   "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
     return t, {"even": even}, why
 
+
+#: (Variant, EVEN) of fwd_sm90 block-mask builds whose min_blocks 1 build (the long-list rule,
+#: ``bmask_long_keys``) took more than 128 registers on the GPU, so would run 1 block an SM
+#: instead of 2: they keep the 2-block build (``kept_blocks_spilled``)
+_LONG_LISTS_TWO_BLOCKS: set = set()
 
 #: (Variant, EVEN) of fwd_sm90 builds that kept 2 blocks an SM for a block mask and, compiled
 #: on the GPU, used local memory (a heavier user mask_mod: spills at the 128-register cap); the
@@ -262,11 +295,24 @@ def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
     for ``device_id`` (memoised: the plan's own compile reuses it), uses local memory; then it
     is recorded, and ``choose`` run again picks min_blocks 1 (0 spills: the suite's mask_mods
     and most of the testing kit's compile without; a mask_mod dividing by a constant that is not
-    a power of two spilled 16-32 bytes, session 9)."""
+    a power of two spilled 16-32 bytes, session 9). The same for a persistent build (``persist``,
+    session 10: a block mask with short lists at min_blocks 1), which ``choose`` then gives up;
+    and a build of the long-list rule (min_blocks 1 for lists of >= ``bmask_long_keys()`` keys)
+    whose registers leave room for 1 block an SM only is recorded, and ``choose`` keeps 2."""
     t, v = choice.traits, shape.variant
-    if choice.family.name != "fwd_sm90" or t.min_blocks < 2 or not (v.block_mask and v.score_path):
+    if choice.family.name != "fwd_sm90" or not (v.block_mask and v.score_path):
         return False
     from . import _jit
+    if any("CUFLASH_FWD90_BMASK_LONG" in r for r in choice.reasons):
+        # the long-list rule's min_blocks 1 build: it paid where it kept 2 blocks an SM (<= 128
+        # registers for 256 threads, as prefix-LM's does); one that takes more goes back to
+        # the 2-block build (the suite's prefix with causal=True: 130 registers)
+        kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
+        if kernel.num_regs * t.threads * 2 > 65536:
+            _LONG_LISTS_TWO_BLOCKS.add((v, bool(choice.flag.get("even"))))
+            return True
+    if not (t.min_blocks >= 2 or t["persist"]):
+        return False
     kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
     if not kernel.local_size_bytes:
         return False
@@ -380,11 +426,11 @@ REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
            "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
-           "{variant}, {even}>",
+           "{variant}, {even}{persist}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 256), tensor_core_rows=True,
            features=FWD_FEATURES,
            smem_expr="cuflash::sm90::Sm90Traits<{T}, {head_dim}, {block_n}, {warpgroups}, "
-                     "{min_blocks}>::kSmemBytes",
+                     "{min_blocks}{persist}>::kSmemBytes",
            select=_fwd_sm90_select, instances=_fwd_sm90_instances,
            summary="Hopper wgmma forward (FA-2 Algorithm 1, operands from shared memory)"),
     Family("fwd_sm80", "fwd", "fwd_sm80.cu",

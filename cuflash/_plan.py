@@ -124,8 +124,10 @@ class ForwardPlan:
         if self.mods is not None:
             self.mods.pack_into(p, layout, len(tensors), mods)
         t = self.choice.traits
-        launch = Launch(self._kernel, layout.inner_n * self.num_m_blocks, t.threads,
-                        t.smem_bytes, p, name=self.choice.expr)
+        # (one block a (batch item, Q tile), or fewer for fwd_sm90's persistent builds)
+        grid = _families.fwd_sm90_grid(t, layout.inner_n * self.num_m_blocks,
+                                       _families.device_info(self.device_id))
+        launch = Launch(self._kernel, grid, t.threads, t.smem_bytes, p, name=self.choice.expr)
         # byte offsets of q, k, v, o, lse (the leading words of Params) for each launch
         sizes = [x.itemsize for x in (q, k, v, o)]
         offsets = [[e * n for e, n in zip(offs, sizes)] + [first * self.lse_row]

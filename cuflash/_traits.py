@@ -44,6 +44,8 @@ class Traits:
     def with_values(self, values: tuple[int, ...]) -> "Traits":
         """Replace the arguments after ``head_dim`` by ``values``, in order (CUFLASH_TILES)."""
         names = [n for n, _ in self.args if n != "head_dim"]
+        if self.family == "fwd_sm90" and len(values) == len(names) - 1:
+            values = (*values, self["persist"])   # (persist: a schedule, not a tile; kept)
         if len(values) != len(names):
             raise ValueError(f"CUFLASH_TILES for {self.family} needs {len(names)} values "
                              f"({':'.join(names)}), got {values}")
@@ -63,13 +65,16 @@ def _traits(family: str, names: tuple[str, ...], values: dict, **derived) -> Tra
 # Constructors: one per family, deriving what the kernel's traits struct derives
 # ---------------------------------------------------------------------------------------------
 
-def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, reason=""):
-    """Sm90Traits: 64 query rows a warpgroup; Q + two stages of K, V, + 1 KB to align."""
+def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, reason=""):
+    """Sm90Traits: 64 query rows a warpgroup; Q + two stages of K, V, + 1 KB to align;
+    ``persist`` (session 10): a block runs several query tiles in turn, with a second Q buffer
+    (the next tile's Q lands during this one's last key tile; ``FWD_SM90_PERSIST``)."""
     bm = 64 * warpgroups
-    return _traits("fwd_sm90", ("head_dim", "block_n", "warpgroups", "min_blocks"), locals(),
-                   head_dim=head_dim, block_m=bm, block_n=block_n, threads=128 * warpgroups,
-                   smem_bytes=(bm + 4 * block_n) * head_dim * 2 + 1024, min_blocks=min_blocks,
-                   reason=reason)
+    return _traits("fwd_sm90", ("head_dim", "block_n", "warpgroups", "min_blocks", "persist"),
+                   locals(), head_dim=head_dim, block_m=bm, block_n=block_n,
+                   threads=128 * warpgroups,
+                   smem_bytes=(bm * (2 if persist else 1) + 4 * block_n) * head_dim * 2 + 1024,
+                   min_blocks=min_blocks, reason=reason)
 
 
 def fwd_sm80(head_dim, block_n, warps, slices, min_blocks=1, allow_even=True, reason=""):
@@ -318,6 +323,33 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 #: document build took 140 registers: one block of 8 warps an SM). Softcap or ALiBi beside a
 #: mask_mod keep 1 (more live registers a score). ``CUFLASH_FWD90_BMASK_BLOCKS=1`` restores 1.
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
+#: The Variants fwd_sm90 runs PERSISTENT (session 10; ``_families.persist_wanted``,
+#: ``CUFLASH_FWD90_PERSIST`` read at plan time: "auto" the default, "window", "all", "0"): a grid
+#: of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
+#: with the next item's Q and first K/V loaded during the current one's last key tile. For the
+#: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so each one's
+#: prologue (Q, K_0, V_0 from memory) and epilogue (O staged and stored) recur every 18 tiles,
+#: not every ~64 as in causal attention at 16k: the window reached 0.76-0.79x plain causal's
+#: TFLOP/s on visible pairs (issue 10: >= 0.85x). By default only where a block is alone on its
+#: SM (d = 128): the lead's ncu (session 10, FINDINGS) has the d = 64 window, 2 blocks an SM,
+#: issuing as busily as causal (57.4% / 56.3% of slots): its loss is instructions (1.30x a
+#: visible pair), which the schedule does not remove. Head dims <= 128 (the second Q buffer:
+#: 65 KB a block at d = 64, 161 KB at d = 128; 263 KB at d = 256 does not fit).
+FWD_SM90_PERSIST_FEATURES = frozenset({"causal", "window"})
+#: ... and, with a block mask whose query blocks visit few keys (``Shape.bmask_keys`` below
+#: ``FWD_SM90_BMASK_LONG_KEYS``: 8 causal documents at 4k visit 320 keys a block on average, 5
+#: key tiles, and fixed cost was ~45% of such a block in session 9), a mask_mod alone or with
+#: causal, at min_blocks 1 (d = 128; the next item's first list entry is read, and its copies
+#: issued, once the current item's last tile is: at d = 64's 2 blocks an SM the loop spills).
+FWD_SM90_PERSIST_BLOCK_MASK = frozenset({"causal", "mask_mod"})
+FWD_SM90_PERSIST_MAX_HEAD_DIM = 128
+#: The mean keys a 128-row query block of a block mask visits (``_families.Shape.bmask_keys``)
+#: from which fwd_sm90 runs it at 1 block an SM's build (min_blocks 1) instead of the 2 kept for
+#: short lists (session 10; ``CUFLASH_FWD90_BMASK_LONG``, "0" = session 9's rule): prefix-LM at
+#: 4k (2224 keys) ran 4% slower at min_blocks 2 than at 1 (its build has 128 registers either
+#: way: the same 2 blocks an SM, ptxas's schedule differs), prefix at 16k 3.5%; documents at 4k
+#: (320 keys) and 16k (1088) and the window as a block mask (~1150) gain from the 2 blocks.
+FWD_SM90_BMASK_LONG_KEYS = 2048
 #: ... and a dense bias, alone or with causal or the sink (session 8: d = 128 at 3 warpgroups,
 #: 168 registers, 0 spills, both EVEN builds; 2 warpgroups left the bias loads' latency
 #: with less of the other warpgroups' wgmma to hide behind). CUFLASH_FWD_BIAS_WARPGROUPS=2

@@ -277,6 +277,9 @@ def test_traits_smem_match_the_kernel(name):
     entries = set(_traits.TABLES[name].values())
     if name == "fwd_sm80":
         entries |= {_traits.small_grid(t) for t in entries}
+    if name == "fwd_sm90":   # the persistent builds' second Q buffer (session 10)
+        entries |= {t.replace(persist=1) for t in entries
+                    if t.head_dim <= _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM}
     checks = [f'static_assert({fam.smem_check(t)} == {t.smem_bytes}, "{t.describe()}");'
               for t in entries]
     src = (_jit.load_source(fam.source) + "\nnamespace cuflash_probe {\n" + "\n".join(checks)
@@ -327,3 +330,138 @@ def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
     assert wg() == wg(True) == wg(sink=True) == full
     assert wg(env="2") == wg(True, env="2") == 2
     assert wg(mask=True) == wg(softcap=True) == 2
+
+
+def choice_default_d64_is_not_persistent(monkeypatch) -> bool:
+    """(the default: the d = 64 window, 2 blocks an SM, runs one block a Q tile; d = 128's
+    is persistent)"""
+    def pick(d):
+        v = Variant(causal=True, window=True)
+        return _families.choose("fwd", Shape(BF16, 128, 4096, 4096, d, d, v), H200).traits
+    return pick(64)["persist"] == 0 and pick(128)["persist"] == 1
+
+
+def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
+    """Session 10: the analytic window (with causal or not, nothing else) runs fwd_sm90's
+    persistent build (``persist``: a second Q buffer, a grid of min_blocks blocks an SM) where
+    its EVEN build has more (batch item, Q tile) items than resident blocks, by default where a
+    block is alone on its SM (d = 128), with ``CUFLASH_FWD90_PERSIST=window`` at d = 64 too;
+    "0" never, "all" any Variant; ``CUFLASH_FWD90_PERSIST_GRID`` k items a block. Plain
+    attention keeps its name expression."""
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_PERSIST_GRID"):
+        monkeypatch.delenv(var, raising=False)
+    assert choice_default_d64_is_not_persistent(monkeypatch)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+
+    def choice(d=64, L=4096, nbatch=128, window=True, causal=True):
+        v = Variant(causal=causal, window=window)
+        return _families.choose("fwd", Shape(BF16, nbatch, L, L, d, d, v), H200)
+
+    c = choice()
+    assert c.traits["persist"] == 1 and c.traits.min_blocks == 2
+    assert c.expr.endswith(", true, 1>")
+    assert c.traits.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 1024
+    assert _families.fwd_sm90_grid(c.traits, 128 * 32, H200) == 2 * 132
+    assert choice(d=128).traits["persist"] == 1 and choice(d=128).traits.smem_bytes <= H200.smem_optin
+    assert choice(causal=False).traits["persist"] == 1
+    for other in (choice(window=False), choice(d=256), choice(L=4000), choice(nbatch=1, L=1024)):
+        assert other.traits["persist"] == 0 and not other.expr.endswith(", 1>")
+    assert choice(window=False).expr == "cuflash::sm90::fwd_sm90<__nv_bfloat16, 64, 64, 2, 2, cuflash::Variant<true>, true>"
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "2")
+    assert _families.fwd_sm90_grid(c.traits, 4096, H200) == 2048
+    assert _families.fwd_sm90_grid(choice(window=False).traits, 4096, H200) == 4096
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "0")
+    assert choice().traits["persist"] == 0 and choice(d=128).traits["persist"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
+    assert choice(window=False).traits["persist"] == 1
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_PERSIST"):
+        choice()
+    # CUFLASH_TILES may leave the schedule out (it is not a tile)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:64=64:1:4")
+    assert choice().traits["warpgroups"] == 1 and choice().traits["persist"] == 1
+
+
+def test_fwd_sm90_block_mask_long_lists_take_one_block(monkeypatch):
+    """Session 10: a block mask whose query blocks visit >= FWD_SM90_BMASK_LONG_KEYS keys on
+    average (prefix-LM at 4k: 2224) runs the min_blocks 1 build at d = 64; short lists (the
+    documents: 320 at 4k, 1088 at 16k) keep 2; ``CUFLASH_FWD90_BMASK_LONG`` sets the bound, 0
+    turns the rule off. Shape.of reads the keys from the block mask's map."""
+    import cuflash
+    from cuflash import _trace, _trace_cuda
+    monkeypatch.delenv("CUFLASH_FWD90_BMASK_LONG", raising=False)
+    L = 4096
+    prefix = lambda b, h, q, kv: (kv < L // 4) | (q >= kv)            # noqa: E731
+    docs = lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv)  # noqa: E731
+    assert cuflash.block_mask(prefix, (1, 1), L, L).mean_row_keys() == 2224
+    assert cuflash.block_mask(docs, (1, 1), L, L).mean_row_keys() == 320
+    tr = _trace.trace_mask_mod(prefix)
+
+    def blocks(keys):
+        v = Variant(causal=False, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source)
+        shape = Shape(BF16, 128, L, L, 64, 64, v, False, keys)
+        return _families.choose("fwd", shape, H200).traits.min_blocks
+
+    assert blocks(2224) == 1 and blocks(320) == 2 and blocks(1088) == 2
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "0")
+    assert blocks(2224) == 2
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "300")
+    assert blocks(320) == 1
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_LONG", "long")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_LONG"):
+        blocks(320)
+
+
+def test_fwd_sm90_block_mask_persistent_where_registers_allow(monkeypatch):
+    """Session 10: a block mask's mask_mod (with causal or not) with short lists runs fwd_sm90's
+    persistent build where the build has min_blocks 1 (d = 128: 168-register cap, 0 spills);
+    at d = 64 its 2 blocks an SM (128 registers) stay unpersisted (the outer loop spills there);
+    long lists, CUFLASH_FWD90_PERSIST=0, and a recorded spill leave it off."""
+    from cuflash import _trace, _trace_cuda
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_BMASK_LONG", "CUFLASH_FWD90_BMASK_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv))
+    v = Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                prelude=tr.source)
+
+    def traits(d=128, keys=320, L=4096):
+        return _families.choose("fwd", Shape(BF16, 128, L, L, d, d, v, False, keys), H200).traits
+
+    assert traits()["persist"] == 1 and traits().min_blocks == 1
+    assert traits(d=64)["persist"] == 0 and traits(d=64).min_blocks == 2
+    assert traits(keys=2224)["persist"] == 0 and traits(keys=0)["persist"] == 0
+    assert traits(L=4000)["persist"] == 0            # EVEN builds only
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "0")
+    assert traits()["persist"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "all")
+    assert traits(keys=2224)["persist"] == 1
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
+    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", {(v, True)})
+    assert traits()["persist"] == 0
+
+
+def test_long_list_rule_keeps_two_blocks_where_its_build_is_heavier(monkeypatch):
+    """The long-list rule's min_blocks 1 build runs only where it still fits 2 blocks an SM
+    (<= 128 registers at 256 threads): ``kept_blocks_spilled`` loads it (the plan's compile) and
+    records a heavier one, after which ``choose`` keeps the 2-block build."""
+    from cuflash import _jit, _trace, _trace_cuda
+    for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_BMASK_LONG", "CUFLASH_FWD90_BMASK_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+    tr = _trace.trace_mask_mod(lambda b, h, q, kv: (kv < 1024) | (q >= kv))
+    v = Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                prelude=tr.source)
+    shape = Shape(BF16, 128, 4096, 4096, 64, 64, v, False, 2224)
+
+    class Kernel:
+        local_size_bytes, num_regs = 0, 128
+
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: Kernel)
+    monkeypatch.setattr(_families, "_LONG_LISTS_TWO_BLOCKS", set())
+    c = _families.choose("fwd", shape, H200)
+    assert c.traits.min_blocks == 1 and not _families.kept_blocks_spilled(c, shape, 0)
+    Kernel.num_regs = 130
+    assert _families.kept_blocks_spilled(c, shape, 0)
+    again = _families.choose("fwd", shape, H200)
+    assert again.traits.min_blocks == 2 and not _families.kept_blocks_spilled(again, shape, 0)

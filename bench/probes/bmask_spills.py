@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default="bwd_sm90,bwd_sm80,fwd_sm90,fwd_sm80")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    import cuflash
     import sass_identity
     import suite_mods
     from cuflash import _families, _jit, _trace, _trace_cuda
@@ -45,12 +46,15 @@ def main(argv=None) -> int:
         nvrtc = _jit._nvrtc_for(arch)
         direction = "bwd" if fam_name.startswith("bwd") else "fwd"
         for name in ("window", "document", "prefix"):
-            tr = _trace.trace_mask_mod(suite_mods.mods_for(a.L, 16)[name].mask_mod)
+            mask_mod = suite_mods.mods_for(a.L, 16)[name].mask_mod
+            tr = _trace.trace_mask_mod(mask_mod)
+            # the keys its query blocks visit (session 10: fwd_sm90's blocks an SM and schedule)
+            keys = cuflash.block_mask(mask_mod, (1, 1), a.L, a.L).mean_row_keys()
             for causal in (False, True):
                 for det in ((False, True) if direction == "bwd" else (False,)):
                     v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr),
                                 block_mask=True, prelude=tr.source)
-                    shape = _families.Shape("bfloat16", 64, a.L, a.L, a.d, a.d, v, det)
+                    shape = _families.Shape("bfloat16", 64, a.L, a.L, a.d, a.d, v, det, keys)
                     choice = _families.choose(direction, shape, dev)
                     key = f"{arch} {fam_name} d={a.d} {name} causal={causal} deterministic={det}"
                     if choice.family is not fam:
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
                     fp = sass_identity.fingerprint((_jit.sass_sections(cubin) or {}).get(fn, ""), fn)
                     out[key] = dict(fp, registers=res.get("registers"),
                                     spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0))
-                    print(f"{key}: {res.get('registers')} registers, "
+                    print(f"{key} {choice.expr.split(', cuflash::Variant')[0].split('<')[1]}"
+                          f"{' persist' if choice.expr.endswith(', 1>') else ''}: {res.get('registers')} registers, "
                           f"{out[key]['spill_bytes']} spill bytes, sha {fp.get('sha', '')[:12]}",
                           flush=True)
     if a.json:

@@ -1,0 +1,66 @@
+"""fwd_sm90's schedule choices that read a problem beyond its tiles (session 10): how many
+blocks run the grid (a persistent build's resident grid), when a block takes query tiles in
+turn (``persist_wanted``), and the block-mask list length from which its build keeps one block
+an SM's registers (``bmask_long_keys``). Read by the dispatcher (``_families._fwd_sm90_select``)
+and the forward plan's launch (``_plan.ForwardPlan``); the reasons are in ``_traits``
+(``FWD_SM90_PERSIST_FEATURES``, ``FWD_SM90_BMASK_LONG_KEYS``) and bench/NOTES.md ("The window
+and block masks at short lists, forward (session 10)")."""
+
+from __future__ import annotations
+
+import os
+
+from . import _traits
+
+
+def bmask_long_keys() -> int:
+    """``CUFLASH_FWD90_BMASK_LONG`` (plan time; session 10): the mean keys a query block of a
+    block mask visits from which fwd_sm90 gives it 1 block an SM (min_blocks) instead of the 2
+    kept for short lists (``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``); "0": never (session 9)."""
+    value = os.environ.get("CUFLASH_FWD90_BMASK_LONG", "").strip()
+    if value == "":
+        return _traits.FWD_SM90_BMASK_LONG_KEYS
+    if not value.isdigit():
+        raise ValueError(f"CUFLASH_FWD90_BMASK_LONG={value!r}: expected a number of keys (0: off)")
+    return int(value)
+
+
+def persist_wanted(shape, t, dev) -> bool:
+    """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``).
+    ``CUFLASH_FWD90_PERSIST`` (plan time): "auto" (default) where a block is alone on its SM
+    (min_blocks 1: d = 128's 3 warpgroups), for the analytic window (with causal or not) and a
+    block mask's mask_mod (with causal or not) whose lists are short (fewer than
+    ``bmask_long_keys()`` keys a query block): there nothing overlaps a block's prologue and
+    epilogue; "window": also the window at 2 blocks an SM (d = 64); "all": any Variant; "0":
+    never. Only where the grid has more (batch item, Q tile) items than resident blocks and the
+    second Q buffer fits."""
+    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "auto"
+    if value not in ("auto", "window", "all", "0"):
+        raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected auto, window, all or 0")
+    v = shape.variant
+    if value == "0" or t.head_dim > _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM:
+        return False
+    window = v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES
+    short = (v.block_mask and v.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
+             and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
+             and t.min_blocks == 1)   # (at 2 blocks an SM, d = 64, its builds spill)
+    alone = t.min_blocks == 1
+    if not (value == "all" or (value == "window" and window) or (alone and (window or short))):
+        return False
+    items = shape.nbatch * -(-shape.Lq // t.block_m)
+    return (items > fwd_sm90_grid(t.replace(persist=1), items, dev)
+            and t.replace(persist=1).smem_bytes <= dev.smem_optin)
+
+
+def fwd_sm90_grid(t, items: int, dev) -> int:
+    """The forward's grid for ``items`` (batch item, Q tile) blocks of work: one block each, or
+    for a persistent build (``persist``) ``CUFLASH_FWD90_PERSIST_GRID``: "slots" (default:
+    ``min_blocks`` blocks an SM, the resident ones) or k (k items a block: ceil(items / k))."""
+    if t.family != "fwd_sm90" or not t["persist"]:
+        return items
+    value = os.environ.get("CUFLASH_FWD90_PERSIST_GRID", "").strip() or "slots"
+    if value == "slots":
+        return max(1, min(items, t.min_blocks * dev.num_sms))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"CUFLASH_FWD90_PERSIST_GRID={value!r}: expected slots or k >= 1")
+    return -(-items // int(value))
