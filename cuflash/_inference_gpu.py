@@ -33,7 +33,8 @@ and a block's share is long, "0" nowhere, "1" / "all" opt-in), ``CUFLASH_DECODE_
 deep cp.async ring of grids of at most one block an SM: opt-in, "auto"; unset or "3" session 8's
 ring),
 ``CUFLASH_DECODE_L2`` (L2 hints on the K/V copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the
-fused merge of session 7, two or three L2 round trips instead of one).
+fused merge of session 7, two or three L2 round trips instead of one), ``CUFLASH_DECODE_SPLITS``
+(above; "s9", "slots"), ``CUFLASH_DECODE_PAGES=s9`` (the page walk of sessions 7-9).
 """
 
 from __future__ import annotations

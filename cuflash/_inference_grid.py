@@ -2,7 +2,9 @@
 ``cuflash/_inference_gpu.py``): the stream grid (decode_mma.cu's STREAM build: the groups' key
 iterations shared equally by one wave of blocks; by default where the groups fill every
 resident slot and a block's share is long), the deep cp.async ring of grids of at most one
-block an SM (decode_mma.cu's STAGES; by default), and the L2 hints of its K/V copies."""
+block an SM (decode_mma.cu's STAGES; opt-in), the L2 hints of its K/V copies, the split count
+(balanced_splits by default; session 9's, or every resident slot: CUFLASH_DECODE_SPLITS) and
+the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9)."""
 
 from __future__ import annotations
 
