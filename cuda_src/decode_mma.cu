@@ -149,6 +149,17 @@ __device__ __forceinline__ void cp_async_kv(unsigned dst, const void* src, int s
 #define CUFLASH_DECODE_MERGE_PREFETCH 16
 #endif
 
+// The page walk of a paged cache (CUFLASH_DECODE_PAGE_WALK, 1 by default; 0 where the host
+// defines it so, CUFLASH_DECODE_PAGES=s9: A/B runs): 1, lane j of a warp holds the page of the
+// warp's tile 32 i + j for the window i the copies are in, and the page of tile 32 (i + 1) + j
+// (read when window i opens: 32 tiles ahead); a tile's page is a shuffle, so the prologue
+// waits on one table read (all lanes at once) and the loop never on one. 0 (sessions 7-9):
+// each tile's page read one iteration before its copies are issued (with pages of 16, a
+// read a tile, and a miss in L2 every other iteration: the copies then wait on it).
+#ifndef CUFLASH_DECODE_PAGE_WALK
+#define CUFLASH_DECODE_PAGE_WALK 1
+#endif
+
 // Issue the cp.async copies of one warp tile: keys [key0, key0 + 16), `valid` of which exist
 // (the others land as zeros and read nothing), K into shared `ks` and V into `ks + kTileBytes`.
 // `src`: this lane's first row; it copies rows lane_row + i * kRowStep, i < kPasses, to the
@@ -299,11 +310,24 @@ decode_mma(const DecodeParams p) {
   pin(v_bytes);
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) pin(soff[i]);
+#if CUFLASH_DECODE_PAGE_WALK
+  // paged: the pages of this warp's tiles [0, 32) (pwin, lane j: tile j) and [32, 64) (pnext)
+  int pwin = 0, pnext = 0;
+  if (CUFLASH_PAGED(p)) {
+    pwin = lane < ntiles ? page_of(p, b, first + lane * Tr::kKeysPerIter) : 0;
+    pnext = 32 + lane < ntiles ? page_of(p, b, first + (32 + lane) * Tr::kKeysPerIter) : 0;
+  }
+#endif
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < ntiles) {
       const int key0 = first + s * Tr::kKeysPerIter;
-      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, key0, page_of(p, b, key0), lane_k, lane_v),
+#if CUFLASH_DECODE_PAGE_WALK
+      const int pg = CUFLASH_PAGED(p) ? __shfl_sync(0xffffffffu, pwin, s) : 0;
+#else
+      const int pg = page_of(p, b, key0);
+#endif
+      issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, key0, pg, lane_k, lane_v),
                               warp_s + 2 * s * Tr::kTileBytes, soff, kstep, vstep, end - key0,
                               ld_row, k_bytes, v_bytes);
     }
@@ -342,16 +366,33 @@ decode_mma(const DecodeParams p) {
   // shared offsets (from warp_s) of the stage read now and of the stage refilled now
   unsigned rd = 0, wr = (S - 1) * 2 * Tr::kTileBytes;
   constexpr unsigned kRing = S * 2 * Tr::kTileBytes;
+#if CUFLASH_DECODE_PAGE_WALK
+  int page = 0;
+#else
   // the page of the next tile to issue (tile S - 1), read ahead
   int page = S - 1 < ntiles ? page_of(p, b, first + (S - 1) * Tr::kKeysPerIter) : 0;
+#endif
   for (int t = 0; t < ntiles; ++t) {
     const int key0 = first + t * Tr::kKeysPerIter;
     __syncwarp();                           // every lane is done with the stage refilled now
     if (t + S - 1 < ntiles) {
       const int knext = key0 + (S - 1) * Tr::kKeysPerIter;
+#if CUFLASH_DECODE_PAGE_WALK
+      if (CUFLASH_PAGED(p)) {               // tile u = t + S - 1 (warp-uniform branches)
+        const int u = t + S - 1;
+        if ((u & 31) == 0) {                // window u / 32 opens: read the one after it
+          pwin = pnext;
+          pnext = u + 32 + lane < ntiles
+                      ? page_of(p, b, first + (u + 32 + lane) * Tr::kKeysPerIter) : 0;
+        }
+        page = __shfl_sync(0xffffffffu, pwin, u & 31);
+      }
+#endif
       issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, knext, page, lane_k, lane_v), warp_s + wr, soff,
                               kstep, vstep, end - knext, ld_row, k_bytes, v_bytes);
+#if !CUFLASH_DECODE_PAGE_WALK
       if (t + S < ntiles) page = page_of(p, b, knext + Tr::kKeysPerIter);
+#endif
     }
     cp_async_commit();
     cp_async_wait<S - 1>();                 // tile t landed (this lane's copies)

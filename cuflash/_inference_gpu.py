@@ -22,7 +22,10 @@ its ``split_wave`` where set: one block an SM for decode_sm80, as measured on th
 as the smallest count whose last wave is at least 85% as full as the best count's, with at
 least 4 key iterations a split (fewer keys make the combine cost more than the split saves).
 The heuristic sees the cache capacity, not the device-side lengths: each block divides its
-batch row's actual keys evenly among the splits, so short rows still use every split.
+batch row's actual keys evenly among the splits, so short rows still use every split. Where
+that count is above 1, decode_sm80 then takes ``_inference_grid.balanced_splits`` instead (the
+count whose busiest SM reads the fewest key iterations: B 1, 8 KV heads on 132 SMs, 16 splits
+rather than 15; ``CUFLASH_DECODE_SPLITS=s9``: the count above, "slots": every resident slot).
 
 A/B switches of decode_sm80, read when a plan is built (``cuflash/_inference_grid.py``):
 ``CUFLASH_DECODE_STREAM`` (the stream grid: by default where the groups fill every resident slot
@@ -30,7 +33,8 @@ and a block's share is long, "0" nowhere, "1" / "all" opt-in), ``CUFLASH_DECODE_
 deep cp.async ring of grids of at most one block an SM: opt-in, "auto"; unset or "3" session 8's
 ring),
 ``CUFLASH_DECODE_L2`` (L2 hints on the K/V copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the
-fused merge of session 7, two or three L2 round trips instead of one).
+fused merge of session 7, two or three L2 round trips instead of one), ``CUFLASH_DECODE_SPLITS``
+(above; "s9", "slots"), ``CUFLASH_DECODE_PAGES=s9`` (the page walk of sessions 7-9).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import os
 import numpy
 
 from . import _families, _launch, _traits
-from ._inference_grid import (STREAM_HEAD_DIM, deep_stages, prelude, stages_mode, stream_grid,
-                              stream_mode, stream_spans)
+from ._inference_grid import (STREAM_HEAD_DIM, balanced_splits, deep_stages, prelude, slot_grid,
+                              splits_mode, stages_mode, stream_grid, stream_mode, stream_spans)
 from ._plan import PlanCache
 from ._variant import LOG2E, VARIANT_PARAMS, Variant
 
@@ -387,6 +391,13 @@ def spec_or_reason(c, dev=None):
                                       dev.num_sms, resident)
         why = (f"num_splits={splits} (heuristic: {c.B * Hkv * tiles} blocks a split, "
                f"{dev.num_sms} SMs x {resident} blocks)")
+        if t.split_wave and splits > 1 and splits_mode() != "s9":
+            most = min(MAX_SPLITS, -(-c.capacity // keys_per_iter) // MIN_ITERS_PER_SPLIT)
+            splits = balanced_splits(c.B * Hkv * tiles, c.capacity, keys_per_iter,
+                                     dev.num_sms, most) or splits
+            why = (f"num_splits={splits} (the fewest key iterations on the busiest of "
+                   f"{dev.num_sms} SMs for {c.B * Hkv * tiles} blocks a split; "
+                   f"CUFLASH_DECODE_SPLITS=s9: session 9's count)")
     else:
         splits = c.num_splits
         why = f"num_splits={splits} (given)"
@@ -401,6 +412,10 @@ def spec_or_reason(c, dev=None):
         stream = stream_grid(c.B * Hkv * tiles, splits, c.capacity, keys_per_iter,
                              keys_per_iter * (c.d + c.dv) * c.dtype.itemsize, dev.num_sms,
                              t.split_wave or t.min_blocks, t.min_blocks, stream_mode())
+    if (c.num_splits is None and choice.family.name == "decode_sm80" and fuse_wanted()
+            and t.head_dim == STREAM_HEAD_DIM and splits_mode() == "slots"):
+        stream = slot_grid(c.B * Hkv * tiles, c.capacity, keys_per_iter, dev.num_sms,
+                           t.min_blocks) or stream
     if stream:
         groups = c.B * Hkv * tiles
         even = splits
@@ -450,7 +465,7 @@ def decode_plan(c):
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
            c.num_splits, c.scale, c.causal, _forced(), fuse_wanted(), stream_mode(), stages_mode(),
-           prelude())
+           splits_mode(), prelude())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

@@ -2,7 +2,9 @@
 ``cuflash/_inference_gpu.py``): the stream grid (decode_mma.cu's STREAM build: the groups' key
 iterations shared equally by one wave of blocks; by default where the groups fill every
 resident slot and a block's share is long), the deep cp.async ring of grids of at most one
-block an SM (decode_mma.cu's STAGES; by default), and the L2 hints of its K/V copies."""
+block an SM (decode_mma.cu's STAGES; opt-in), the L2 hints of its K/V copies, the split count
+(balanced_splits by default; session 9's, or every resident slot: CUFLASH_DECODE_SPLITS) and
+the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9)."""
 
 from __future__ import annotations
 
@@ -107,11 +109,22 @@ def release_arrival_wanted() -> bool:
     return value == "release"
 
 
+def page_walk_wanted() -> bool:
+    """CUFLASH_DECODE_PAGES: "s9" compiles decode_mma's page walk of sessions 7-9 (a table read
+    a tile, one iteration ahead of its copies: A/B runs); unset or "window": a warp's next 32
+    pages read at once, a lane a tile, 32 tiles ahead (decode_mma.cu's
+    CUFLASH_DECODE_PAGE_WALK)."""
+    value = os.environ.get("CUFLASH_DECODE_PAGES", "").strip().lower()
+    if value not in ("", "window", "s9"):
+        raise ValueError(f"CUFLASH_DECODE_PAGES={value!r}: expected window or s9")
+    return value != "s9"
+
+
 def prelude(fused: bool = True) -> str:
     """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
     the builds the compile gate checks); those of the fused merge only for a ``fused`` build
     (the others would compile the same machine code again)."""
-    out = ""
+    out = "" if page_walk_wanted() else "#define CUFLASH_DECODE_PAGE_WALK 0\n"
     if l2_mode():
         out += f"#define CUFLASH_DECODE_L2 {l2_mode()}\n"
     if fused and not merge_prefetch_wanted():
@@ -119,6 +132,60 @@ def prelude(fused: bool = True) -> str:
     if fused and release_arrival_wanted():
         out += "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n"
     return out
+
+
+def splits_mode() -> str:
+    """CUFLASH_DECODE_SPLITS: decode_sm80's split count where the caller gives none. Unset or
+    "balance" (the default): ``balanced_splits``, the count whose busiest SM reads the fewest
+    key iterations (B 1, Hq/Hkv 32/8 on an H200: 16 splits, 128 blocks of 64 / 128 iterations at
+    64k / 128k, where session 9's heuristic ran 15: 120 blocks of 69 / 137; measured 0.6-1.2%
+    faster there as `cuflash_splits16`, session 9 call 3); "s9" the heuristic of sessions 6-9
+    (_inference_gpu.num_splits_heuristic: the first count whose last wave is 85% as full as the
+    best); "slots" (A/B runs) the groups' keys split evenly over every resident slot, two
+    blocks an SM (``slot_grid``: decode_mma's stream build with whole groups a block)."""
+    value = os.environ.get("CUFLASH_DECODE_SPLITS", "").strip().lower()
+    if value not in ("", "balance", "s9", "slots"):
+        raise ValueError(f"CUFLASH_DECODE_SPLITS={value!r}: expected balance, s9 or slots")
+    return value or "balance"
+
+
+def balanced_splits(groups: int, capacity: int, keys_per_iter: int, num_sms: int,
+                    most: int) -> int:
+    """The split count of ``groups`` (batch rows x KV heads x row tiles) over a cache of
+    ``capacity`` keys in one wave of one block an SM (decode_sm80's split_wave) whose blocks
+    read the fewest key iterations: the most splits that fit the wave (floor(SMs / groups),
+    at most ``most``), then the fewest splits with that many iterations a split (each split is
+    a partial to write and merge; a count whose last split would be empty ties with a smaller
+    one). 0 where the groups fill more than half the SMs (session 9's heuristic decides
+    there). H200, bf16, d 128, Hq 32: Hkv 8 B 1 -> 16 (128 blocks of 64 / 128 iterations at
+    64k / 128k, where session 9's 15 ran 120 blocks of 69 / 137), Hkv 32 B 1 -> 4, Hkv 8 B 8
+    -> 2 (128 blocks, as before)."""
+    iters = max(1, -(-capacity // keys_per_iter))
+    if groups <= 0 or 2 * groups > num_sms:
+        return 0
+    top = max(1, min(most, num_sms // groups))
+    per = -(-iters // top)
+    return next(s for s in range(1, top + 1) if -(-iters // s) == per)
+
+
+def slot_grid(groups: int, capacity: int, keys_per_iter: int, num_sms: int,
+              min_blocks: int) -> int:
+    """CUFLASH_DECODE_SPLITS=slots: a stream grid of k whole groups' worth of blocks, k =
+    floor(resident slots / groups), so that no block spans two groups and each group's keys
+    are cut into k balanced ranges (floor(j iters / k) boundaries, whole iterations): the
+    groups fill (nearly) every one of the num_sms x min_blocks resident slots, two blocks an
+    SM at head-dim 128 (128 KB of K/V in flight an SM, as B 64's grids) where the even splits
+    of one block an SM leave 4-12 SMs idle and 64 KB in flight each. 0 where it does not
+    apply (the groups fill the slots already, k < 2, or fewer than STREAM_MIN_ITERS key
+    iterations a block)."""
+    slots = num_sms * min_blocks
+    iters = max(1, -(-capacity // keys_per_iter))
+    if groups <= 0 or groups >= num_sms:
+        return 0
+    k = slots // groups
+    if k < 2 or iters // k < STREAM_MIN_ITERS:
+        return 0
+    return k * groups
 
 
 def stream_spans(groups: int, blocks: int) -> tuple[int, int]:

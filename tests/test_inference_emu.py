@@ -423,3 +423,54 @@ def test_emulated_fused_merge_past_its_prefetched_splits_equals_combine(lib, fam
     assert numpy.array_equal(outs[0][0].view(numpy.uint16), outs[1][0].view(numpy.uint16))
     assert numpy.array_equal(outs[0][1], outs[1][1])
     _check(c, *outs[0])
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+def test_emulated_page_walk_past_its_window_equals_dense_bitwise(lib, page_size):
+    """decode_mma's page walk (CUFLASH_DECODE_PAGE_WALK: a warp's pages read 32 tiles at a
+    time, a lane a tile, the next 32 when a window opens): splits of 34-69 tiles a warp, so
+    the copies cross one or two window shifts; pages of 16 (one a tile), 48 (not a power of
+    two: the division) and 256 (four iterations a page); batch rows ending mid-tile and
+    mid-window. Bitwise the dense cache's result, one split and two (fused merge)."""
+    for splits in (1, 2):
+        dense = (BF16, 1, 4, 1, 128, 4400, False, 0, 1, False, splits)
+        paged = dense[:6] + (True, page_size) + dense[8:]
+        seqlens = [4399, 2200, 4111]
+        o1, l1 = _run(lib, _call(dense, seed=9, seqlens=seqlens))[1]
+        spec, (o2, l2) = _run(lib, _call(paged, seed=9, seqlens=seqlens))
+        assert spec.prelude == "" and spec.splits == splits
+        assert numpy.array_equal(o1.view(numpy.uint16), o2.view(numpy.uint16))
+        assert numpy.array_equal(l1, l2)
+
+
+@pytest.mark.parametrize("num_sms", [7, 13])
+@pytest.mark.parametrize("case", STREAM_CASES, ids=["bf16-paged16", "f16-dense-causal"])
+def test_emulated_slot_grid_matches_reference_and_is_reproducible(lib, case, num_sms,
+                                                                  monkeypatch):
+    """CUFLASH_DECODE_SPLITS=slots: decode_mma's stream build over k whole groups' worth of
+    blocks (6 groups on 7 SMs x 2 slots: k = 2, 12 blocks; on 13: k = 4, 24), so no block
+    spans two groups and each group's keys are cut into k balanced ranges; a batch row of
+    length 0 (its appended keys only, in the causal case). Within the reference's tolerance,
+    bitwise the same whichever block of a group finishes last, the counters left at 0."""
+    monkeypatch.setenv("CUFLASH_DECODE_SPLITS", "slots")
+    monkeypatch.setattr(_inference_grid, "STREAM_MIN_ITERS", 1)
+    dev = _families.DeviceInfo(90, num_sms, 232448, f"emulated, {num_sms} SMs")
+    k = 2 * num_sms // 6
+    seqlens = [0, 333, case[5] - case[8]]
+    counters, outs = None, []
+    for order in (0, 1, 7):
+        c = _call(case, seqlens=seqlens)
+        spec = _inference_gpu.spec_or_reason(c, dev)
+        assert not isinstance(spec, str), spec
+        assert (spec.stream, spec.splits, spec.stages) == (6 * k, k, 3), spec.explain()
+        assert _inference_grid.stream_spans(6, spec.stream) == (k, 1)
+        if counters is None:
+            counters = numpy.zeros(spec.groups, numpy.uint32)
+        outs.append(_emu_decode.run_spec(lib, spec, c, order=order, counters=counters))
+    for o, lse in outs[1:]:
+        assert numpy.array_equal(o.view(numpy.uint16), outs[0][0].view(numpy.uint16))
+        assert numpy.array_equal(lse, outs[0][1])
+    o, lse = outs[0]
+    if case[8] == 0:                    # batch row 0: no key at all
+        assert (o[0] == 0).all() and numpy.isneginf(lse[0]).all()
+    _check(c, o, lse)

@@ -112,7 +112,8 @@ def test_deep_ring_choices(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{"CUFLASH_DECODE_MERGE": "0"}, {"CUFLASH_DECODE_L2": "256b"},
                                  {"CUFLASH_DECODE_L2": "evict_first"},
-                                 {"CUFLASH_DECODE_ARRIVE": "release"}],
+                                 {"CUFLASH_DECODE_ARRIVE": "release"},
+                                 {"CUFLASH_DECODE_PAGES": "s9"}],
                          ids=lambda e: "-".join(f"{k[15:]}={v}" for k, v in e.items()))
 def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
     """decode_sm80's A/B builds (prelude defines: the merge without its prefetch, the L2 hints,
@@ -159,9 +160,15 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
 def test_ab_switches_make_the_prelude(monkeypatch):
     """The A/B switches' defines (none by default: the gate's builds); the fused merge's only
     for fused builds; a bad value names the variable."""
-    for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE"):
+    for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE",
+              "CUFLASH_DECODE_PAGES"):
         monkeypatch.delenv(k, raising=False)
     assert _inference_grid.prelude(True) == _inference_grid.prelude(False) == ""
+    monkeypatch.setenv("CUFLASH_DECODE_PAGES", "window")
+    assert _inference_grid.prelude(True) == ""
+    monkeypatch.setenv("CUFLASH_DECODE_PAGES", "s9")
+    assert _inference_grid.prelude(False) == "#define CUFLASH_DECODE_PAGE_WALK 0\n"
+    monkeypatch.delenv("CUFLASH_DECODE_PAGES")
     monkeypatch.setenv("CUFLASH_DECODE_MERGE", "0")
     monkeypatch.setenv("CUFLASH_DECODE_L2", "256b")
     monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "release")
@@ -170,7 +177,7 @@ def test_ab_switches_make_the_prelude(monkeypatch):
                                              "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n")
     assert _inference_grid.prelude(False) == "#define CUFLASH_DECODE_L2 1\n"
     for k, bad in (("CUFLASH_DECODE_MERGE", "2"), ("CUFLASH_DECODE_L2", "128b"),
-                   ("CUFLASH_DECODE_ARRIVE", "acquire")):
+                   ("CUFLASH_DECODE_ARRIVE", "acquire"), ("CUFLASH_DECODE_PAGES", "lane")):
         monkeypatch.setenv(k, bad)
         with pytest.raises(ValueError, match=k):
             _inference_grid.prelude(True)
@@ -266,3 +273,99 @@ def _without_row(host, o, lse, row, page_size):
     q, kc, vc, s, bt = host[:5]
     kc, vc, bt = (kc, vc, bt[keep]) if page_size else (kc[keep], vc[keep], None)
     return [q[keep], kc, vc, s[keep], bt], o[keep], lse[keep]
+
+
+def test_split_counts_on_an_h200(monkeypatch):
+    """decode_sm80's split count (bf16, d 128, Hq 32, one row tile) on an H200's 132 SMs:
+    CUFLASH_DECODE_SPLITS unset ("balance") fills one block an SM with the fewest key
+    iterations a block (B 1, Hkv 8: 16 splits = 128 blocks, where session 9's heuristic, "s9",
+    ran 14-15); the other points of issue 11's table as before; "slots" a stream grid of whole
+    groups over (nearly) every resident slot; a bad value names the variable."""
+    import ml_dtypes
+    import numpy
+    from cuflash import _inference
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+
+    def shaped(shape):      # a contiguous array's shape and strides, never read (no memory)
+        strides = numpy.cumprod((1,) + shape[:0:-1])[::-1] * bf16.itemsize
+        return numpy.lib.stride_tricks.as_strided(numpy.zeros(64, bf16), shape, tuple(strides))
+    expect = {  # (B, Hkv, L): (s9, balance, slots' blocks)
+        (1, 8, 8192): (14, 16, 0), (1, 8, 65536): (15, 16, 264), (1, 8, 131072): (15, 16, 264),
+        (1, 32, 65536): (4, 4, 256), (1, 32, 131072): (4, 4, 256), (8, 8, 8192): (2, 2, 256),
+        (8, 8, 65536): (2, 2, 256), (8, 8, 131072): (2, 2, 256), (8, 32, 8192): (1, 1, 0),
+        (64, 8, 8192): (1, 1, 0), (1, 8, 1024): (4, 4, 0), (8, 8, 1024): (2, 2, 0)}
+    for (B, Hkv, L), (old, new, slots) in expect.items():
+        q = shaped((B, Hkv, 32 // Hkv, 1, 128))
+        kc = shaped((B, Hkv, 1, L, 128))
+        got = {}
+        for mode in ("s9", "", "balance", "slots"):
+            monkeypatch.setenv("CUFLASH_DECODE_SPLITS", mode)
+            c = _inference.check_kvcache(q, kc, kc, numpy.full((B,), L, numpy.int32), None, None,
+                                         None, None, None, False, True)
+            spec = _inference_gpu.spec_or_reason(c, H200)
+            got[mode] = (spec.splits, spec.stream)
+        assert got["s9"][0] == old and got[""] == got["balance"] == (new, 0), (B, Hkv, L, got)
+        if slots:
+            k = slots // (B * Hkv)
+            assert got["slots"] == (k, slots), (B, Hkv, L, got)
+        else:
+            assert got["slots"] == got[""], (B, Hkv, L, got)
+        assert _inference_grid.stream_spans(B * Hkv, slots or 1)[1] == 1 or not slots
+    monkeypatch.setenv("CUFLASH_DECODE_SPLITS", "all")
+    with pytest.raises(ValueError, match="CUFLASH_DECODE_SPLITS"):
+        _inference_grid.splits_mode()
+
+
+def test_balanced_splits_leave_no_split_empty():
+    """balanced_splits: one wave of one block an SM, the fewest splits for the fewest key
+    iterations a block, never an empty last split, never past ``most``; 0 (the older
+    heuristic decides) once the groups fill more than half the SMs."""
+    for sms in (8, 13, 108, 132):
+        for groups in range(1, sms // 2 + 1):
+            for iters in (4, 5, 63, 64, 100, 1024, 2048, 4097):
+                most = max(1, min(128, iters // 4))
+                s = _inference_grid.balanced_splits(groups, iters * 64, 64, sms, most)
+                assert 1 <= s <= min(most, sms // groups), (sms, groups, iters)
+                per = -(-iters // s)
+                assert (s - 1) * per < iters                       # the last split reads keys
+                top = max(1, min(most, sms // groups))
+                assert per == -(-iters // top)                     # as few as the most splits
+        assert _inference_grid.balanced_splits(sms // 2 + 1, 1 << 20, 64, sms, 128) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+def test_page_walk_equals_the_session9_walk_bitwise(page_size, monkeypatch):
+    """decode_mma's page walk (a warp's pages 32 tiles at a time, a lane a tile; the default)
+    against sessions 7-9's (a table read a tile, CUFLASH_DECODE_PAGES=s9): the same pages, so
+    bitwise the same output and lse, with 1 split (one warp's 64 tiles cross a window) and the
+    heuristic's; the latter within the reference's tolerance."""
+    import cupy
+    from cuflash import _api
+    from test_gpu_inference import BF16, _check_rows, _gpu_call, _run_device
+    case = (BF16, 8, 4, 1, 128, 4096, page_size, 0, False, None)
+    seqlens = [4096, 2000, 4095]
+    host, dev, kw = _gpu_call(case, seqlens=seqlens)
+    out = {}
+    try:
+        for mode in ("s9", ""):
+            monkeypatch.setenv("CUFLASH_DECODE_PAGES", mode)
+            _api.clear_plans()
+            for splits in (1, None):
+                o, lse = _run_device(dev, dict(kw, num_splits=splits))
+                out[mode, splits] = (cupy.asnumpy(o), cupy.asnumpy(lse))
+    finally:
+        monkeypatch.delenv("CUFLASH_DECODE_PAGES", raising=False)
+        _api.clear_plans()
+    for splits in (1, None):
+        (o0, l0), (o1, l1) = out["s9", splits], out["", splits]
+        assert numpy_equal(o0, o1) and numpy_equal(l0, l1), splits
+    # (against the reference: pages of 16 and 256 in test_gpu_inference's CASES and its every-
+    # split-count test; here one point, the heuristic's split count)
+    _check_rows(host, out["", None][0], out["", None][1], 0, False, page_size)
+
+
+def numpy_equal(a, b) -> bool:
+    """Bitwise equality of two arrays (NaN patterns included)."""
+    import numpy
+    return a.shape == b.shape and numpy.array_equal(a.view(numpy.uint8), b.view(numpy.uint8))

@@ -1,66 +1,62 @@
 #!/usr/bin/env python3
-"""Question: do decode_sm80's session-9 defaults (the deep cp.async ring of grids of at most
-one block an SM, the stream grid at B = 64 on long shares) beat session 8's default, and the
-peers?
+"""Question: do decode_sm80's session-10 defaults (the split count that fills one block an SM
+with the fewest key iterations; the page walk a warp's 32 pages at a time) beat session 9's,
+and the peers? And does the slot grid (every resident slot, two blocks an SM) pay?
 
-At each point of issue 11's decode table (dense cache, bf16, d 128), in one process, plans
-forgotten (``cuflash._api.clear_plans()``) between the variants:
-  cuflash_old       CUFLASH_DECODE_STAGES=3 CUFLASH_DECODE_STREAM=0: session 8's default (3
-                    stages everywhere, even splits everywhere);
-  cuflash           the default: a 5-stage ring (4 where 164 KB of shared memory do not fit)
-                    where the grid is at most one block an SM (B 1; B 8 at 32/8: 112-128
-                    blocks), the stream grid where the groups fill the resident slots and a
-                    block's share is >= 512 key iterations (B 64: 32/8 64k, 32/32 8k);
-  cuflash_stages4   CUFLASH_DECODE_STAGES=4: the 4-stage ring there instead;
-  cuflash_stages6   CUFLASH_DECODE_STAGES=6: the 6-stage ring there (196 KB; not in the gate);
-  cuflash_no_stream CUFLASH_DECODE_STREAM=0: the default's ring, even splits everywhere (the
-                    stream grid's own A/B at B 64);
-  cuflash_stream    CUFLASH_DECODE_STREAM=all: the stream grid wherever it applies (with the
-                    deep ring where it is one block an SM);
-  cuflash_release   CUFLASH_DECODE_ARRIVE=release on top of the default (session 8's opt-in
-                    arrival: 23.4 us against 36.5 at B 1 8k there, neutral elsewhere);
-  cuflash_splits16  (B 1, 32/8 only) the default with num_splits=16: 128 blocks, where the
-                    heuristic's 14-15 leave 20-12 SMs idle (session 6: 16 splits 0.6% ahead
-                    of 12 at 128k);
-then SDPA cuDNN and SDPA flash (skipped without torch). Random N(0, 1) bf16 data; inputs rotate
-past the L2 as in bench/suite_decode.py. The variants' kernels are compiled first, in parallel
-processes, into CuPy's disk cache.
+At each point of issue 11's decode targets (bf16, d 128, one query token), in one process,
+plans forgotten (``cuflash._api.clear_plans()``) between the variants:
+  cuflash_old    CUFLASH_DECODE_SPLITS=s9 CUFLASH_DECODE_PAGES=s9: session 9's default (B 1
+                 32/8: 14-15 splits, 112-120 blocks; a page-table read a tile, one iteration
+                 ahead of its copies);
+  cuflash        the default: B 1 32/8 16 splits (128 blocks of 64 / 128 key iterations at
+                 64k / 128k; every other point the same count as before); paged: a warp's
+                 pages read 32 tiles ahead, a lane a tile (decode_mma.cu's PAGE_WALK);
+  cuflash_slots  CUFLASH_DECODE_SPLITS=slots: where the groups are fewer than the SMs, the
+                 stream build over k whole groups' worth of blocks, k = floor(264 / groups)
+                 (B 1 32/8: 264 blocks, 33 a group; B 1 32/32 and B 8 32/8: 256 blocks, 8 / 4
+                 a group), two blocks an SM, balanced key ranges; elsewhere the default;
+then SDPA cuDNN and SDPA flash (dense only; skipped without torch). Paged points (pages of 16
+and 256, B 8 32/8, Lk 1k and 8k) run cuflash_old and cuflash on the paged cache, and
+``cuflash_dense`` (the default on the dense cache of the same point) beside them. Random
+N(0, 1) bf16 data; inputs rotate past the L2 as in bench/suite_decode.py (random page
+tables, as there). The variants' kernels are compiled first, in parallel processes, into
+CuPy's disk cache.
 
 Two timings a row: ``ms`` = suite_decode's (median CUDA-event time around each call, calls
 issued back to back), and ``iso_ms`` = one call at a time (device synchronised before each:
 the latency a B = 1 decode step sees, launch included). TB/s = K/V bytes / ``ms``. The last
-lines print, per point, each cuflash row's ratio to the better peer (back to back and iso).
+lines print, per dense point, each cuflash row's ratio to the better peer (back to back and
+iso), and per paged point each row's ratio to the dense default (>= 0.90 at page 16 and
+>= 0.97 at page 256 are issue 11's targets).
 
-    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~40-60 s on an H200)
+    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~40-70 s on an H200)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
-import re
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import suite_decode as sd  # noqa: E402  (bench/)
 
-POINTS = [  # B, Hq, Hkv, Lk
-    (1, 32, 8, 8192), (1, 32, 8, 65536), (1, 32, 8, 131072), (1, 32, 32, 65536),
-    (1, 32, 32, 131072), (8, 32, 8, 8192), (8, 32, 8, 65536), (8, 32, 8, 131072),
-    (8, 32, 32, 8192), (64, 32, 8, 8192), (64, 32, 8, 65536), (64, 32, 32, 8192)]
-MODES = (("cuflash_old", {"CUFLASH_DECODE_STAGES": "3", "CUFLASH_DECODE_STREAM": "0"}),
+POINTS = [  # B, Hq, Hkv, Lk, page size (0: dense)
+    (1, 32, 8, 65536, 0), (1, 32, 8, 131072, 0), (8, 32, 8, 8192, 0), (8, 32, 8, 65536, 0),
+    (8, 32, 8, 131072, 0), (8, 32, 32, 8192, 0), (64, 32, 8, 8192, 0), (64, 32, 8, 65536, 0),
+    (64, 32, 32, 8192, 0), (8, 32, 8, 1024, 16), (8, 32, 8, 1024, 256), (8, 32, 8, 8192, 16),
+    (8, 32, 8, 8192, 256)]
+MODES = (("cuflash_old", {"CUFLASH_DECODE_SPLITS": "s9", "CUFLASH_DECODE_PAGES": "s9"}),
          ("cuflash", {}),
-         ("cuflash_stages4", {"CUFLASH_DECODE_STAGES": "4"}),
-         ("cuflash_stages6", {"CUFLASH_DECODE_STAGES": "6"}),
-         ("cuflash_no_stream", {"CUFLASH_DECODE_STREAM": "0"}),
-         ("cuflash_stream", {"CUFLASH_DECODE_STREAM": "all"}),
-         ("cuflash_release", {"CUFLASH_DECODE_ARRIVE": "release"}))
+         ("cuflash_slots", {"CUFLASH_DECODE_SPLITS": "slots"}))
+#: the modes run at the paged points
+PAGED_MODES = MODES[:2]
 SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2",
-            "CUFLASH_DECODE_ARRIVE", "CUFLASH_DECODE_STAGES")
-#: decode_mma's (FUSE, STREAM, STAGES) tails of the name expression that the points can use
-BUILDS = ("false", "true", "true, true") + tuple(
-    f"{f}, {st}" for st in (4, 5, 6) for f in ("false, false", "true, false", "true, true"))
+            "CUFLASH_DECODE_ARRIVE", "CUFLASH_DECODE_STAGES", "CUFLASH_DECODE_SPLITS",
+            "CUFLASH_DECODE_PAGES")
+#: decode_mma's (FUSE, STREAM) tails of the name expression that the points can use
+BUILDS = ("false", "true", "true, true")
 
 
 def switches(env: dict):
@@ -116,11 +112,21 @@ def isolated_ms(fn, n_sets: int, iters: int = 20, warmup: int = 3) -> float:
 
 
 def summary(rows) -> None:
-    """Per point: the better peer's time over each cuflash row's (> 1: cuflash faster), back to back
-    and one call at a time."""
-    points = sorted({(r["B"], r["Hq"], r["Hkv"], r["Lk"]) for r in rows})
+    """Per dense point: the better peer's time over each cuflash row's (> 1: cuflash faster),
+    back to back and one call at a time; per paged point: the dense default's time over each
+    paged row's (issue 11: >= 0.90 at page 16, >= 0.97 at page 256)."""
+    points = sorted({(r["B"], r["Hq"], r["Hkv"], r["Lk"], r.get("page_size", 0)) for r in rows})
     for pt in points:
-        mine = [r for r in rows if (r["B"], r["Hq"], r["Hkv"], r["Lk"]) == pt and r.get("ms")]
+        mine = [r for r in rows if (r["B"], r["Hq"], r["Hkv"], r["Lk"], r.get("page_size", 0))
+                == pt and r.get("ms")]
+        if pt[4]:
+            ref = [r for r in mine if r["impl"] == "cuflash_dense"]
+            if ref:
+                cells = [f"{r['impl'][8:] or 'new'} {ref[0]['ms'] / r['ms']:.3f}"
+                         for r in mine if r["impl"] in ("cuflash", "cuflash_old")]
+                print(f"B={pt[0]} {pt[1]}/{pt[2]} Lk={pt[3]} page {pt[4]} vs the dense default "
+                      f"(>1 faster): " + "; ".join(cells))
+            continue
         peers = [r for r in mine if r["impl"].startswith("sdpa")]
         if not peers:
             continue
@@ -152,7 +158,8 @@ def main(argv=None) -> int:
     if not args.no_precompile:
         print(f"precompiled the variants in {precompile(MODES):.0f} s", flush=True)
     rows = []
-    for B, Hq, Hkv, Lk in POINTS:
+    dense_done = {}
+    for B, Hq, Hkv, Lk, ps in POINTS:
         G, D = Hq // Hkv, sd.D
         nbytes = B * Hkv * Lk * D * 4
         if nbytes > args.max_gb * 1e9:
@@ -160,49 +167,72 @@ def main(argv=None) -> int:
             continue
         n_sets = max(1, min(64, -(-sd.ROTATE_BYTES // nbytes)))
         qs = [sd._fill(cupy, (B, Hq, 1, D), 10 + i) for i in range(n_sets)]
-        ks = [sd._fill(cupy, (B, Hkv, Lk, D), 100 + i) for i in range(n_sets)]
-        vs = [sd._fill(cupy, (B, Hkv, Lk, D), 200 + i) for i in range(n_sets)]
         seqlens = cupy.full((B,), Lk, numpy.int32)
-
-        def arrays(i):    # as bench/suite_decode.py: GQA as (B, Hkv, G, 1, d) on (B, Hkv, 1, Lk, d)
-            if G == 1:
-                return qs[i], ks[i], vs[i]
-            return qs[i].reshape(B, Hkv, G, 1, D), ks[i][:, :, None], vs[i][:, :, None]
-
-        def ours(i):
-            return inf.attention_with_kvcache(*arrays(i), cache_seqlens=seqlens)
         line = []
 
         def add(impl, fn, **extra):
             ms, iso = sd._time(fn, n_sets), isolated_ms(fn, n_sets)
-            rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, impl=impl, ms=ms, iso_ms=iso,
-                             tbps=nbytes / ms / 1e9, **extra))
+            rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, page_size=ps, impl=impl, ms=ms,
+                             iso_ms=iso, tbps=nbytes / ms / 1e9, **extra))
             line.append(f"{impl} {nbytes / ms / 1e9:.2f} TB/s {ms * 1e3:.1f} us "
                         f"(iso {iso * 1e3:.1f})")
-        for impl, env in MODES:
-            with switches(env):
-                kernel = sd._kernel(inf, *arrays(0), seqlens, None)
-                ring = re.search(r"a (\d)-stage cp.async ring", kernel)
-                add(impl, ours, kernel=kernel, stream="stream grid" in kernel, env=env,
-                    stages=int(ring.group(1)) if ring else 3)
-        if B == 1 and Hkv == 8:     # the heuristic's 14-15 splits (112-120 blocks) against 16 (128)
-            with switches({}):
-                add("cuflash_splits16", lambda i: inf.attention_with_kvcache(
-                    *arrays(i), cache_seqlens=seqlens, num_splits=16), env={}, num_splits=16)
-        if any(peers.values()):
-            import torch
-            tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
-            for name, fn in peers.items():
-                if fn is not None:
-                    try:
-                        add(name, lambda i, fn=fn: fn(tq[i], tk[i], tv[i]))
-                    except Exception as exc:      # a backend that refuses the shape
-                        rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, impl=name, ms=None,
-                                         note=f"{type(exc).__name__}: {str(exc)[:200]}"))
-            del tq, tk, tv
-            torch.cuda.empty_cache()
-        print(f"B={B} Hq={Hq} Hkv={Hkv} Lk={Lk}: " + "; ".join(line), flush=True)
-        del qs, ks, vs
+
+        def q_of(i):     # as bench/suite_decode.py: GQA as (B, Hkv, G, 1, d)
+            return qs[i] if G == 1 else qs[i].reshape(B, Hkv, G, 1, D)
+        if ps:           # a paged cache, as suite_decode's: pages (B per, Hkv, 1, ps, d)
+            per = -(-Lk // ps)
+            shape = (B * per, Hkv) + ((1,) if G > 1 else ()) + (ps, D)
+            kps = [sd._fill(cupy, shape, 300 + i) for i in range(n_sets)]
+            vps = [sd._fill(cupy, shape, 400 + i) for i in range(n_sets)]
+            bts = [cupy.asarray(numpy.random.default_rng(i).permutation(B * per)
+                                .reshape(B, per).astype(numpy.int32)) for i in range(n_sets)]
+
+            def ours(i):
+                return inf.attention_with_kvcache(q_of(i), kps[i], vps[i], cache_seqlens=seqlens,
+                                                  block_table=bts[i])
+            for impl, env in PAGED_MODES:
+                with switches(env):
+                    kernel = sd._kernel(inf, q_of(0), kps[0], vps[0], seqlens, bts[0])
+                    add(impl, ours, kernel=kernel, env=env)
+            del kps, vps, bts
+        if not ps or (B, Hq, Hkv, Lk) not in dense_done:
+            ks = [sd._fill(cupy, (B, Hkv, Lk, D), 100 + i) for i in range(n_sets)]
+            vs = [sd._fill(cupy, (B, Hkv, Lk, D), 200 + i) for i in range(n_sets)]
+
+            def arrays(i):    # GQA as (B, Hkv, G, 1, d) on (B, Hkv, 1, Lk, d)
+                if G == 1:
+                    return qs[i], ks[i], vs[i]
+                return q_of(i), ks[i][:, :, None], vs[i][:, :, None]
+
+            def dense(i):
+                return inf.attention_with_kvcache(*arrays(i), cache_seqlens=seqlens)
+            for impl, env in (MODES if not ps else (("cuflash_dense", {}),)):
+                with switches(env):
+                    kernel = sd._kernel(inf, *arrays(0), seqlens, None)
+                    add(impl, dense, kernel=kernel, env=env, stream="stream grid" in kernel)
+            dense_done[B, Hq, Hkv, Lk] = dict(
+                next(r for r in rows[::-1] if r["impl"] in ("cuflash", "cuflash_dense")),
+                impl="cuflash_dense")
+            if not ps and any(peers.values()):
+                import torch
+                tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (qs, ks, vs))
+                for name, fn in peers.items():
+                    if fn is not None:
+                        try:
+                            add(name, lambda i, fn=fn: fn(tq[i], tk[i], tv[i]))
+                        except Exception as exc:      # a backend that refuses the shape
+                            rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Lk=Lk, page_size=0, impl=name,
+                                             ms=None, note=f"{type(exc).__name__}: "
+                                                           f"{str(exc)[:200]}"))
+                del tq, tk, tv
+                torch.cuda.empty_cache()
+            del ks, vs
+        else:     # the dense default of this point was timed already (dense, or other pages)
+            rows.append(dict(dense_done[B, Hq, Hkv, Lk], page_size=ps))
+            line.append(f"cuflash_dense (timed before) {rows[-1]['tbps']:.2f} TB/s")
+        print(f"B={B} Hq={Hq} Hkv={Hkv} Lk={Lk} {'page ' + str(ps) if ps else 'dense'}: "
+              + "; ".join(line), flush=True)
+        del qs
         cupy.get_default_memory_pool().free_all_blocks()
     summary(rows)
     meta = {"probe": "decode_ab", "seconds": time.perf_counter() - t_start}

@@ -290,3 +290,12 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
   std::memcpy(&out, ::emu::lane_xchg(parity, lane ^ mask), 4);
   return out;
 }
+template <typename T> inline T __shfl_sync(unsigned, T v, int src_lane) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles");
+  uint32_t* mine = ::emu::my_xchg();
+  std::memcpy(mine, &v, 4);
+  const int parity = ::emu::warp_sync();
+  T out;
+  std::memcpy(&out, ::emu::lane_xchg(parity, src_lane & 31), 4);
+  return out;
+}
