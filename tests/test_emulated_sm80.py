@@ -179,6 +179,9 @@ def _modifier_case(name, dtype):
         # scores far beyond the cap on both sides and near 0 (q's rows scaled below)
         "softcap-extreme": (False, dict(softcap=2.0)),
         "softcap-window": (False, dict(softcap=2.0, window=(20, 5))),  # rows < 45 see nothing
+        # Gemma 2's cap with scores out to +-c (q's rows scaled below): bfloat16's fixed
+        # offset (session 10) then has P up to 2^51 (mo = 21 at Lk = 150)
+        "softcap-50": (True, dict(softcap=50.0)),
         "alibi": (True, dict(alibi_slopes=slopes)),
         "bias": (False, dict(bias=bias.astype(dtype))),
         "mask": (True, dict(mask=mask)),
@@ -187,14 +190,14 @@ def _modifier_case(name, dtype):
                            mask=mask, sink=sink)),
     }
     causal, kw = cases[name]
-    if name == "softcap-extreme":
+    if name in ("softcap-extreme", "softcap-50"):
         row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
         q = (q.astype(numpy.float32) * row_scale[:, None]).astype(dtype)
     return q, k, v, causal, kw
 
 
 MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "softcap-extreme", "softcap-window",
-                  "alibi", "bias", "mask", "sink", "all"]
+                  "softcap-50", "alibi", "bias", "mask", "sink", "all"]
 
 
 @pytest.fixture(scope="module")
