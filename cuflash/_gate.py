@@ -95,13 +95,14 @@ MODIFIER_FAMILIES = ("fwd_sm90", "bwd_sm90")
 def modifier_variants() -> list:
     """The Variants of the mods suite's built-in modifiers, each causal and not: softcap (both
     builds of ``CUFLASH_SOFTCAP_TANH``, the tanh one without ``CUFLASH_SOFTCAP_POLY``, and with
-    ``CUFLASH_SOFTCAP_FIXED``'s fixed offset), ALiBi (both of ``CUFLASH_ALIBI_RAW``), the window, a
-    bfloat16 bias. (bwd_sm90 with
+    ``CUFLASH_SOFTCAP_FIXED``'s fixed offset and ``CUFLASH_SOFTCAP_BWD``'s plain path), ALiBi (both of ``CUFLASH_ALIBI_RAW``), the window, a bfloat16 bias. (bwd_sm90 with
     softcap at d = 128 spilled 56 bytes in session 7 and nothing compiled it: bench/NOTES.md.)"""
     from ._variant import Variant
     out = []
     for causal in (False, True):
-        out += [Variant(causal=causal, softcap=True, softcap_fixed=True),
+        # (the fixed offset without the backward's plain path: the forward of the first, the
+        # backward of the second)
+        out += [Variant(causal=causal, softcap=True, softcap_fixed=True, softcap_bwd_plain=True),
                 Variant(causal=causal, softcap=True),
                 Variant(causal=causal, softcap=True, softcap_tanh=False),
                 Variant(causal=causal, softcap=True, softcap_poly=False),
@@ -140,7 +141,8 @@ def modifier_records() -> list[Spec]:
 def _covering_modifier(spec: Spec) -> bool:
     f = dict(spec.factors)
     v = f["variant"]
-    return (v.softcap and v.softcap_tanh and v.softcap_poly and v.softcap_fixed and not v.causal
+    return (v.softcap and v.softcap_tanh and v.softcap_poly and v.softcap_fixed
+            and v.softcap_bwd_plain and not v.causal
             and getattr(f["traits"], "head_dim", None) == 128)
 
 

@@ -69,10 +69,16 @@ class Variant:
     #: without ``softcap_poly``), where :func:`softcap_offset` admits the cap and Lk; False
     #: (the default of a Variant spelled by hand) or ``CUFLASH_SOFTCAP_FIXED=0``: the running max
     softcap_fixed: bool = False
-    #: with ``softcap_fixed`` and ``softcap_poly``: session 8's share of the exponentials on the
-    #: FMA pipe (3 of 8 column tiles at d <= 64, 1 at d = 128; ``SOFTCAP`` = 6) instead of the
-    #: fixed offset's (4 and 2): ``CUFLASH_SOFTCAP_SHARE=s8``, an A/B arm
-    softcap_share_s8: bool = False
+    #: with ``softcap_fixed`` and ``softcap_poly``: the other share of the exponentials on the
+    #: FMA pipe (2 of 8 column tiles at d <= 64, 1 at d = 128; ``SOFTCAP`` = 6) instead of the
+    #: default's (none and 2): ``CUFLASH_SOFTCAP_SHARE=alt``, an A/B arm
+    softcap_share_alt: bool = False
+    #: with ``softcap_tanh``, the softcap alone and no mask array or mask_mod: bwd_sm90 computes
+    #: it on its plain path (C++ ``SOFTCAP`` + 8, ``kSoftcapBwdPlain``: the chain rule's 1 - th^2
+    #: folded into P after P^T is packed for dV), not on the per-element path (bwd_io
+    #: ``p_ds_pair``); both at 64-row query tiles (the plain table's 128 at d = 64 spill 160
+    #: bytes with it); ``CUFLASH_SOFTCAP_BWD=pairwise`` turns it off
+    softcap_bwd_plain: bool = False
     alibi_slopes: bool = False
     bias: str | None = None
     mask: bool = False
@@ -116,9 +122,11 @@ class Variant:
         if not self.modified:
             return f"cuflash::Variant<{b(self.causal)}>"
         softcap = ("false" if not self.softcap else "2" if not self.softcap_tanh
-                   else (("6" if self.softcap_share_s8 else "4") if self.softcap_poly else "5")
+                   else (("6" if self.softcap_share_alt else "4") if self.softcap_poly else "5")
                    if self.softcap_fixed
                    else "true" if self.softcap_poly else "3")
+        if self.softcap and self.softcap_tanh and self.softcap_bwd_plain:
+            softcap = str((1 if softcap == "true" else int(softcap)) + 8)
         alibi = "false" if not self.alibi_slopes else "true" if self.alibi_raw else "2"
         args = [b(self.causal), b(self.window), softcap, alibi,
                 self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
@@ -161,7 +169,8 @@ def variant_of(prob, mods=None) -> Variant:
                                                          and prob.dtype.name == "bfloat16"),
                    alibi_raw=mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_RAW"),
                    softcap_poly=mods.softcap is None or _switch("CUFLASH_SOFTCAP_POLY"),
-                   softcap_fixed=fixed, softcap_share_s8=fixed and _share_s8(),
+                   softcap_fixed=fixed, softcap_share_alt=fixed and _share_alt(),
+                   softcap_bwd_plain=_softcap_bwd_plain(prob, mods),
                    alibi_slopes=mods.alibi_slopes is not None,
                    bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
                    mask=mods.mask is not None, sink=mods.sink is not None,
@@ -192,21 +201,41 @@ def _softcap_fixed(prob, mods) -> bool:
     """Whether a plan takes the fixed-offset softmax (:attr:`Variant.softcap_fixed`): the softcap
     alone on tanh.approx (bfloat16; no ALiBi, bias, score_mod, sink: C++ ``kCapUnits``), the
     cap and Lk admitted by :func:`softcap_offset`, and ``CUFLASH_SOFTCAP_FIXED`` not 0."""
+    return (_softcap_alone_tanh(prob, mods) and _switch("CUFLASH_SOFTCAP_FIXED")
+            and softcap_offset(mods.softcap, prob.Lk) is not None)
+
+
+def _softcap_alone_tanh(prob, mods) -> bool:
+    """The softcap on tanh.approx (bfloat16, ``CUFLASH_SOFTCAP_TANH`` not 0) and no other score
+    transform nor a sink (C++ ``kCapUnits``: scores in units of the cap), nor a window (session
+    10 keeps the window's builds as they were: fwd_sm80's EVEN build at d = 64 spills 12 bytes
+    with the fixed offset, where the running max's predicated build spills 32)."""
     if mods.softcap is None or prob.dtype.name != "bfloat16" or not _switch("CUFLASH_SOFTCAP_TANH"):
         return False
-    if (mods.alibi_slopes is not None or mods.bias is not None or mods.sink is not None
-            or mods.score_mod is not None):
-        return False
-    return _switch("CUFLASH_SOFTCAP_FIXED") and softcap_offset(mods.softcap, prob.Lk) is not None
+    return (mods.alibi_slopes is None and mods.bias is None and mods.sink is None
+            and mods.score_mod is None and mods.window is None)
 
 
-def _share_s8() -> bool:
-    """``CUFLASH_SOFTCAP_SHARE``: "s8" gives the fixed-offset softcap session 8's share of the
-    exponentials on the FMA pipe (an A/B arm); unset or "fixed", the fixed offset's own."""
+def _softcap_bwd_plain(prob, mods) -> bool:
+    """Whether bwd_sm90 takes the softcap on its plain path (:attr:`Variant.softcap_bwd_plain`):
+    the softcap alone on tanh.approx, no mask array nor mask_mod (the plain path masks by
+    bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
+    bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD`` not "pairwise"."""
+    value = os.environ.get("CUFLASH_SOFTCAP_BWD", "").strip()
+    if value not in ("", "plain", "pairwise"):
+        raise ValueError(f"CUFLASH_SOFTCAP_BWD={value!r}: expected plain or pairwise")
+    return (value != "pairwise" and _softcap_alone_tanh(prob, mods) and mods.softcap >= 1e-3
+            and mods.mask is None and mods.mask_mod is None and mods.block_mask is None)
+
+
+def _share_alt() -> bool:
+    """``CUFLASH_SOFTCAP_SHARE``: "alt" gives the fixed-offset softcap the other share of the
+    exponentials on the FMA pipe (:attr:`Variant.softcap_share_alt`, an A/B arm); unset or
+    "default", its own."""
     value = os.environ.get("CUFLASH_SOFTCAP_SHARE", "").strip()
-    if value not in ("", "fixed", "s8"):
-        raise ValueError(f"CUFLASH_SOFTCAP_SHARE={value!r}: expected fixed or s8")
-    return value == "s8"
+    if value not in ("", "default", "alt"):
+        raise ValueError(f"CUFLASH_SOFTCAP_SHARE={value!r}: expected default or alt")
+    return value == "alt"
 
 
 def _switch(var: str) -> bool:

@@ -9,7 +9,8 @@ g++ (the C library's ``fmaf`` is the GPU's FFMA: one rounding), so the numbers a
 - the kernel's offset is the host's (the plan decides the build from it) and meets the
   bounds the header states: the lowest possible row max keeps 24 + lg bits above the float
   range's bottom, and P Lk <= 2^88 where admitted;
-- the Variant's C++ spelling and the plan-time switches.
+- the Variant's C++ spelling and the plan-time switches (the fixed offset; bwd_sm90's plain
+  path for the softcap alone, whose kernel code only a GPU runs: tests/test_gpu_modifiers.py).
 The emulated forward (tests/test_emulated_sm80.py, ``-m slow``) runs the whole kernel path.
 """
 
@@ -129,7 +130,7 @@ def test_the_variant_spells_the_fixed_builds(monkeypatch):
     V = _variant.Variant
     assert ", 4, false," in V(softcap=True, softcap_fixed=True).cpp
     assert ", 5, false," in V(softcap=True, softcap_fixed=True, softcap_poly=False).cpp
-    assert ", 6, false," in V(softcap=True, softcap_fixed=True, softcap_share_s8=True).cpp
+    assert ", 6, false," in V(softcap=True, softcap_fixed=True, softcap_share_alt=True).cpp
     assert ", true, false," in V(softcap=True).cpp                  # the running max, as before
     assert ", 2, false," in V(softcap=True, softcap_tanh=False, softcap_fixed=True).cpp
 
@@ -138,7 +139,8 @@ def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), **kw):
     """The Variant a plan takes for one problem (what ``_families.Shape.of`` asks)."""
     import ml_dtypes
     from cuflash import _modifiers, _problem
-    for name in ("CUFLASH_SOFTCAP_TANH", "CUFLASH_SOFTCAP_FIXED", "CUFLASH_SOFTCAP_SHARE"):
+    for name in ("CUFLASH_SOFTCAP_TANH", "CUFLASH_SOFTCAP_FIXED", "CUFLASH_SOFTCAP_SHARE",
+                 "CUFLASH_SOFTCAP_BWD"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env:
         monkeypatch.setenv(name, value)
@@ -153,13 +155,30 @@ def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), **kw):
 
 def test_the_plan_takes_the_fixed_offset_where_admitted(monkeypatch):
     v = _plan_variant(monkeypatch, softcap=50.0)
-    assert v.softcap_fixed and not v.softcap_share_s8 and ", 4, false," in v.cpp
-    assert _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_SHARE", "s8")]).softcap_share_s8
+    assert v.softcap_fixed and not v.softcap_share_alt and ", 12, false," in v.cpp   # 4 + 8
+    assert _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_SHARE", "alt")]).softcap_share_alt
     assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_FIXED", "0")]).softcap_fixed
     assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_TANH", "0")]).softcap_fixed
     assert not _plan_variant(monkeypatch, "float16", softcap=50.0).softcap_fixed     # ex2 / rcp
     assert not _plan_variant(monkeypatch, softcap=100.0).softcap_fixed               # P too large
     slopes = numpy.ones((2,), numpy.float32)
     assert not _plan_variant(monkeypatch, softcap=50.0, alibi_slopes=slopes).softcap_fixed
-    assert _plan_variant(monkeypatch, softcap=50.0, window=(8, 0)).softcap_fixed     # masks: -inf
+    assert not _plan_variant(monkeypatch, softcap=50.0, window=(8, 0)).softcap_fixed  # (spills)
     assert not _plan_variant(monkeypatch, alibi_slopes=slopes).softcap_fixed
+
+
+def test_the_plan_takes_bwd_sm90s_plain_path_for_the_softcap_alone(monkeypatch):
+    v = _plan_variant(monkeypatch, softcap=50.0)
+    assert v.softcap_bwd_plain and ", 12, false," in v.cpp          # 4 + 8
+    v = _plan_variant(monkeypatch, softcap=100.0)                  # the running max, plain path
+    assert v.softcap_bwd_plain and not v.softcap_fixed and ", 9, false," in v.cpp
+    assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_BWD", "pairwise")]).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, "float16", softcap=50.0).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, softcap=1e-4).softcap_bwd_plain   # (kHiddenTh's bound)
+    assert not _plan_variant(monkeypatch, softcap=50.0, window=(8, 0)).softcap_bwd_plain
+    mask = numpy.ones((1, 1, 8, 4096), bool)
+    assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask).softcap_bwd_plain
+    slopes = numpy.ones((2,), numpy.float32)
+    assert not _plan_variant(monkeypatch, softcap=50.0, alibi_slopes=slopes).softcap_bwd_plain
+    with pytest.raises(ValueError):
+        _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_BWD", "yes")])
