@@ -94,14 +94,16 @@ MODIFIER_FAMILIES = ("fwd_sm90", "bwd_sm90")
 
 def modifier_variants() -> list:
     """The Variants of the mods suite's built-in modifiers, each causal and not: softcap (both
-    builds of ``CUFLASH_SOFTCAP_TANH``, the tanh one without ``CUFLASH_SOFTCAP_POLY``, and with
-    ``CUFLASH_SOFTCAP_FIXED``'s fixed offset and ``CUFLASH_SOFTCAP_BWD``'s plain path), ALiBi (both of ``CUFLASH_ALIBI_RAW``), the window, a bfloat16 bias. (bwd_sm90 with
-    softcap at d = 128 spilled 56 bytes in session 7 and nothing compiled it: bench/NOTES.md.)"""
+    builds of ``CUFLASH_SOFTCAP_TANH``, the tanh one without ``CUFLASH_SOFTCAP_POLY``, and
+    session 10's default, ``CUFLASH_SOFTCAP_FIXED``'s fixed offset with ``CUFLASH_SOFTCAP_BWD``'s
+    plain path), ALiBi (both of ``CUFLASH_ALIBI_RAW``), the window, a bfloat16 bias. (bwd_sm90
+    with softcap at d = 128 spilled 56 bytes in session 7 and nothing compiled it:
+    bench/NOTES.md.)"""
     from ._variant import Variant
     out = []
     for causal in (False, True):
-        # (the fixed offset without the backward's plain path: the forward of the first, the
-        # backward of the second)
+        # (the fixed offset with the per-element backward, CUFLASH_SOFTCAP_BWD=pairwise: the
+        # forward of the first, the backward of the second, compiled under other names)
         out += [Variant(causal=causal, softcap=True, softcap_fixed=True, softcap_bwd_plain=True),
                 Variant(causal=causal, softcap=True),
                 Variant(causal=causal, softcap=True, softcap_tanh=False),

@@ -4,11 +4,11 @@ fixed offset instead of the running max (session 10)"): what do softcap and ALiB
 plain attention of the same shape (issue 10: <= 10%), forward and fwd+bwd, in each build, in
 ONE process?
 
-    PYTHONPATH=. python bench/probes/softcap_ab.py [--json out.json] [--d 64,128] [--L 4096,16384]
+    PYTHONPATH=. python bench/probes/softcap_ab.py [--json out.json] [--d 64,128] [--L 4096]
                                                    [--builds fixed,online,pairwise,...]
 
-On the H200 (~60-80 s at the defaults, d 64 and 128, L 4096; most of it compiling in 14
-processes first; 16k adds ~5 s of timing, same kernels): bf16, B x L = 16k tokens,
+On the H200 (~60-80 s at the defaults, d 64 and 128, L 4096; most of it compiling 16 jobs in
+14 processes first; --L 4096,16384 adds ~10 s of timing, same kernels): bf16, B x L = 16k tokens,
 H x d = 2048 (the mods suite's shapes), softcap 50 not causal against plain not causal, ALiBi
 (the suite's geometric slopes) causal against plain causal. Builds (``cuflash._api.clear_plans()``
 between):
@@ -185,7 +185,7 @@ def table(rows: list[dict]) -> None:
 def main(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", default="64,128")
-    ap.add_argument("--L", default="4096,16384")
+    ap.add_argument("--L", default="4096", help="e.g. 4096,16384 (16k: ~10 s more, same kernels)")
     ap.add_argument("--json")
     ap.add_argument("--builds", default=DEFAULT_BUILDS, help=f"of {', '.join(BUILDS)}")
     ap.add_argument("--warm", type=int, default=14,
