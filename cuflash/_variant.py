@@ -207,25 +207,26 @@ def _softcap_fixed(prob, mods) -> bool:
 
 def _softcap_alone_tanh(prob, mods) -> bool:
     """The softcap on tanh.approx (bfloat16, ``CUFLASH_SOFTCAP_TANH`` not 0) and no other score
-    transform nor a sink (C++ ``kCapUnits``: scores in units of the cap), nor a window (session
-    10 keeps the window's builds as they were: fwd_sm80's EVEN build at d = 64 spills 12 bytes
-    with the fixed offset, where the running max's predicated build spills 32)."""
+    transform nor a sink (C++ ``kCapUnits``: scores in units of the cap), with causal or not
+    but no other mask: session 10 keeps the builds of the window, mask arrays, mask_mods and
+    block masks with the softcap as they were (fwd_sm80's EVEN build at d = 64 with the window
+    spilled 12 bytes with the fixed offset; the others were not compiled with it)."""
     if mods.softcap is None or prob.dtype.name != "bfloat16" or not _switch("CUFLASH_SOFTCAP_TANH"):
         return False
     return (mods.alibi_slopes is None and mods.bias is None and mods.sink is None
-            and mods.score_mod is None and mods.window is None)
+            and mods.score_mod is None and mods.window is None and mods.mask is None
+            and mods.mask_mod is None and mods.block_mask is None)
 
 
 def _softcap_bwd_plain(prob, mods) -> bool:
     """Whether bwd_sm90 takes the softcap on its plain path (:attr:`Variant.softcap_bwd_plain`):
-    the softcap alone on tanh.approx, no mask array nor mask_mod (the plain path masks by
-    bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
+    the softcap alone on tanh.approx (no mask array nor mask_mod either: the plain path masks
+    by bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
     bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD`` not "pairwise"."""
     value = os.environ.get("CUFLASH_SOFTCAP_BWD", "").strip()
     if value not in ("", "plain", "pairwise"):
         raise ValueError(f"CUFLASH_SOFTCAP_BWD={value!r}: expected plain or pairwise")
-    return (value != "pairwise" and _softcap_alone_tanh(prob, mods) and mods.softcap >= 1e-3
-            and mods.mask is None and mods.mask_mod is None and mods.block_mask is None)
+    return value != "pairwise" and _softcap_alone_tanh(prob, mods) and mods.softcap >= 1e-3
 
 
 def _share_alt() -> bool:

@@ -135,7 +135,7 @@ def test_the_variant_spells_the_fixed_builds(monkeypatch):
     assert ", 2, false," in V(softcap=True, softcap_tanh=False, softcap_fixed=True).cpp
 
 
-def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), **kw):
+def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), causal=False, **kw):
     """The Variant a plan takes for one problem (what ``_families.Shape.of`` asks)."""
     import ml_dtypes
     from cuflash import _modifiers, _problem
@@ -147,7 +147,7 @@ def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), **kw):
     t = numpy.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else numpy.dtype(dtype)
     q = numpy.zeros((1, 2, 8, 64), t)
     k = numpy.zeros((1, 2, Lk, 64), t)
-    prob = _problem.make_problem(q, k, k, scale=None, causal=False)
+    prob = _problem.make_problem(q, k, k, scale=None, causal=causal)
     mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=prob.batch_shape,
                                       Lq=prob.Lq, Lk=prob.Lk, **kw)
     return _variant.variant_of(prob, mods)
@@ -178,6 +178,8 @@ def test_the_plan_takes_bwd_sm90s_plain_path_for_the_softcap_alone(monkeypatch):
     assert not _plan_variant(monkeypatch, softcap=50.0, window=(8, 0)).softcap_bwd_plain
     mask = numpy.ones((1, 1, 8, 4096), bool)
     assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask).softcap_fixed
+    assert _plan_variant(monkeypatch, softcap=50.0, causal=True).softcap_fixed
     slopes = numpy.ones((2,), numpy.float32)
     assert not _plan_variant(monkeypatch, softcap=50.0, alibi_slopes=slopes).softcap_bwd_plain
     with pytest.raises(ValueError):
