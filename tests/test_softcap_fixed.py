@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import math
 import pathlib
-import re
 import shutil
 import subprocess
 
