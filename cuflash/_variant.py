@@ -199,8 +199,8 @@ def softcap_offset(softcap: float, Lk: int) -> float | None:
 
 def _softcap_fixed(prob, mods) -> bool:
     """Whether a plan takes the fixed-offset softmax (:attr:`Variant.softcap_fixed`): the softcap
-    alone on tanh.approx (bfloat16; no ALiBi, bias, score_mod, sink: C++ ``kCapUnits``), the
-    cap and Lk admitted by :func:`softcap_offset`, and ``CUFLASH_SOFTCAP_FIXED`` not 0."""
+    alone on tanh.approx (:func:`_softcap_alone_tanh`), the cap and Lk admitted by
+    :func:`softcap_offset`, and ``CUFLASH_SOFTCAP_FIXED`` not 0."""
     return (_softcap_alone_tanh(prob, mods) and _switch("CUFLASH_SOFTCAP_FIXED")
             and softcap_offset(mods.softcap, prob.Lk) is not None)
 
@@ -223,10 +223,12 @@ def _softcap_bwd_plain(prob, mods) -> bool:
     the softcap alone on tanh.approx (no mask array nor mask_mod either: the plain path masks
     by bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
     bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD`` not "pairwise"."""
+    if not _softcap_alone_tanh(prob, mods):
+        return False
     value = os.environ.get("CUFLASH_SOFTCAP_BWD", "").strip()
     if value not in ("", "plain", "pairwise"):
         raise ValueError(f"CUFLASH_SOFTCAP_BWD={value!r}: expected plain or pairwise")
-    return value != "pairwise" and _softcap_alone_tanh(prob, mods) and mods.softcap >= 1e-3
+    return value != "pairwise" and mods.softcap >= 1e-3
 
 
 def _share_alt() -> bool:
