@@ -37,8 +37,11 @@
 // an element mask (bool array, mask_mod) takes the path of bwd_io::p_ds_pair, the element of P
 // and dS that bwd_sm80 computes too, with the chain rule of softcap / score_mod and dL/dbias
 // (ALiBi with them: inside Mod::score there); a block mask skips the query tiles it calls
-// empty and the mask_mod of those it calls full. Which modifiers run here at which head dim
-// (registers): cuflash/_traits.py, BWD_SM90_MODIFIERS.
+// empty and the mask_mod of those it calls full. The softcap alone (bfloat16's tanh.approx
+// build, no element mask: Var::kSoftcapBwdPlain, session 10) keeps the plain path: th =
+// tanh(tau S / c) per element, P from it, and the chain rule's 1 - th^2 folded into P once P^T
+// is packed for dV. Which modifiers run here at which head dim (registers):
+// cuflash/_traits.py, BWD_SM90_MODIFIERS.
 //
 // Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
 // dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
@@ -138,6 +141,14 @@ __device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&fi
     }
 }
 
+// The softcap's th = tanh(S tau / c) of a masked pair on the plain path (Var::kSoftcapBwdPlain):
+// finite, so that P (1 - th^2) stays 0 x finite = 0 (th = -inf gave 0 x inf = NaN), and so
+// negative that P = exp2(th c log2(e) - L log2(e)) is exactly 0 (ex2.approx.ftz of < -126)
+// for every cap the host sends this path (c >= 1e-3: th c log2(e) <= -1.4e15); th^2 = 1e36
+// is below float's 3.4e38.
+constexpr float kHiddenTh = -1e18f;
+template <bool B> struct Flag { static constexpr bool value = B; };   // (a compile-time flag as an argument)
+
 // Two float32 values (columns col, col + 1 of a row of n) added to global memory with
 // atomics: one 8-byte vector red (sm_90) when both exist and n is even (then the address is
 // 8-byte aligned), else one each.
@@ -190,9 +201,10 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // bwd_io::p_ds_pair below; causal, the window, the sink and ALiBi keep the plain one (the
   // sink is in L_i already, dsink is the launcher's, from D and L; ALiBi is a constant added
   // to the scaled score, so it changes only the exponent of P: Mod::alibi_exp2).
-  constexpr bool kPairwise = Var::kGrad || Var::kPairMask;
-  static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi,
-                "the plain path's only score transform is ALiBi");
+  // (the softcap alone, Var::kSoftcapBwdPlain: its two steps on the plain path, below)
+  constexpr bool kPairwise = (Var::kGrad && !Var::kSoftcapBwdPlain) || Var::kPairMask;
+  static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi || Var::kSoftcapBwdPlain,
+                "the plain path's only score transforms are ALiBi and the softcap alone");
   // tau * log2(e); log2(e) where the modifiers give natural-unit scores (p_ds_pair)
   // (c log2(e) where p_ds_pair's scores are in units of the softcap c: Var::kCapUnits)
   const float sl2 = Var::kCapUnits ? p.mod.softcap * 1.4426950408889634f
@@ -375,20 +387,53 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       Var::transform_tile(p.var, s);
       [[maybe_unused]] float dist0 = 0.f;
       if constexpr (Var::Mod::kHasAlibi) dist0 = float(m0 + 2 * t4 + p.mod.diag - kw0 - g);
+      if constexpr (Var::kSoftcapBwdPlain) {
+        // The softcap alone (scores in units of c, sl2 = c log2(e), as the forward), element
+        // by element: th = tanh.approx(S tau / c) (a masked pair's: kHiddenTh; the tile's code
+        // twice, with and without the mask, behind one uniform branch), P = exp2(th sl2 - L
+        // log2(e)), packed into P^T's A fragment of dV, and in S's place P (1 - th^2): dS =
+        // P (1 - th^2) o (dP - D) below is dL/d(tau S), the chain rule of c tanh(tau S / c)
+        // (Mod::grad_capped's factor), in the registers P has on this path, and P still
+        // starts while dP^T is in the tensor cores (the per-element path waits for both).
+        // 2 special-function operations a score (tanh, ex2), 4 instructions more than plain.
+        // (64-row query tiles, _variant.modifier_tiles: at d = 64 the plain table's 128 spill.)
+        const float kcap = scale * p.mod.inv_softcap;
+        auto p_and_factor = [&](auto masked) {
 #pragma unroll
-      for (int t = 0; t < Tr::kNTilesS; ++t) {
-        const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
+          for (int t = 0; t < Tr::kNTilesS; ++t) {
+            const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x));
-          if constexpr (Var::Mod::kHasAlibi)   // (a dead row's x = -inf stays -inf: P = 0)
-            x = Var::Mod::alibi_exp2(x, slope_l2, dist0 + float(8 * t + (e & 1) - 8 * (e >> 1)));
-          s[t][e] = ex2_approx(x);
+            for (int h = 0; h < 2; ++h) {   // key row g + 8 h: elements 2 h, 2 h + 1
+              float th0 = tanh_approx(s[t][2 * h] * kcap), th1 = tanh_approx(s[t][2 * h + 1] * kcap);
+              if constexpr (decltype(masked)::value) {
+                th0 = (8 * t >= first[h] && (!Var::kKeyLo || 8 * t <= last[h])) ? th0 : kHiddenTh;
+                th1 = (8 * t + 1 >= first[h] && (!Var::kKeyLo || 8 * t + 1 <= last[h])) ? th1 : kHiddenTh;
+              }
+              const float p0 = ex2_approx(fmaf(th0, sl2, -l2.x)), p1 = ex2_approx(fmaf(th1, sl2, -l2.y));
+              pa[t / 2][2 * (t % 2) + h] = pack2<T>(p0, p1);   // (p_fragment's layout)
+              s[t][2 * h] = fmaf(-p0 * th0, th0, p0);
+              s[t][2 * h + 1] = fmaf(-p1 * th1, th1, p1);
+            }
+          }
+        };
+        if (need_mask) p_and_factor(Flag<true>{});
+        else p_and_factor(Flag<false>{});
+      } else {
+#pragma unroll
+        for (int t = 0; t < Tr::kNTilesS; ++t) {
+          const float2 l2 = *reinterpret_cast<const float2*>(sL2 + 8 * t + 2 * t4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = fmaf(s[t][e], sl2, -((e & 1) ? l2.y : l2.x));
+            if constexpr (Var::Mod::kHasAlibi)   // (a dead row's x = -inf stays -inf: P = 0)
+              x = Var::Mod::alibi_exp2(x, slope_l2, dist0 + float(8 * t + (e & 1) - 8 * (e >> 1)));
+            s[t][e] = ex2_approx(x);
+          }
         }
-      }
-      if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
+        if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
 #pragma unroll
-      for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+        for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
+      }
 
       // -- 14: dS_ij = P_ij o (dP_ij - D_i)  (0 where P was selected to 0: dP - D can be NaN
       //        there, from a NaN in a dO row that does not see the key)

@@ -86,6 +86,8 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
                     : (Var::kNatural && !Var::kAlibiRawUnits) ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
   // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);
+  // the softcap alone: the softmax's fixed offset (online_softmax.cuh softcap_offset), base 2
+  const float mo = Var::kFixedOffset ? softcap_offset(sl2, p.Lk) : 0.f;
 
   // Key tiles [j_first, n_blocks) hold the keys this Q tile can see (Variant: all of them, or
   // under the causal mask those j <= i + causal_offset of its last row, and under a window
@@ -255,7 +257,11 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       // -- 9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_i rescaled + rowsum;
       //    10 (first half): O_i = diag(exp(m_i - m_ij)) O_i
-      online_softmax_step<Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
+      //    (the softcap alone: a fixed offset, no max and no rescale)
+      if constexpr (Var::kFixedOffset)
+        fixed_offset_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s[ms], l_i[ms], sl2, mo);
+      else
+        online_softmax_step<Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s[ms], m_i[ms], l_i[ms], o[ms], sl2);
     }
 
     // -- 10: O_i += P~_ij V_j, with P taken straight from the S accumulators as the A operand
@@ -281,9 +287,11 @@ fwd_sm80(const Params CUFLASH_VARLEN_PARAM(p)) {
   //    written to HBM
   float inv_l[MS][2];
 #pragma unroll
-  for (int ms = 0; ms < MS; ++ms)
-    finish_rows(inv_l[ms], l_i[ms], m_i[ms], sl2, row0 + 16 * ms, p.Lq,
+  for (int ms = 0; ms < MS; ++ms) {
+    if constexpr (Var::kFixedOffset) m_i[ms][0] = m_i[ms][1] = mo;   // lse = (mo + log2 l) ln 2
+    finish_rows(inv_l[ms], l_i[ms], m_i[ms], Var::kFixedOffset ? 1.f : sl2, row0 + 16 * ms, p.Lq,
                 reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
+  }
 
   // Stage O through shared memory (the Q tile's space; this warp's own rows only) so that the
   // global stores are whole 16-byte rows.

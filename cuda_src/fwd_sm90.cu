@@ -118,6 +118,8 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
                     : (Var::kNatural && !Var::kAlibiRawUnits) ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
   // the modifiers' state of this batch item (slopes, sink, bias / mask rows); empty if unused
   const auto item = Var::template item<float>(p, b);
+  // the softcap alone: the softmax's fixed offset (online_softmax.cuh softcap_offset), base 2
+  const float mo = Var::kFixedOffset ? softcap_offset(sl2, p.Lk) : 0.f;
 
   // Key tiles [0, n_blocks) of the block: those holding keys its rows can see (Variant: all,
   // or under the causal mask those up to its last row's diagonal). n_blocks can be 0
@@ -264,7 +266,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       }
       mask_scores<Var::kKeyLo>(s, first, last);
     }
-    online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
+    if constexpr (Var::kFixedOffset)
+      fixed_offset_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, l_i, sl2, mo);
+    else
+      online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
   };
 
   // -- 4: Load Q_i (and, 7 for j = 0, K_0 and V_0) from HBM to on-chip SRAM
@@ -319,7 +324,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     fence_regs(s);
     float alpha[2];
     softmax(s, j, m_i, l_i, alpha, pair_tile);
-    rescale_rows(o, alpha);
+    if constexpr (!Var::kFixedOffset) rescale_rows(o, alpha);   // (a fixed offset: alpha = 1)
     unsigned pa[Tr::kPVSteps][4];
 #pragma unroll
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
@@ -344,7 +349,8 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // buffer, the stage the last tile left free), which its first tile waits for
   if (!kLoop || n_blocks <= j0) cp_async_wait<0>();
   float inv_l[2];
-  finish_rows(inv_l, l_i, m_i, sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
+  if constexpr (Var::kFixedOffset) m_i[0] = m_i[1] = mo;   // lse = (mo + log2 l) ln 2: mo in base 2
+  finish_rows(inv_l, l_i, m_i, Var::kFixedOffset ? 1.f : sl2, row0, p.Lq, reinterpret_cast<float*>(p.lse) + static_cast<long long>(b) * p.Lq);
   // Stage O through shared memory (over Q, which other warpgroups may still be reading: hence
   // the barrier first) so that the global stores are whole 16-byte chunks.
   __syncthreads();

@@ -61,6 +61,61 @@ __device__ __forceinline__ float ex2_poly(float x) {
   return x >= -126.f ? r : 0.f;
 }
 
+// The softcap's bounded scores (Var::kFixedOffset: softcap the only score transform, scores in
+// units of c, tanh.approx's th in [-1, 1]): in base 2 a score is x = th a, a = c log2(e) (sl2),
+// so every score of every row lies in [-a, a] and the softmax needs no running max: one offset
+// mo for all rows and tiles, P = 2^(x - mo), l = sum P, lse = (mo + log2 l) ln 2, and no
+// rescale of l and O (alpha = 1): the row max's FMNMX and shuffles, the alpha ex2 and the
+// diag(alpha) O FMULs leave the loop. FlashAttention's max is only there to keep exp2 in
+// range; the cap bounds the range instead. mo (an integer, so that ex2_poly_fixed's shift is
+// exact) is the largest with which a row whose max score is the lowest possible, -a, still
+// keeps every term within 2^-(24 + lg) of its max a normal float (lg = ceil(log2 Lk): 2^-24 of
+// the row's sum at most flushes away, below float32's rounding): mo <= 102 - lg - a; and at
+// most floor(a), where P <= 2 (small caps: then the usual bound). Numerics: P <= 2^(a - mo),
+// at most 2^(2a - 101 + lg); the host takes this build only where P Lk stays <= 2^88, so O = sum P
+// v overflows only for |v| > 2^40 (cuflash/_variant.py softcap_offset); masked scores (-inf)
+// give P = 0 as before, so a row with no visible key keeps l = 0: o = 0, lse = -inf.
+__device__ __forceinline__ float softcap_offset(float a, int Lk) {
+  const int lg = 32 - __clz(max(Lk, 2) - 1);   // ceil(log2 Lk)
+  return fminf(floorf(a), floorf(static_cast<float>(102 - lg) - a));
+}
+
+// 2^(s sl2 - mo) on the FMA pipe for the fixed offset (c1 = 1.5 2^23 - mo, exact: mo is an
+// integer): ex2_poly's Cody-Waite in 3 instructions instead of 4: t = 1.5 2^23 + round(s sl2 -
+// mo) in one FFMA (the product exact inside the fma, one rounding to t's integer grid), then
+// c1 - t = -(mo + j) exactly (two integers near 1.5 2^23) and f = s sl2 - mo - j in one more
+// FFMA, one rounding, |f| <= 1/2; 2^f by ex2_poly's degree-5 fit, j added to the exponent
+// field. s finite is in [-1, 1] here, so x = s sl2 - mo >= -a - mo >= lg - 102 > -126: never
+// flushed;
+// s = -inf (a masked pair) gives 0 by the select (t, f are garbage there), as does a NaN
+// (ex2_poly does the same; the tiles on the special-function unit keep a NaN).
+__device__ __forceinline__ float ex2_poly_fixed(float s, float sl2, float c1) {
+  const float t = fmaf(s, sl2, c1);
+  const float f = fmaf(s, sl2, c1 - t);
+  const float p = fmaf(fmaf(fmaf(fmaf(fmaf(0.00132763083f, f, 0.00967548508f), f, 0.0555071309f), f,
+                                  0.240221202f), f, 0.693146944f), f, 1.00000012f);
+  const float r = __int_as_float(static_cast<int>(__float_as_uint(p) + (__float_as_uint(t) << 23)));
+  return s >= -2.f ? r : 0.f;
+}
+
+// The softmax step with the fixed offset mo (softcap_offset): P_ij = 2^(S_ij sl2 - mo) in place
+// of S_ij, l_i += rowsum(P_ij); no max, no alpha. POLY_T as below (ex2_poly_fixed).
+template <int NT, int POLY_T = 0>
+__device__ __forceinline__ void fixed_offset_softmax_scores(float (&s)[NT][4], float (&l_i)[2], float sl2, float mo) {
+  const float c1 = 12582912.f - mo;
+  float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      s[t][e] = (POLY_T > 0 && t >= NT - POLY_T) ? ex2_poly_fixed(s[t][e], sl2, c1) : ex2_approx(fmaf(s[t][e], sl2, -mo));
+    rowsum[0] += s[t][0] + s[t][1];
+    rowsum[1] += s[t][2] + s[t][3];
+  }
+  l_i[0] += rowsum[0];
+  l_i[1] += rowsum[1];
+}
+
 // POLY_T > 0: the last POLY_T of the NT 8-column tiles take ex2_poly instead of ex2.approx
 // (a Variant's kPolyShare: the softcap on tanh.approx); 0 compiles to the code without it.
 template <int NT, int POLY_T = 0>

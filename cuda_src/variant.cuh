@@ -61,7 +61,12 @@ struct VariantParams {
 // forward's exponentials on the FMA pipe (kPolyShare), 3 the same without that share
 // (CUFLASH_SOFTCAP_POLY=0), 2 the session-7 build c - 2c / (2^{2y log2 e} + 1) on ex2.approx
 // and rcp.approx (CUFLASH_SOFTCAP_TANH=0, and float16 always: _variant);
-// the other kernels compute tanhf (Mod::score_row) under both. ALIBI likewise: 0 none, 1 (`true`)
+// 4 and 5 are 1 and 3 with the forwards' softmax on a fixed offset instead of a running max
+// (kFixedOffset; CUFLASH_SOFTCAP_FIXED, where the cap and Lk allow it: _variant.softcap_offset),
+// 6 is 4 with the other share of the exponentials on the FMA pipe (CUFLASH_SOFTCAP_SHARE=alt);
+// + 8: bwd_sm90 computes the softcap alone on its plain path (kSoftcapBwdPlain,
+// CUFLASH_SOFTCAP_BWD; the forwards ignore the bit);
+// the other kernels compute tanhf (Mod::score_row) under all of them. ALIBI likewise: 0 none, 1 (`true`)
 // the forwards keep ALiBi-alone scores raw (kAlibiRawUnits), 2 in natural units as in session 7
 // (CUFLASH_ALIBI_RAW=0).
 template <bool CAUSAL, bool WINDOW = false, int SOFTCAP = 0, int ALIBI = 0,
@@ -75,19 +80,34 @@ struct Variant {
   static constexpr bool kCausal = CAUSAL;
   static constexpr bool kWindow = WINDOW;
   static constexpr bool kSink = SINK;
-  // softcap on the special-function unit's tanh (SOFTCAP 1 or 3), else (2) on its ex2 and rcp
-  static constexpr bool kSoftcapTanh = SOFTCAP == 1 || SOFTCAP == 3;
+  // softcap on the special-function unit's tanh (SOFTCAP 1, 3-6), else (2) on its ex2 and rcp
+  static constexpr int kSoftcapBuild = SOFTCAP & 7;   // (bit 8: kSoftcapBwdPlain below)
+  static constexpr bool kSoftcapTanh = kSoftcapBuild == 1 || kSoftcapBuild >= 3;
   // SOFTCAP 1 (the default) also computes a share of the softmax's exponentials on the FMA
   // pipe (online_softmax.cuh ex2_poly): with tanh.approx the special-function unit does 2
   // operations a score and is the forward's bottleneck (bench/NOTES.md, session 8). The
   // number of 8-column tiles (of NT) a thread emulates: about 1 in 8 at d = 128, 3 in 8 at
   // d <= 64 (where the tensor work a score halves); 0 for SOFTCAP 3 (CUFLASH_SOFTCAP_POLY=0).
+  // With the fixed offset (SOFTCAP 4) the loop is ~100 instructions shorter a tile and the
+  // exponential on the FMA pipe 7 instructions more than ex2.approx's 2, not 11 (ex2_poly_fixed).
+  // Session 10's call 1 measured the share LOSING at d = 64 (282 TFLOP/s against 308 without
+  // it: the loop is latency-bound there, issue slots 58% busy, not pipe-bound as session 8's
+  // model had it), neutral at d = 128. So: none at d <= 64, 2 in 8 at d = 128 (8 of 32);
+  // SOFTCAP 6 the other arm of an A/B (CUFLASH_SOFTCAP_SHARE=alt): 2 in 8 at d <= 64, 1 in 8
+  // at d = 128 (bench/NOTES.md, session 10).
   template <int NT, int HEAD_DIM>
-  static constexpr int kPolyShare = SOFTCAP == 1 ? (HEAD_DIM <= 64 ? (3 * NT + 7) / 8 : (NT + 7) / 8) : 0;
+  static constexpr int kPolyShare = kSoftcapBuild == 1 ? (HEAD_DIM <= 64 ? (3 * NT + 7) / 8 : (NT + 7) / 8)
+                                  : kSoftcapBuild == 4 ? (HEAD_DIM <= 64 ? 0 : (2 * NT + 7) / 8)
+                                  : kSoftcapBuild == 6 ? (HEAD_DIM <= 64 ? (2 * NT + 7) / 8 : (NT + 7) / 8) : 0;
   // softcap is the only score transform (and no sink starts the softmax): the tensor-core
   // kernels keep the scores in units of c, tanh(S tau / c), and fold c into the softmax's exp2
   // multiplier (sl2 = c log2(e) in place of log2(e)): one FMUL a score fewer, in both passes
   static constexpr bool kCapUnits = (SOFTCAP != 0) && (ALIBI == 0) && !Mod::kAfterAlibi && !SINK;
+  // SOFTCAP 4-6 with kCapUnits: the softcap alone bounds every score to [-c, c], so the
+  // forwards' softmax runs on one fixed offset, with no running max and no rescale of O
+  // (online_softmax.cuh fixed_offset_softmax_scores); bfloat16 only, as the tanh build (P can
+  // exceed 1 there, up to 2^88 / Lk, far beyond float16's range).
+  static constexpr bool kFixedOffset = (kSoftcapBuild >= 4) && kCapUnits;
   // ALiBi is the only score transform (no sink): the tensor-core forwards (modify_score_tile)
   // keep the raw products S and add - (slope / tau) |i + diag - j|, the softmax folding tau
   // log2(e) into its exp2 as plain attention does: one FMUL (S tau) a score fewer
@@ -99,6 +119,11 @@ struct Variant {
   // An element mask that is not an interval of keys per row (a bool array, a mask_mod): every
   // tile that is not known full evaluates it pair by pair (pair_visible).
   static constexpr bool kPairMask = MASK || Mod::kHasMaskMod;
+  // SOFTCAP + 8 (the tanh builds), the softcap alone and no pair mask: bwd_sm90 takes its plain
+  // path with the softcap's two steps in it (th = tanh.approx(S tau / c) in place of S, P =
+  // exp2(th c log2(e) - L log2(e)), dS = P (1 - th^2) o (dP - D): the chain rule folded into P
+  // once P^T is packed for dV), not the per-element path of bwd_io::p_ds_pair
+  static constexpr bool kSoftcapBwdPlain = (SOFTCAP & 8) && kSoftcapTanh && kCapUnits && !kPairMask;
   // The per-block item state (slopes, sinks, bias/mask pointers, user b and h) is needed.
   static constexpr bool kItem = kNatural || kPairMask;
   static constexpr bool kHasBias = Mod::kHasBias;

@@ -64,6 +64,21 @@ class Variant:
     #: (online_softmax.cuh ``ex2_poly``; ``SOFTCAP`` = 1), else none (``SOFTCAP`` = 3);
     #: ``CUFLASH_SOFTCAP_POLY=0`` turns it off
     softcap_poly: bool = True
+    #: with ``softcap_tanh``: the forwards' softmax on a fixed offset, no running max and no
+    #: rescale of O (online_softmax.cuh ``fixed_offset_softmax_scores``; ``SOFTCAP`` = 4, or 5
+    #: without ``softcap_poly``), where :func:`softcap_offset` admits the cap and Lk; False
+    #: (the default of a Variant spelled by hand) or ``CUFLASH_SOFTCAP_FIXED=0``: the running max
+    softcap_fixed: bool = False
+    #: with ``softcap_fixed`` and ``softcap_poly``: the other share of the exponentials on the
+    #: FMA pipe (2 of 8 column tiles at d <= 64, 1 at d = 128; ``SOFTCAP`` = 6) instead of the
+    #: default's (none and 2): ``CUFLASH_SOFTCAP_SHARE=alt``, an A/B arm
+    softcap_share_alt: bool = False
+    #: with ``softcap_tanh``, the softcap alone and no mask array or mask_mod: bwd_sm90 computes
+    #: it on its plain path (C++ ``SOFTCAP`` + 8, ``kSoftcapBwdPlain``: the chain rule's 1 - th^2
+    #: folded into P after P^T is packed for dV), not on the per-element path (bwd_io
+    #: ``p_ds_pair``); both at 64-row query tiles (the plain table's 128 at d = 64 spill 160
+    #: bytes with it); ``CUFLASH_SOFTCAP_BWD=pairwise`` turns it off
+    softcap_bwd_plain: bool = False
     alibi_slopes: bool = False
     bias: str | None = None
     mask: bool = False
@@ -107,7 +122,11 @@ class Variant:
         if not self.modified:
             return f"cuflash::Variant<{b(self.causal)}>"
         softcap = ("false" if not self.softcap else "2" if not self.softcap_tanh
+                   else (("6" if self.softcap_share_alt else "4") if self.softcap_poly else "5")
+                   if self.softcap_fixed
                    else "true" if self.softcap_poly else "3")
+        if self.softcap and self.softcap_tanh and self.softcap_bwd_plain:
+            softcap = str((1 if softcap == "true" else int(softcap)) + 8)
         alibi = "false" if not self.alibi_slopes else "true" if self.alibi_raw else "2"
         args = [b(self.causal), b(self.window), softcap, alibi,
                 self.bias or "void", b(self.mask), self.score_mod or "cuflash::NoScoreMod",
@@ -143,12 +162,15 @@ def variant_of(prob, mods=None) -> Variant:
     from ._modifier_params import BIAS_CTYPE
     from . import _trace_cuda
     score, mask = traces_of(mods)
+    fixed = _softcap_fixed(prob, mods)
     return Variant(causal=bool(prob.causal), window=mods.window is not None,
                    softcap=mods.softcap is not None,
                    softcap_tanh=mods.softcap is None or (_switch("CUFLASH_SOFTCAP_TANH")
                                                          and prob.dtype.name == "bfloat16"),
                    alibi_raw=mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_RAW"),
                    softcap_poly=mods.softcap is None or _switch("CUFLASH_SOFTCAP_POLY"),
+                   softcap_fixed=fixed, softcap_share_alt=fixed and _share_alt(),
+                   softcap_bwd_plain=_softcap_bwd_plain(prob, mods),
                    alibi_slopes=mods.alibi_slopes is not None,
                    bias=None if mods.bias is None else BIAS_CTYPE[str(mods.bias.dtype)],
                    mask=mods.mask is not None, sink=mods.sink is not None,
@@ -156,6 +178,67 @@ def variant_of(prob, mods=None) -> Variant:
                    mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
                    block_mask=mods.block_mask is not None,
                    prelude="".join(t.source for t in (score, mask) if t is not None))
+
+
+def softcap_offset(softcap: float, Lk: int) -> float | None:
+    """The fixed offset (base 2) of the forwards' softmax under a softcap alone, as the kernels
+    compute it (online_softmax.cuh ``softcap_offset``, float32), or None where that build could
+    overflow: scores lie in [-a, a], a = c log2(e); the offset mo = min(floor(a), floor(102 -
+    lg - a)), lg = ceil(log2 Lk), keeps every term within 2^-(24 + lg) of a row's max a normal
+    float even when that max is -a, and P <= 2^(a - mo). Admitted where P Lk <= 2^88, so that O
+    = sum P v overflows only for |v| > 2^40 (bfloat16 values beyond 1e12); c = 50 (Gemma 2)
+    up to Lk = 2^22, c = 30 up to any Lk."""
+    a = numpy.float32(softcap) * numpy.float32(LOG2E)
+    if not (numpy.isfinite(a) and a > 0):
+        return None
+    lg = max(int(Lk), 2) - 1
+    lg = lg.bit_length()                      # ceil(log2 Lk), as 32 - __clz(Lk - 1)
+    mo = min(math.floor(a), math.floor(numpy.float32(102 - lg) - a))
+    return float(mo) if float(a) - mo + lg <= 88 else None
+
+
+def _softcap_fixed(prob, mods) -> bool:
+    """Whether a plan takes the fixed-offset softmax (:attr:`Variant.softcap_fixed`): the softcap
+    alone on tanh.approx (:func:`_softcap_alone_tanh`), the cap and Lk admitted by
+    :func:`softcap_offset`, and ``CUFLASH_SOFTCAP_FIXED`` not 0."""
+    return (_softcap_alone_tanh(prob, mods) and _switch("CUFLASH_SOFTCAP_FIXED")
+            and softcap_offset(mods.softcap, prob.Lk) is not None)
+
+
+def _softcap_alone_tanh(prob, mods) -> bool:
+    """The softcap on tanh.approx (bfloat16, ``CUFLASH_SOFTCAP_TANH`` not 0) and no other score
+    transform nor a sink (C++ ``kCapUnits``: scores in units of the cap), with causal or not
+    but no other mask: session 10 keeps the builds of the window, mask arrays, mask_mods and
+    block masks with the softcap as they were (fwd_sm80's EVEN build at d = 64 with the window
+    spilled 12 bytes with the fixed offset; the others were not compiled with it)."""
+    if mods.softcap is None or prob.dtype.name != "bfloat16" or not _switch("CUFLASH_SOFTCAP_TANH"):
+        return False
+    return (mods.alibi_slopes is None and mods.bias is None and mods.sink is None
+            and mods.score_mod is None and mods.window is None and mods.mask is None
+            and mods.mask_mod is None and mods.block_mask is None)
+
+
+def _softcap_bwd_plain(prob, mods) -> bool:
+    """Whether bwd_sm90 takes the softcap on its plain path (:attr:`Variant.softcap_bwd_plain`):
+    the softcap alone on tanh.approx (no mask array nor mask_mod either: the plain path masks
+    by bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
+    bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD`` not "pairwise"."""
+    if not _softcap_alone_tanh(prob, mods):
+        return False
+    value = os.environ.get("CUFLASH_SOFTCAP_BWD", "").strip()
+    if value not in ("", "plain", "pairwise"):
+        raise ValueError(f"CUFLASH_SOFTCAP_BWD={value!r}: expected plain or pairwise")
+    return value != "pairwise" and mods.softcap >= 1e-3
+
+
+def _share_alt() -> bool:
+    """``CUFLASH_SOFTCAP_SHARE``: "alt" gives the fixed-offset softcap the other share of the
+    exponentials on the FMA pipe (:attr:`Variant.softcap_share_alt`, an A/B arm); unset or
+    "default", its own."""
+    value = os.environ.get("CUFLASH_SOFTCAP_SHARE", "").strip()
+    if value not in ("", "default", "alt"):
+        raise ValueError(f"CUFLASH_SOFTCAP_SHARE={value!r}: expected default or alt")
+    return value == "alt"
 
 
 def _switch(var: str) -> bool:
@@ -166,6 +249,8 @@ def _switch(var: str) -> bool:
     function operations a score) instead of ``tanh.approx`` (one).
     ``CUFLASH_SOFTCAP_POLY=0``: no share of the forward's exponentials on the FMA pipe beside
     ``tanh.approx``.
+    ``CUFLASH_SOFTCAP_FIXED=0``: the forwards' softmax keeps its running max under a softcap
+    alone instead of the fixed offset (session 10).
     ``CUFLASH_ALIBI_RAW=0``: ALiBi alone in natural units (one FMUL a score more) instead of
     the raw scores with the slope divided by the scale."""
     value = os.environ.get(var, "").strip()

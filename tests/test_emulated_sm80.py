@@ -163,7 +163,7 @@ def _modifier_case(name, dtype):
     rng = numpy.random.default_rng(len(name))
     B, H, d = 2, 2, 64
     # Lq > Lk: the window's diagonal i + Lk - Lq starts below key 0 (rows with no key)
-    Lq, Lk = (150, 100) if name in ("window", "sink", "softcap-window") else (100, 150)
+    Lq, Lk = (150, 100) if name in ("window", "sink", "softcap-window", "softcap-50") else (100, 150)
     q, k, v = (make_array(rng, (B, H, L, d), dtype) for L in (Lq, Lk, Lk))
     bias = rng.standard_normal((H, Lq, Lk)).astype(numpy.float32)   # broadcast over B
     bias[:, 7, :] = -numpy.inf                                      # row 7: no visible key
@@ -179,6 +179,10 @@ def _modifier_case(name, dtype):
         # scores far beyond the cap on both sides and near 0 (q's rows scaled below)
         "softcap-extreme": (False, dict(softcap=2.0)),
         "softcap-window": (False, dict(softcap=2.0, window=(20, 5))),  # rows < 45 see nothing
+        # Gemma 2's cap with scores out to +-c (q's rows scaled below): bfloat16's fixed
+        # offset (session 10) then has P up to 2^50 (mo = 22 at Lk = 100); rows < 50 see
+        # no key (causal from the bottom right, Lq > Lk)
+        "softcap-50": (True, dict(softcap=50.0)),
         "alibi": (True, dict(alibi_slopes=slopes)),
         "bias": (False, dict(bias=bias.astype(dtype))),
         "mask": (True, dict(mask=mask)),
@@ -187,14 +191,14 @@ def _modifier_case(name, dtype):
                            mask=mask, sink=sink)),
     }
     causal, kw = cases[name]
-    if name == "softcap-extreme":
+    if name in ("softcap-extreme", "softcap-50"):
         row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
         q = (q.astype(numpy.float32) * row_scale[:, None]).astype(dtype)
     return q, k, v, causal, kw
 
 
 MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "softcap-extreme", "softcap-window",
-                  "alibi", "bias", "mask", "sink", "all"]
+                  "softcap-50", "alibi", "bias", "mask", "sink", "all"]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +234,7 @@ def test_forward_with_modifiers_matches_the_oracle(fwd_mods_lib, name, dtype):
     naive.check_result(q, k, v, causal, kw, o, lse)
     o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=causal, return_lse=True, **kw)
     dead = lse_ref == -numpy.inf
-    if name in ("window", "bias", "mask", "softcap-window"):
+    if name in ("window", "bias", "mask", "softcap-window", "softcap-50"):
         assert dead.any()            # the case has rows with no visible key ...
     assert (lse[dead] == -numpy.inf).all() and (o[dead] == 0).all()   # ... o = 0, lse = -inf
     if name == "sink":               # rows with no visible key but a sink: o = 0, lse = sink

@@ -381,6 +381,34 @@ def test_softcap_at_extreme_magnitudes(bwd_family, monkeypatch, tanh, poly, dtyp
     _api.clear_plans()
 
 
+@pytest.mark.parametrize("fixed, bwd", [("1", "plain"), ("0", "plain"), ("1", "pairwise")],
+                         ids=["fixed+bwd-plain", "running-max+bwd-plain", "fixed+bwd-pairwise"])
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+@pytest.mark.parametrize("d, causal", [(128, False), (64, True)])
+def test_softcap_fixed_offset_and_bwd_plain_path(bwd_family, monkeypatch, fixed, bwd, cap, d, causal):
+    """Session 10's softcap builds (bfloat16; bench/NOTES.md "softcap: a fixed offset instead of
+    the running max"): the forwards' softmax on a fixed offset (CUFLASH_SOFTCAP_FIXED; at cap
+    50, P up to 2^51 at these Lk) and bwd_sm90's plain path for the softcap alone
+    (CUFLASH_SOFTCAP_BWD), each against the other build, on rows scaled to reach the cap on
+    both sides and to stay near 0, with rows that see no key (Lq > Lk under causal, bottom
+    right), forward and gradients against the oracle with the kit's rule."""
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_SOFTCAP_FIXED", fixed)
+    monkeypatch.setenv("CUFLASH_SOFTCAP_BWD", bwd)
+    _api.clear_plans()
+    rng = numpy.random.default_rng(12)
+    Lq, Lk = 250, 190
+    row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
+    q = (rng.standard_normal((2, 2, Lq, d)) * row_scale[:, None]).astype(BF16)
+    k, v = (rng.standard_normal((2, 2, Lk, d)).astype(BF16) for _ in range(2))
+    kw = dict(softcap=cap)
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    _api.clear_plans()
+
+
 @pytest.mark.parametrize("slopes, causal, window", [
     ((2, 3), True, None),          # one slope a query head (hkv, g)
     ((2, 1), True, (80, 0)),       # one a KV head, broadcast over its group (stride 0)

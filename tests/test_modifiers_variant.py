@@ -560,6 +560,12 @@ def test_bwd_sm90_compiles_every_built_in_combination_it_claims_without_spills()
                 choice = _families.choose("bwd", shape, dev)
                 assert choice.family is fam, (combo, choice.reasons)
                 exprs[choice.expr] = (bucket, causal, combo, tanh)
+                if combo == ("softcap",) and tanh:   # session 10's default: the plain path
+                    shape = _families.Shape("bfloat16", 16, 4096, 4096, bucket, bucket, Variant(
+                        causal=causal, softcap=True, softcap_fixed=True, softcap_bwd_plain=True))
+                    choice = _families.choose("bwd", shape, dev)
+                    assert choice.family is fam, (combo, choice.reasons)
+                    exprs[choice.expr] = (bucket, causal, combo, "plain path")
     reports = _jit.compile_offline(fam.source, list(exprs), "sm_90a", sass=False)
     bad = [(exprs[r.expr], r.error or (r.registers, r.spill_stores, r.spill_loads, r.stack))
            for r in reports if not r.ok]

@@ -40,6 +40,12 @@ def cases(d: int):
     yield "plain causal", Variant(causal=True)
     for c in (False, True):
         tag = "causal" if c else "non-causal"
+        yield f"softcap fixed {tag}", Variant(causal=c, softcap=True, softcap_fixed=True)
+        yield f"softcap fixed bwd-plain {tag}", Variant(causal=c, softcap=True, softcap_fixed=True,
+                                                        softcap_bwd_plain=True)
+        yield f"softcap fixed alt-share {tag}", Variant(causal=c, softcap=True, softcap_fixed=True,
+                                                        softcap_share_alt=True)
+        yield f"softcap fixed-only {tag}", Variant(causal=c, softcap=True, softcap_fixed=True, softcap_poly=False)
         yield f"softcap tanh {tag}", Variant(causal=c, softcap=True)
         yield f"softcap tanh-only {tag}", Variant(causal=c, softcap=True, softcap_poly=False)
         yield f"softcap ex2/rcp {tag}", Variant(causal=c, softcap=True, softcap_tanh=False)

@@ -273,6 +273,7 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline unsigned __float_as_uint(float x) { unsigned i; std::memcpy(&i, &x, 4); return i; }
 inline double __longlong_as_double(long long i) { double f; std::memcpy(&f, &i, 8); return f; }
 inline float __log2f(float x) { return std::log2(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline void __stcg(T* p, T v) { *p = v; }
