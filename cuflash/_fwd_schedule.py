@@ -27,14 +27,14 @@ def bmask_long_keys() -> int:
 
 def persist_wanted(shape, t, dev) -> bool:
     """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``).
-    ``CUFLASH_FWD90_PERSIST`` (plan time): "auto" (default) where a block is alone on its SM
+    ``CUFLASH_FWD90_PERSIST`` (plan time): "0" (default: session 10's call 2 measured the d 128
+    window 6-8% slower persistent, bench/NOTES.md) never; "auto" where a block is alone on its SM
     (min_blocks 1: d = 128's 3 warpgroups), for the analytic window (with causal or not) and a
     block mask's mask_mod (with causal or not) whose lists are short (fewer than
     ``bmask_long_keys()`` keys a query block): there nothing overlaps a block's prologue and
-    epilogue; "window": also the window at 2 blocks an SM (d = 64); "all": any Variant; "0":
-    never. Only where the grid has more (batch item, Q tile) items than resident blocks and the
+    epilogue; "window": also the window at 2 blocks an SM (d = 64); "all": any Variant. Only where the grid has more (batch item, Q tile) items than resident blocks and the
     second Q buffer fits."""
-    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "auto"
+    value = os.environ.get("CUFLASH_FWD90_PERSIST", "").strip() or "0"
     if value not in ("auto", "window", "all", "0"):
         raise ValueError(f"CUFLASH_FWD90_PERSIST={value!r}: expected auto, window, all or 0")
     v = shape.variant

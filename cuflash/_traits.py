@@ -324,14 +324,16 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 #: mask_mod keep 1 (more live registers a score). ``CUFLASH_FWD90_BMASK_BLOCKS=1`` restores 1.
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: The Variants fwd_sm90 runs PERSISTENT (session 10; ``_families.persist_wanted``,
-#: ``CUFLASH_FWD90_PERSIST`` read at plan time: "auto" the default, "window", "all", "0"): a grid
+#: ``CUFLASH_FWD90_PERSIST`` read at plan time: "0" the default since session 10's call 2,
+#: "auto", "window", "all"): a grid
 #: of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
 #: with the next item's Q and first K/V loaded during the current one's last key tile. For the
 #: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so each one's
 #: prologue (Q, K_0, V_0 from memory) and epilogue (O staged and stored) recur every 18 tiles,
 #: not every ~64 as in causal attention at 16k: the window reached 0.76-0.79x plain causal's
-#: TFLOP/s on visible pairs (issue 10: >= 0.85x). By default only where a block is alone on its
-#: SM (d = 128): the lead's ncu (session 10, FINDINGS) has the d = 64 window, 2 blocks an SM,
+#: TFLOP/s on visible pairs (issue 10: >= 0.85x). Measured on the H200 (session 10, call 2) it
+#: LOST: the d 128 window 0.92x (4k) and 0.94x (16k) of the non-persistent build, so it is off
+#: by default; "auto" takes it where a block is alone on its SM (d = 128): the lead's ncu (session 10, FINDINGS) has the d = 64 window, 2 blocks an SM,
 #: issuing as busily as causal (57.4% / 56.3% of slots): its loss is instructions (1.30x a
 #: visible pair), which the schedule does not remove. Head dims <= 128 (the second Q buffer:
 #: 65 KB a block at d = 64, 161 KB at d = 128; 263 KB at d = 256 does not fit).

@@ -77,7 +77,8 @@ class Variant:
     #: it on its plain path (C++ ``SOFTCAP`` + 8, ``kSoftcapBwdPlain``: the chain rule's 1 - th^2
     #: folded into P after P^T is packed for dV), not on the per-element path (bwd_io
     #: ``p_ds_pair``); both at 64-row query tiles (the plain table's 128 at d = 64 spill 160
-    #: bytes with it); ``CUFLASH_SOFTCAP_BWD=pairwise`` turns it off
+    #: bytes with it); opt-in, ``CUFLASH_SOFTCAP_BWD=plain``: on the H200 (session 10, call 2)
+    #: it was 1.5% (d 64) and 2.5% (d 128) slower over fwd+bwd than the per-element path
     softcap_bwd_plain: bool = False
     alibi_slopes: bool = False
     bias: str | None = None
@@ -222,13 +223,14 @@ def _softcap_bwd_plain(prob, mods) -> bool:
     """Whether bwd_sm90 takes the softcap on its plain path (:attr:`Variant.softcap_bwd_plain`):
     the softcap alone on tanh.approx (no mask array nor mask_mod either: the plain path masks
     by bounds only), a cap of at least 1e-3 (a masked pair's th, -1e18, must give P = 0:
-    bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD`` not "pairwise"."""
+    bwd_sm90.cu ``kHiddenTh``), and ``CUFLASH_SOFTCAP_BWD=plain`` (opt-in: measured slower
+    than the per-element path, bench/NOTES.md "Session 10, call 2")."""
     if not _softcap_alone_tanh(prob, mods):
         return False
     value = os.environ.get("CUFLASH_SOFTCAP_BWD", "").strip()
     if value not in ("", "plain", "pairwise"):
         raise ValueError(f"CUFLASH_SOFTCAP_BWD={value!r}: expected plain or pairwise")
-    return value != "pairwise" and mods.softcap >= 1e-3
+    return value == "plain" and mods.softcap >= 1e-3
 
 
 def _share_alt() -> bool:

@@ -154,7 +154,7 @@ def _plan_variant(monkeypatch, dtype="bfloat16", Lk=4096, env=(), causal=False, 
 
 def test_the_plan_takes_the_fixed_offset_where_admitted(monkeypatch):
     v = _plan_variant(monkeypatch, softcap=50.0)
-    assert v.softcap_fixed and not v.softcap_share_alt and ", 12, false," in v.cpp   # 4 + 8
+    assert v.softcap_fixed and not v.softcap_share_alt and ", 4, false," in v.cpp
     assert _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_SHARE", "alt")]).softcap_share_alt
     assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_FIXED", "0")]).softcap_fixed
     assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_TANH", "0")]).softcap_fixed
@@ -167,19 +167,22 @@ def test_the_plan_takes_the_fixed_offset_where_admitted(monkeypatch):
 
 
 def test_the_plan_takes_bwd_sm90s_plain_path_for_the_softcap_alone(monkeypatch):
-    v = _plan_variant(monkeypatch, softcap=50.0)
-    assert v.softcap_bwd_plain and ", 12, false," in v.cpp          # 4 + 8
-    v = _plan_variant(monkeypatch, softcap=100.0)                  # the running max, plain path
-    assert v.softcap_bwd_plain and not v.softcap_fixed and ", 9, false," in v.cpp
+    """Opt-in (``CUFLASH_SOFTCAP_BWD=plain``): session 10's call 2 measured it slower."""
+    assert not _plan_variant(monkeypatch, softcap=50.0).softcap_bwd_plain
     assert not _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_BWD", "pairwise")]).softcap_bwd_plain
-    assert not _plan_variant(monkeypatch, "float16", softcap=50.0).softcap_bwd_plain
-    assert not _plan_variant(monkeypatch, softcap=1e-4).softcap_bwd_plain   # (kHiddenTh's bound)
-    assert not _plan_variant(monkeypatch, softcap=50.0, window=(8, 0)).softcap_bwd_plain
+    plain = [("CUFLASH_SOFTCAP_BWD", "plain")]
+    v = _plan_variant(monkeypatch, softcap=50.0, env=plain)
+    assert v.softcap_bwd_plain and ", 12, false," in v.cpp          # 4 + 8
+    v = _plan_variant(monkeypatch, softcap=100.0, env=plain)       # the running max, plain path
+    assert v.softcap_bwd_plain and not v.softcap_fixed and ", 9, false," in v.cpp
+    assert not _plan_variant(monkeypatch, "float16", softcap=50.0, env=plain).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, softcap=1e-4, env=plain).softcap_bwd_plain   # (kHiddenTh's bound)
+    assert not _plan_variant(monkeypatch, softcap=50.0, window=(8, 0), env=plain).softcap_bwd_plain
     mask = numpy.ones((1, 1, 8, 4096), bool)
-    assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask, env=plain).softcap_bwd_plain
     assert not _plan_variant(monkeypatch, softcap=50.0, mask=mask).softcap_fixed
     assert _plan_variant(monkeypatch, softcap=50.0, causal=True).softcap_fixed
     slopes = numpy.ones((2,), numpy.float32)
-    assert not _plan_variant(monkeypatch, softcap=50.0, alibi_slopes=slopes).softcap_bwd_plain
+    assert not _plan_variant(monkeypatch, softcap=50.0, alibi_slopes=slopes, env=plain).softcap_bwd_plain
     with pytest.raises(ValueError):
         _plan_variant(monkeypatch, softcap=50.0, env=[("CUFLASH_SOFTCAP_BWD", "yes")])
