@@ -64,8 +64,8 @@ def test_plain_attention_persistent_opt_in(monkeypatch, causal, d):
 
 def test_the_window_plan_is_persistent(monkeypatch):
     """The dispatcher's choice for the shapes above is the persistent build, with a grid of
-    min_blocks blocks an SM (what the tests above exercise): by default at d = 128 (a block
-    alone on its SM), with ``CUFLASH_FWD90_PERSIST=window`` at d = 64 too."""
+    min_blocks blocks an SM (what the tests above exercise): with ``CUFLASH_FWD90_PERSIST=auto``
+    at d = 128 (a block alone on its SM), with "window" at d = 64 too; by default never."""
     from cuflash import _api, _families
     from cuflash._variant import Variant
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
@@ -79,6 +79,8 @@ def test_the_window_plan_is_persistent(monkeypatch):
 
     if choice(128, 64).family.name != "fwd_sm90":
         pytest.skip(f"not a Hopper: {choice(128, 64).family.name}")
+    assert choice(128, 64).traits["persist"] == 0 and choice(64, 80).traits["persist"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "auto")
     assert choice(128, 64).traits["persist"] == 1 and choice(64, 80).traits["persist"] == 0
     assert _families.fwd_sm90_grid(choice(128, 64).traits, 192, dev) == min(192, dev.num_sms)
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
