@@ -125,6 +125,57 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
   }
 }
 
+// x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
+// 8t + (e & 1) is visible from first[e >> 1] on and, where QUERY_HI (Variant::kKeyLo), up to
+// last[e >> 1] (relative columns; see the kernel). Selection, not arithmetic: x may hold Inf
+// or NaN there.
+template <bool QUERY_HI, int NT>
+__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2], const int (&last)[2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      x[t][e] = (c >= first[e >> 1] && (!QUERY_HI || c <= last[e >> 1])) ? x[t][e] : 0.f;
+    }
+}
+
+// x = 0 where bit 4t + e of `keep` is clear (mask_bits). Selection, not arithmetic: x may hold Inf or NaN there.
+template <int NT>
+__device__ __forceinline__ void select_bits(float (&x)[NT][4], unsigned keep) {
+  static_assert(4 * NT <= 32, "a bit an element");
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[t][e] = ((keep >> (4 * t + e)) & 1u) ? x[t][e] : 0.f;
+}
+
+// The analytic bounds and the element mask of a thread's S^T-layout fragment of NT 8-column
+// tiles (bwd_sm90; element (t, e) is query q0 + 8t + (e & 1), key kj0 + 8 (e >> 1)) as bits
+// 4t + e, set where the pair is visible: first / last as select_visible reads them, and the
+// bool array / mask_mod (Var::pair_visible, rows and keys clamped into the problem) where the
+// tile is not known full (pair_tile). One register for the whole tile where p_ds_pair keeps
+// S and dP of every element waiting for its own evaluation (bwd_sm90.cu: kMaskBits).
+template <class Var, int NT, class P, class It>
+__device__ __forceinline__ unsigned mask_bits(const P& p, const It& item, int q0, int kj0, const int (&first)[2],
+                                              const int (&last)[2], bool pair_tile) {
+  static_assert(4 * NT <= 32, "a bit an element");
+  unsigned keep = 0u;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      bool vis = c >= first[e >> 1] && (!Var::kKeyLo || c <= last[e >> 1]);
+      if (pair_tile) {
+        const int qi = q0 + c, kj = kj0 + 8 * (e >> 1);
+        vis = vis && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
+      }
+      keep |= static_cast<unsigned>(vis) << (4 * t + e);
+    }
+  return keep;
+}
+
 // -- 11 and 14 of Algorithm 2 for one pair, with the score pipeline (DESIGN.md "Modifiers"):
 // the element of query qi, key kj of a thread's S_ij^T, dP_ij^T accumulators (bwd_sm80 and
 // bwd_sm90 hold them in the same layout: element e of an 8-column tile is query column

@@ -274,6 +274,41 @@ def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
     return True
 
 
+def _bwd90_block_mask() -> bool:
+    """``CUFLASH_BWD90_BLOCK_MASK`` (read at plan time): "1" (the default since session 10) runs
+    a block mask's mask_mod at d = 128 on bwd_sm90 (``_traits.BWD_SM90_BLOCK_MASK``), "0" on
+    bwd_sm80 as before, for an A/B in one process."""
+    value = os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BWD90_BLOCK_MASK={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+#: Variants whose bwd_sm90 build for a block mask at d = 128, compiled on the GPU, used local
+#: memory (a user mask_mod heavier than the suite's: 255 registers); bwd_sm80 runs them from
+#: then on (``block_mask_bwd_spilled``)
+_BWD90_BLOCK_MASK_SPILLED: set = set()
+
+
+def block_mask_bwd_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
+    """Whether ``choice`` is a bwd_sm90 build for a block mask's mask_mod at d = 128
+    (``_traits.BWD_SM90_BLOCK_MASK``) whose kernel, compiled now for ``device_id`` (memoised:
+    the plan's own compile reuses it), uses local memory; then it is recorded, and ``choose``
+    run again picks bwd_sm80 (session 10: the suite's mask_mods and the kit's but its
+    documents, a division by 7, compile with 0 spills)."""
+    v = shape.variant
+    if choice.family.name != "bwd_sm90" or not v.block_mask or "mask_mod" not in v.features:
+        return False
+    if choice.traits.head_dim not in _traits.BWD_SM90_BLOCK_MASK:
+        return False
+    from . import _jit
+    kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
+    if not kernel.local_size_bytes:
+        return False
+    _BWD90_BLOCK_MASK_SPILLED.add(v)
+    return True
+
+
 def _fwd_sm90_instances(fam, arch):
     for bucket, t in _traits.TABLES[fam.name].items():
         for w in range(1, t["warpgroups"] + 1):
@@ -330,13 +365,15 @@ def _bwd_tc_select(fam, shape, dev):
     step = 64 if fam.name == "bwd_sm90" else 32     # wgmma: 64-column blocks; mma.sync: 32
     bucket = max(32, -(-shape.dmax // step) * step)
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
+    bits = False     # bwd_sm90 runs a block mask's mask_mod on its plain path (kMaskBits)
     if fam.name == "bwd_sm90":
         # its modifiers all in one of the bucket's sets (the plain path's, the per-element one's)
         feats, sets = shape.variant.features - {"causal"}, _traits.BWD_SM90_MODIFIERS[bucket]
         if not shape.variant.causal:
             sets = sets + _traits.BWD_SM90_MODIFIERS_NONCAUSAL[bucket]
         if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
-                and os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "0").strip() == "1"):
+                and _bwd90_block_mask() and shape.variant not in _BWD90_BLOCK_MASK_SPILLED):
+            bits = not any(feats <= s for s in sets)
             sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
             missing = feats - frozenset().union(*sets)
@@ -350,6 +387,9 @@ def _bwd_tc_select(fam, shape, dev):
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
     t = modifier_tiles(fam.name, t, shape.variant, why)
+    if bits:
+        why.append("the block mask's mask_mod as bits on the plain path (_traits.BWD_SM90_BLOCK_MASK; "
+                   "CUFLASH_BWD90_BLOCK_MASK=0: bwd_sm80)")
     if fam.name == "bwd_sm90":
         # plain attention only (the modifiers' variants are compiled once, without it)
         flags["fuse_dq"] = not (shape.variant.features - {"causal"}) and fuse_dq_wanted(

@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--families", default="bwd_sm90,bwd_sm80,fwd_sm90,fwd_sm80")
+    ap.add_argument("--kit", action="store_true",
+                    help="the testing kit's mask_mods (cuflash._testing_modifiers.MASK_MODS) "
+                         "instead of the suite's")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import sass_identity
@@ -44,8 +47,13 @@ def main(argv=None) -> int:
         fam, dev = _families.FAMILIES[fam_name], _families.PROFILES[profile]
         nvrtc = _jit._nvrtc_for(arch)
         direction = "bwd" if fam_name.startswith("bwd") else "fwd"
-        for name in ("window", "document", "prefix"):
-            tr = _trace.trace_mask_mod(suite_mods.mods_for(a.L, 16)[name].mask_mod)
+        if a.kit:
+            from cuflash import _testing_modifiers
+            mods = dict(_testing_modifiers.MASK_MODS)
+        else:
+            mods = {n: suite_mods.mods_for(a.L, 16)[n].mask_mod for n in ("window", "document", "prefix")}
+        for name, mask_mod in mods.items():
+            tr = _trace.trace_mask_mod(mask_mod)
             for causal in (False, True):
                 for det in ((False, True) if direction == "bwd" else (False,)):
                     v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr),
@@ -66,9 +74,11 @@ def main(argv=None) -> int:
                     res = _jit._parse_ptxas(log, fn)
                     fp = sass_identity.fingerprint((_jit.sass_sections(cubin) or {}).get(fn, ""), fn)
                     out[key] = dict(fp, registers=res.get("registers"),
-                                    spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0))
+                                    spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0),
+                                    stack=res.get("stack", 0))
                     print(f"{key}: {res.get('registers')} registers, "
-                          f"{out[key]['spill_bytes']} spill bytes, sha {fp.get('sha', '')[:12]}",
+                          f"{out[key]['spill_bytes']} spill bytes, {out[key]['stack']} stack, "
+                          f"sha {fp.get('sha', '')[:12]}",
                           flush=True)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
