@@ -10,8 +10,10 @@ L = 4096, bf16; causal and not; deterministic and not for the backwards), compil
 build with NVRTC for the family's arch (sm_90a for the sm90 families, sm_80 for the sm80 ones)
 and prints registers, spill bytes and a fingerprint of the machine code
 (tools/sass_identity.py's), e.g. to check that a refactor leaves these builds unchanged.
-Session 8: bwd_sm90 at d = 128 spilled 4-40 bytes in all six, so that path became opt-in
-(``CUFLASH_BWD90_BLOCK_MASK=1``); at d = 64, 0.
+Session 8: bwd_sm90 at d = 128 spilled 4-40 bytes in all six, so that path became opt-in; at
+d = 64, 0. Session 10: with the mask as bits (bwd_sm90.cu kMaskBits) 0 in all six, and the
+default (``CUFLASH_BWD90_BLOCK_MASK=0`` shows bwd_sm80's builds instead). ``--kit``: the testing
+kit's mask_mods (cuflash._testing_modifiers.MASK_MODS) instead of the suite's.
 """
 from __future__ import annotations
 
