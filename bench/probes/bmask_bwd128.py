@@ -14,6 +14,8 @@ also takes the sliding window of 1024), each through one ``cuflash.block_mask`` 
 
 - ``old``: fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=0`` (the backward on bwd_sm80);
 - ``new``: fwd+bwd with the default (the backward on bwd_sm90);
+- ``new_tm``: ``new`` in tile-major grid order (``CUFLASH_GRID_ORDER=1``, forward and backward:
+  what a causal call gets; prefix-LM's call is not causal, so batch-major by default);
 - ``fwd``: the forward alone (the same kernel in both arms), so that the backward's share,
   fwd+bwd minus fwd, is printed for old and new (``bwd_tflops``);
 - ``flex``: ``torch.compile``d FlexAttention fwd+bwd with its own block mask, as suite_mods
@@ -37,7 +39,14 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-ARMS = {"old": {"CUFLASH_BWD90_BLOCK_MASK": "0"}, "new": {"CUFLASH_BWD90_BLOCK_MASK": None}}
+_ORDER = {"CUFLASH_GRID_ORDER": None}
+ARMS = {"old": {"CUFLASH_BWD90_BLOCK_MASK": "0", **_ORDER},
+        "new": {"CUFLASH_BWD90_BLOCK_MASK": None, **_ORDER},
+        # new in tile-major grid order (the order causal calls get): key tile 0 of every head
+        # first, so prefix-LM's long blocks (the keys every query sees) start in the first
+        # waves instead of the last head's ending the kernel alone (its non-causal call is
+        # batch-major); no new kernel, the order is a launch parameter
+        "new_tm": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": "1"}}
 _MASKS: dict = {}
 
 
@@ -90,7 +99,7 @@ def _warm(points, flex_warm) -> None:
 
     for name, L, d in points:              # the block masks (NumPy), before the threads
         _spec(name, L, suite_mods.WIDTH // d)
-    for i, arm in enumerate(ARMS):
+    for i, arm in enumerate(("old", "new")):      # (new_tm runs new's kernels)
         with bench_attention.env(**ARMS[arm]):
             with ThreadPoolExecutor(8) as pool:
                 futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points]
@@ -144,8 +153,9 @@ def main(argv=None) -> int:
 
     _warm(points, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    print(f"{'mask':9} {'d':>4} {'L':>6}  {'old fwd+bwd':>15} {'new fwd+bwd':>15} {'flex fwd+bwd':>15}"
-          f"  new/old new/flex  bwd alone old / new   (ms / TFLOP/s on visible pairs)", flush=True)
+    print(f"{'mask':9} {'d':>4} {'L':>6}  {'old fwd+bwd':>15} {'new fwd+bwd':>15} {'new_tm':>15}"
+          f" {'flex fwd+bwd':>15}  new/old new/flex  bwd alone old / new / new_tm"
+          f"   (ms / TFLOP/s on visible pairs)", flush=True)
     rows, bf16 = [], numpy.dtype(ml_dtypes.bfloat16)
     for name, L, d in points:
         H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
@@ -192,8 +202,9 @@ def main(argv=None) -> int:
             return f"{2.5 * fwd_flops / (ms - f) / 1e9:6.1f}" if ms and f and ms > f else f"{'-':>6}"
         r_old = got["old"] / got["new"] if got.get("old") and got.get("new") else 0
         r_flex = got["flex"] / got["new"] if got.get("flex") and got.get("new") else 0
-        print(f"{name:9} {d:4} {L:6}  {cell('old'):>15} {cell('new'):>15} {cell('flex'):>15}"
-              f"  {r_old:7.2f} {r_flex:8.2f}  {bwd('old'):>8} / {bwd('new')}", flush=True)
+        print(f"{name:9} {d:4} {L:6}  {cell('old'):>15} {cell('new'):>15} {cell('new_tm'):>15}"
+              f" {cell('flex'):>15}  {r_old:7.2f} {r_flex:8.2f}  {bwd('old'):>8} / {bwd('new')}"
+              f" / {bwd('new_tm')}", flush=True)
         dump(a.json, rows, complete=False)
         del q, k, v, do
         cupy.get_default_memory_pool().free_all_blocks()
