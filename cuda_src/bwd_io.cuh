@@ -1,7 +1,9 @@
 // cuflash: tile I/O of the tensor-core backward kernels (bwd_sm80.cu, bwd_sm90.cu): rows of
 // a global matrix into a swizzled shared tile by cp.async, zeroing the dead query rows of a
-// tile, and the dK_j, dV_j epilogue. `Tile` is any layout with kChunks (16-byte chunks
-// a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh) or Sm90Tile (sm90_ops.cuh).
+// tile, and the dK_j, dV_j epilogue; the element of P and dS with the modifiers (p_ds_pair)
+// and bwd_sm90's selections of masked pairs (select_visible, mask_bits). `Tile` is any layout
+// with kChunks (16-byte chunks a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh)
+// or Sm90Tile (sm90_ops.cuh).
 #pragma once
 #include "last_block.cuh"
 
@@ -140,7 +142,8 @@ __device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&fi
     }
 }
 
-// x = 0 where bit 4t + e of `keep` is clear (mask_bits). Selection, not arithmetic: x may hold Inf or NaN there.
+// x = 0 where bit 4t + e of `keep` is clear (mask_bits). Selection, not arithmetic: x may
+// hold Inf or NaN there.
 template <int NT>
 __device__ __forceinline__ void select_bits(float (&x)[NT][4], unsigned keep) {
   static_assert(4 * NT <= 32, "a bit an element");
