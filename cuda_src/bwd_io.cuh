@@ -142,11 +142,15 @@ __device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&fi
     }
 }
 
+// The word that holds N mask bits (mask_bits)
+template <int N> struct MaskWord { using type = unsigned; };
+template <> struct MaskWord<64> { using type = unsigned long long; };
+
 // x = 0 where bit 4t + e of `keep` is clear (mask_bits). Selection, not arithmetic: x may
 // hold Inf or NaN there.
-template <int NT>
-__device__ __forceinline__ void select_bits(float (&x)[NT][4], unsigned keep) {
-  static_assert(4 * NT <= 32, "a bit an element");
+template <int NT, typename Bits>
+__device__ __forceinline__ void select_bits(float (&x)[NT][4], Bits keep) {
+  static_assert(4 * NT <= 8 * sizeof(Bits), "a bit an element");
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -159,11 +163,11 @@ __device__ __forceinline__ void select_bits(float (&x)[NT][4], unsigned keep) {
 // bool array / mask_mod (Var::pair_visible, rows and keys clamped into the problem) where the
 // tile is not known full (pair_tile). One register for the whole tile where p_ds_pair keeps
 // S and dP of every element waiting for its own evaluation (bwd_sm90.cu: kMaskBits).
-template <class Var, int NT, class P, class It>
-__device__ __forceinline__ unsigned mask_bits(const P& p, const It& item, int q0, int kj0, const int (&first)[2],
-                                              const int (&last)[2], bool pair_tile) {
-  static_assert(4 * NT <= 32, "a bit an element");
-  unsigned keep = 0u;
+template <class Var, int NT, typename Bits, class P, class It>
+__device__ __forceinline__ Bits mask_bits(const P& p, const It& item, int q0, int kj0, const int (&first)[2],
+                                          const int (&last)[2], bool pair_tile) {
+  static_assert(4 * NT <= 8 * sizeof(Bits), "a bit an element");
+  Bits keep = 0u;
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -174,7 +178,7 @@ __device__ __forceinline__ unsigned mask_bits(const P& p, const It& item, int q0
         const int qi = q0 + c, kj = kj0 + 8 * (e >> 1);
         vis = vis && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
       }
-      keep |= static_cast<unsigned>(vis) << (4 * t + e);
+      keep |= static_cast<Bits>(vis) << (4 * t + e);
     }
   return keep;
 }

@@ -37,8 +37,8 @@
 // an element mask (bool array, mask_mod; at d = 128 alone: the plain path, kMaskBits) takes the
 // path of bwd_io::p_ds_pair, the element of P and dS that bwd_sm80 computes too, with the chain
 // rule of softcap / score_mod and dL/dbias (ALiBi: in Mod::score there); a block mask skips the
-// query tiles it calls empty and the mask_mod of those it calls full. Which modifiers run here
-// at which head dim (registers): cuflash/_traits.py, BWD_SM90_MODIFIERS.
+// query tiles it calls empty and the mask_mod of those it calls full. Which modifiers run at
+// which head dim: cuflash/_traits.py, BWD_SM90_MODIFIERS.
 //
 // Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
 // dO contiguous and 16-byte aligned, d and dv multiples of 8 or zero-padded to one), d, dv <=
@@ -176,12 +176,13 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // sink is in L_i already, dsink is the launcher's, from D and L; ALiBi is a constant added
   // to the scaled score, so it changes only the exponent of P: Mod::alibi_exp2).
   //   kMaskBits: an element mask with no score transform at HEAD_DIM 128 (a block mask's
-  // mask_mod, _traits.BWD_SM90_BLOCK_MASK) keeps the plain path, its mask as bits
-  // (bwd_io::mask_bits, one register, evaluated while S^T, dP^T are in the tensor cores): the
-  // pairwise path holds S^T, dP^T, dK_j, dV_j (192 floats a thread) through the mask_mod and
-  // spilled 8-80 bytes at 255 registers (bench/NOTES.md, session 10). HEAD_DIM 64 fits either
-  // way and keeps the path session 9 measured.
-  constexpr bool kMaskBits = HEAD_DIM == 128 && Var::kPairMask && !Var::kGrad && !Var::kNatural;
+  // mask_mod) keeps the plain path, its mask as bits (bwd_io::mask_bits, evaluated while S^T,
+  // dP^T are in the tensor cores): the pairwise path holds S^T, dP^T, dK_j, dV_j (192 floats
+  // a thread) through the mask_mod and spilled 8-80 bytes at 255 registers (bench/NOTES.md,
+  // session 10). HEAD_DIM 64: the pairwise path's 64-row tiles (session 9), or with 128-row
+  // ones (CUFLASH_BWD90_BMASK_ROWS=128, opt-in) the bits, 64 of them.
+  constexpr bool kMaskBits = (HEAD_DIM == 128 || BLOCK_M == 128) && Var::kPairMask && !Var::kGrad && !Var::kNatural;
+  using MaskWord = typename bwd_io::MaskWord<4 * Tr::kNTilesS>::type;
   constexpr bool kPairwise = (Var::kGrad || Var::kPairMask) && !kMaskBits;
   static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi,
                 "the plain path's only score transform is ALiBi");
@@ -346,8 +347,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     // keys or the tile's mask boundary evaluate the mask. first[h], last[h]: this thread's first
     // and last visible query column, relative to its column 2 t4, for its key rows g (h = 0)
     // and g + 8 (h = 1).
-    // (kMaskBits: the element mask where the block mask does not know the tile full; one
-    // branch a warp and tile)
+    // (kMaskBits: the element mask where the block mask does not know the tile full: a branch a warp and tile)
     bool need_mask;
     if constexpr (kMaskBits)
       need_mask = kw0 + 16 > p.Lk || pair_tile || Var::needs_bound_mask(p.var, p.mod, m0, m0 + BLOCK_M, kw0, kw0 + 16);
@@ -362,9 +362,9 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
 
     // (kMaskBits: first / last and the element mask as bits, while S^T, dP^T are computed)
-    [[maybe_unused]] unsigned keep = ~0u;
+    [[maybe_unused]] MaskWord keep = ~MaskWord(0);
     if constexpr (kMaskBits)
-      if (need_mask) keep = bwd_io::mask_bits<Var, Tr::kNTilesS>(p, item, m0 + 2 * t4, kw0 + g, first, last, pair_tile);
+      if (need_mask) keep = bwd_io::mask_bits<Var, Tr::kNTilesS, MaskWord>(p, item, m0 + 2 * t4, kw0 + g, first, last, pair_tile);
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
     if constexpr (!kPairwise) {

@@ -284,22 +284,24 @@ def _bwd90_block_mask() -> bool:
     return value != "0"
 
 
-#: Variants whose bwd_sm90 build for a block mask at d = 128, compiled on the GPU, used local
-#: memory (a user mask_mod heavier than the suite's: 255 registers); bwd_sm80 runs them from
-#: then on (``block_mask_bwd_spilled``)
+#: Variants whose bwd_sm90 build with the mask as bits (a block mask at d = 128, or at d = 64
+#: with ``CUFLASH_BWD90_BMASK_ROWS=128``), compiled on the GPU, used local memory (a user
+#: mask_mod heavier than the suite's: 255 registers); from then on bwd_sm80 runs them at
+#: d = 128, the per-element path's 64-row tiles at d = 64 (``block_mask_bwd_spilled``)
 _BWD90_BLOCK_MASK_SPILLED: set = set()
 
 
 def block_mask_bwd_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
-    """Whether ``choice`` is a bwd_sm90 build for a block mask's mask_mod at d = 128
-    (``_traits.BWD_SM90_BLOCK_MASK``) whose kernel, compiled now for ``device_id`` (memoised:
-    the plan's own compile reuses it), uses local memory; then it is recorded, and ``choose``
-    run again picks bwd_sm80 (session 10: the suite's mask_mods and the kit's but its
-    documents, a division by 7, compile with 0 spills)."""
-    v = shape.variant
+    """Whether ``choice`` is a bwd_sm90 build for a block mask's mask_mod with the mask as bits
+    (at d = 128, ``_traits.BWD_SM90_BLOCK_MASK``; at d = 64 in 128-row tiles) whose kernel,
+    compiled now for ``device_id`` (memoised: the plan's own compile reuses it), uses local
+    memory; then it is recorded, and ``choose`` run again picks bwd_sm80 at d = 128, 64-row
+    tiles at d = 64 (session 10: the suite's mask_mods and the kit's but its documents, a
+    division by 7, compile with 0 spills at d = 128)."""
+    v, t = shape.variant, choice.traits
     if choice.family.name != "bwd_sm90" or not v.block_mask or "mask_mod" not in v.features:
         return False
-    if choice.traits.head_dim not in _traits.BWD_SM90_BLOCK_MASK:
+    if t.head_dim not in _traits.BWD_SM90_BLOCK_MASK and t.block_m != 128:
         return False
     from . import _jit
     kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
@@ -387,9 +389,15 @@ def _bwd_tc_select(fam, shape, dev):
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
     t = modifier_tiles(fam.name, t, shape.variant, why)
+    if fam.name == "bwd_sm90" and t.block_m == 128 and shape.variant.mask_mod:
+        bits = True     # (CUFLASH_BWD90_BMASK_ROWS=128 at d = 64: the mask as 64 bits)
+        if shape.variant in _BWD90_BLOCK_MASK_SPILLED:
+            t = t.replace(block_m=64)
+            bits = False
+            why.append("block_m=64: the 128-row build of this mask_mod used local memory")
     if bits:
-        why.append("the block mask's mask_mod as bits on the plain path (_traits.BWD_SM90_BLOCK_MASK; "
-                   "CUFLASH_BWD90_BLOCK_MASK=0: bwd_sm80)")
+        why.append("the block mask's mask_mod as bits on the plain path (bwd_sm90.cu kMaskBits; "
+                   "at d = 128 CUFLASH_BWD90_BLOCK_MASK=0 runs bwd_sm80)")
     if fam.name == "bwd_sm90":
         # plain attention only (the modifiers' variants are compiled once, without it)
         flags["fuse_dq"] = not (shape.variant.features - {"causal"}) and fuse_dq_wanted(

@@ -217,6 +217,20 @@ def _bmask_keep_blocks() -> bool:
     return value != "1"
 
 
+def _bwd90_bmask_rows(variant: Variant) -> bool:
+    """``CUFLASH_BWD90_BMASK_ROWS=128`` (read at plan time; session 10, opt-in, not measured):
+    bwd_sm90 keeps its table's 128-row query tiles (d = 64) for a block mask's mask_mod alone,
+    which then takes the plain path with its mask as 64 bits (bwd_sm90.cu kMaskBits) instead of
+    the per-element path's 64-row tiles; "64" (the default) as before. A build that uses local
+    memory goes back to 64 rows (``_families.block_mask_bwd_spilled``)."""
+    import os
+    value = os.environ.get("CUFLASH_BWD90_BMASK_ROWS", "").strip()
+    if value not in ("", "64", "128"):
+        raise ValueError(f"CUFLASH_BWD90_BMASK_ROWS={value!r}: expected 64 or 128")
+    return (value == "128" and variant.block_mask
+            and variant.features <= frozenset({"causal", "mask_mod"}))
+
+
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
@@ -253,7 +267,7 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     # plain path)
     if family == "bwd_sm90" and t.block_m > 64 and (
             variant.softcap or variant.bias or variant.mask or variant.score_mod
-            or variant.mask_mod):
+            or variant.mask_mod) and not _bwd90_bmask_rows(variant):
         named["block_m"] = 64
     if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90") or not named:
         return t

@@ -79,21 +79,56 @@ def test_a_build_that_uses_local_memory_goes_back_to_bwd_sm80(monkeypatch):
     assert len(kernels) == 2
 
 
+def test_the_d64_opt_in_keeps_128_row_tiles_and_goes_back_when_it_spills(monkeypatch):
+    """``CUFLASH_BWD90_BMASK_ROWS=128``: at d = 64 a block mask's mask_mod alone keeps bwd_sm90's
+    128-row tiles (the mask as 64 bits); with softcap beside it, or by default, 64 rows; a
+    build that used local memory goes back to 64 rows."""
+    monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS", raising=False)
+    assert _families.choose("bwd", _shape(d=64), H200).traits.block_m == 64
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "128")
+    shape = _shape(_documents(7), d=64)
+    c = _families.choose("bwd", shape, H200)
+    assert c.family.name == "bwd_sm90" and c.traits.block_m == 128
+    assert any("as bits" in r for r in c.reasons)
+    assert _families.choose("bwd", _shape(d=64, softcap=True), H200).traits.block_m == 64
+    assert _families.choose("bwd", _shape(), H200).traits.block_m == 64      # d = 128: its table's
+
+    class Kernel:
+        local_size_bytes = 8
+
+    monkeypatch.setattr(_jit, "get_kernel", lambda *a: Kernel)
+    monkeypatch.setattr(_families, "_BWD90_BLOCK_MASK_SPILLED", set())
+    assert _families.block_mask_bwd_spilled(c, shape, 0)
+    again = _families.choose("bwd", shape, H200)
+    assert again.family.name == "bwd_sm90" and again.traits.block_m == 64
+    assert not _families.block_mask_bwd_spilled(again, shape, 0)
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "96")
+    with pytest.raises(ValueError, match="CUFLASH_BWD90_BMASK_ROWS"):
+        _families.choose("bwd", _shape(d=64), H200)
+
+
 def test_the_suites_mask_mods_compile_without_spills_at_d128():
     """The mods suite's window, document and prefix mask_mods (bench/suite_mods.py at L = 4096),
     causal or not: the dispatcher's bwd_sm90 build at d = 128 has 0 spills and no stack on
-    sm_90a (bench/probes/bmask_spills.py prints the testing kit's too)."""
+    sm_90a, and so has the d = 64 opt-in's 128-row build of the suite's own calls
+    (bench/probes/bmask_spills.py prints the testing kit's too)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import suite_mods
     exprs, preludes = {}, []
     for name in ("window", "document", "prefix"):
-        mm = suite_mods.mods_for(4096, 16)[name].mask_mod
+        mod = suite_mods.mods_for(4096, 16)[name]
         for causal in (True, False):
-            shape = _shape(mm, causal=causal)
+            shape = _shape(mod.mask_mod, causal=causal)
             c = _families.choose("bwd", shape, H200)
             assert c.family.name == "bwd_sm90", c.reasons
             exprs[c.expr] = (name, causal)
             preludes.append(shape.variant.prelude)
+        # (and the d = 64 opt-in's 128-row build of the suite's own call: causal as it passes it)
+        shape = _shape(mod.mask_mod, d=64, causal=mod.mask_causal)
+        t = _families.choose("bwd", shape, H200).traits
+        expr = _families.FAMILIES["bwd_sm90"].expr("bfloat16", t.replace(block_m=128), shape.variant,
+                                                   fuse_dq=False)
+        exprs[expr] = (name, "d 64, 128 rows")
     fam = _families.FAMILIES["bwd_sm90"]
     nvrtc = _jit._nvrtc_for("sm_90a")
     log, lowered, _ = nvrtc.compile("\n".join(dict.fromkeys(preludes)) + _jit.load_source(fam.source), fam.source,
@@ -127,25 +162,32 @@ template <bool KEY_LO> struct FakeVar {
 namespace bwd_io {
 %s
 }
-template <bool KL>
+template <bool KL, int NT>
 static void run(const P& p, int q0, int kj0, const int* f, const int* l, int pair_tile,
-                unsigned* bits, float* sel_bits, float* sel_vis) {
+                unsigned long long* bits, float* sel_bits, float* sel_vis) {
+  using Bits = typename bwd_io::MaskWord<4 * NT>::type;
   const int first[2] = {f[0], f[1]}, last[2] = {l[0], l[1]};
-  const unsigned keep = bwd_io::mask_bits<FakeVar<KL>, 8>(p, It{}, q0, kj0, first, last, pair_tile != 0);
+  const Bits keep = bwd_io::mask_bits<FakeVar<KL>, NT, Bits>(p, It{}, q0, kj0, first, last, pair_tile != 0);
   *bits = keep;
-  float a[8][4], b[8][4];
-  for (int t = 0; t < 8; ++t)
+  float a[NT][4], b[NT][4];
+  for (int t = 0; t < NT; ++t)
     for (int e = 0; e < 4; ++e) a[t][e] = b[t][e] = 1.f + t * 4 + e;
   bwd_io::select_bits(a, keep);
   bwd_io::select_visible<KL>(b, first, last);
   memcpy(sel_bits, a, sizeof a);
   memcpy(sel_vis, b, sizeof b);
 }
-extern "C" void mask_bits_host(int key_lo, int doc, int Lq, int Lk, int q0, int kj0, const int* f,
-                               const int* l, int pair_tile, unsigned* bits, float* sb, float* sv) {
+extern "C" void mask_bits_host(int nt, int key_lo, int doc, int Lq, int Lk, int q0, int kj0,
+                               const int* f, const int* l, int pair_tile, unsigned long long* bits,
+                               float* sb, float* sv) {
   P p{{doc}, {0}, Lq, Lk};
-  if (key_lo) run<true>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
-  else run<false>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
+  if (nt == 8) {
+    if (key_lo) run<true, 8>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
+    else run<false, 8>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
+  } else {
+    if (key_lo) run<true, 16>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
+    else run<false, 16>(p, q0, kj0, f, l, pair_tile, bits, sb, sv);
+  }
 }
 """
 
@@ -173,11 +215,12 @@ def test_mask_bits_are_the_bounds_and_the_mask_mod_of_each_element():
     lib = _host_library()
     ip = ctypes.POINTER(ctypes.c_int)
     fp = ctypes.POINTER(ctypes.c_float)
-    lib.mask_bits_host.argtypes = [ctypes.c_int] * 6 + [ip, ip, ctypes.c_int,
-                                                        ctypes.POINTER(ctypes.c_uint), fp, fp]
+    lib.mask_bits_host.argtypes = [ctypes.c_int] * 7 + [ip, ip, ctypes.c_int,
+                                                        ctypes.POINTER(ctypes.c_ulonglong), fp, fp]
     rng = numpy.random.default_rng(0)
     doc, Lq, Lk = 37, 300, 290
-    for _ in range(400):
+    for it in range(600):
+        nt = 8 if it % 3 else 16       # 64-row tiles (32 bits), 128-row tiles (64 bits, d = 64)
         key_lo, pair_tile = int(rng.integers(2)), int(rng.integers(2))
         m0, kw0 = int(rng.integers(0, 5)) * 64, int(rng.integers(0, 3)) * 128 + 16 * int(rng.integers(4))
         g, t4 = int(rng.integers(8)), int(rng.integers(4))
@@ -185,12 +228,12 @@ def test_mask_bits_are_the_bounds_and_the_mask_mod_of_each_element():
         # causal (key <= query) as first; a window of 40 to the left as last, with key_lo
         first = numpy.array([(1 << 30) if k >= Lk else k - m0 - 2 * t4 for k in keys], numpy.int32)
         last = numpy.array([k + 40 - m0 - 2 * t4 for k in keys], numpy.int32)
-        bits = ctypes.c_uint()
-        sb, sv = numpy.zeros(32, numpy.float32), numpy.zeros(32, numpy.float32)
-        lib.mask_bits_host(key_lo, doc, Lq, Lk, m0 + 2 * t4, kw0 + g,
+        bits = ctypes.c_ulonglong()
+        sb, sv = numpy.zeros(4 * nt, numpy.float32), numpy.zeros(4 * nt, numpy.float32)
+        lib.mask_bits_host(nt, key_lo, doc, Lq, Lk, m0 + 2 * t4, kw0 + g,
                            first.ctypes.data_as(ip), last.ctypes.data_as(ip), pair_tile,
                            ctypes.byref(bits), sb.ctypes.data_as(fp), sv.ctypes.data_as(fp))
-        for t in range(8):
+        for t in range(nt):
             for e in range(4):
                 qi, kj = m0 + 2 * t4 + 8 * t + (e & 1), kw0 + g + 8 * (e >> 1)
                 c = 8 * t + (e & 1)
@@ -198,7 +241,7 @@ def test_mask_bits_are_the_bounds_and_the_mask_mod_of_each_element():
                 if pair_tile:
                     qc, kc = min(qi, Lq - 1), min(kj, Lk - 1)
                     vis = vis and qc // doc == kc // doc and kc <= qc
-                assert bool((bits.value >> (4 * t + e)) & 1) == vis, (t, e, qi, kj)
+                assert bool((bits.value >> (4 * t + e)) & 1) == vis, (nt, t, e, qi, kj)
                 assert sb[4 * t + e] == (1.0 + 4 * t + e if vis else 0.0)
         if not pair_tile:
             assert (sb == sv).all()

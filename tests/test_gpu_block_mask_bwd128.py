@@ -31,7 +31,7 @@ def _window(n):
     return lambda b, h, q, kv: (q >= kv) & (q - kv <= n)
 
 
-def _choice(mask_mod, causal, dtype="bfloat16"):
+def _choice(mask_mod, causal, dtype="bfloat16", d=128):
     """The backward the dispatcher picks on device 0 for this block mask at d = 128 (after the
     plan's local-memory check), and its kernel's local memory."""
     from cuflash import _families, _jit, _trace, _trace_cuda
@@ -39,7 +39,7 @@ def _choice(mask_mod, causal, dtype="bfloat16"):
     tr = _trace.trace_mask_mod(mask_mod)
     v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
                 prelude=tr.source)
-    shape = _families.Shape(dtype, 4, L, L, 128, 128, v)
+    shape = _families.Shape(dtype, 4, L, L, d, d, v)
     dev = _families.device_info(0)
     choice = _families.choose("bwd", shape, dev)
     if _families.block_mask_bwd_spilled(choice, shape, 0):
@@ -48,10 +48,10 @@ def _choice(mask_mod, causal, dtype="bfloat16"):
     return choice, kernel.local_size_bytes
 
 
-def _check(mask_mod, causal, dtype=BF16, seed=0):
+def _check(mask_mod, causal, dtype=BF16, seed=0, d=128):
     import cupy
     rng = numpy.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((1, 4, L, 128)).astype(dtype) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, 4, L, d)).astype(dtype) for _ in range(3))
     bm = cuflash.block_mask(mask_mod, (1, 1), L, L)
     kw = {"block_mask": bm}
     qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
@@ -108,3 +108,19 @@ def test_a_mask_mod_that_spills_goes_back_to_bwd_sm80():
     choice, local = _choice(_documents(7), True)
     assert local == 0, choice.expr
     _check(_documents(7), True, seed=3)
+
+
+@pytest.mark.parametrize("name, causal", [("documents96", True), ("prefix100", False),
+                                          ("window200", True)])
+def test_the_d64_opt_in_128_row_tiles(monkeypatch, name, causal):
+    """``CUFLASH_BWD90_BMASK_ROWS=128`` (opt-in): at d = 64 bwd_sm90 keeps 128-row tiles with
+    the mask as 64 bits (the suite's calls: documents and the window causal, prefix not), no
+    local memory, and o, lse, dq, dk, dv are right."""
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "128")
+    _api.clear_plans()
+    choice, local = _choice(MASKS[name], causal, d=64)
+    assert choice.family.name == "bwd_sm90" and choice.traits.block_m == 128 and local == 0, choice.expr
+    _check(MASKS[name], causal, seed=4, d=64)
+    monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS")
+    _api.clear_plans()

@@ -16,6 +16,9 @@ also takes the sliding window of 1024), each through one ``cuflash.block_mask`` 
 - ``new``: fwd+bwd with the default (the backward on bwd_sm90);
 - ``new_tm``: ``new`` in tile-major grid order (``CUFLASH_GRID_ORDER=1``, forward and backward:
   what a causal call gets; prefix-LM's call is not causal, so batch-major by default);
+- ``new_r128`` (d = 64 points only, ``--d 64``): ``CUFLASH_BWD90_BMASK_ROWS=128``, bwd_sm90 in
+  its table's 128-row tiles with the mask as 64 bits on the plain path (opt-in) instead of
+  the per-element path's 64-row tiles (session 9's, ``new`` at d = 64);
 - ``fwd``: the forward alone (the same kernel in both arms), so that the backward's share,
   fwd+bwd minus fwd, is printed for old and new (``bwd_tflops``);
 - ``flex``: ``torch.compile``d FlexAttention fwd+bwd with its own block mask, as suite_mods
@@ -39,14 +42,18 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-_ORDER = {"CUFLASH_GRID_ORDER": None}
+_ORDER = {"CUFLASH_GRID_ORDER": None, "CUFLASH_BWD90_BMASK_ROWS": None}
 ARMS = {"old": {"CUFLASH_BWD90_BLOCK_MASK": "0", **_ORDER},
         "new": {"CUFLASH_BWD90_BLOCK_MASK": None, **_ORDER},
+        # d = 64 only (at d = 128 it is new): the opt-in 128-row tiles with the mask as bits
+        "new_r128": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": None,
+                     "CUFLASH_BWD90_BMASK_ROWS": "128"},
         # new in tile-major grid order (the order causal calls get): key tile 0 of every head
         # first, so prefix-LM's long blocks (the keys every query sees) start in the first
         # waves instead of the last head's ending the kernel alone (its non-causal call is
         # batch-major); no new kernel, the order is a launch parameter
-        "new_tm": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": "1"}}
+        "new_tm": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": "1",
+                   "CUFLASH_BWD90_BMASK_ROWS": None}}
 _MASKS: dict = {}
 
 
@@ -62,7 +69,8 @@ def _spec(name, L, H):
 
 
 def _bwd_family(kw, nbatch, L, d) -> str:
-    """The backward family the dispatcher picks for this point under the current switch."""
+    """The backward family (and its query rows a tile) the dispatcher picks for this point
+    under the current switches."""
     from cuflash import _families, _trace, _trace_cuda
     from cuflash._variant import Variant
     tr = _trace.trace_mask_mod(kw["block_mask"].mask_mod)
@@ -72,7 +80,7 @@ def _bwd_family(kw, nbatch, L, d) -> str:
     c = _families.choose("bwd", shape, _families.device_info(0))
     if _families.block_mask_bwd_spilled(c, shape, 0):
         c = _families.choose("bwd", shape, _families.device_info(0))
-    return c.family.name
+    return f"{c.family.name} B_r={c.traits.block_m}"
 
 
 def _zeros(shape):
@@ -99,10 +107,13 @@ def _warm(points, flex_warm) -> None:
 
     for name, L, d in points:              # the block masks (NumPy), before the threads
         _spec(name, L, suite_mods.WIDTH // d)
-    for i, arm in enumerate(("old", "new")):      # (new_tm runs new's kernels)
+    for i, arm in enumerate(("old", "new", "new_r128")):      # (new_tm runs new's kernels)
+        todo = [(name, L, d) for name, L, d in points if arm != "new_r128" or d == 64]
+        if not todo:
+            continue
         with bench_attention.env(**ARMS[arm]):
             with ThreadPoolExecutor(8) as pool:
-                futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points]
+                futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in todo]
                 if i == 0 and flex_warm is not None:
                     try:
                         flex_warm()
@@ -154,8 +165,8 @@ def main(argv=None) -> int:
     _warm(points, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'mask':9} {'d':>4} {'L':>6}  {'old fwd+bwd':>15} {'new fwd+bwd':>15} {'new_tm':>15}"
-          f" {'flex fwd+bwd':>15}  new/old new/flex  bwd alone old / new / new_tm"
-          f"   (ms / TFLOP/s on visible pairs)", flush=True)
+          f" {'new_r128':>15} {'flex fwd+bwd':>15}  new/old new/flex  bwd alone old / new / new_tm"
+          f" / new_r128   (ms / TFLOP/s on visible pairs)", flush=True)
     rows, bf16 = [], numpy.dtype(ml_dtypes.bfloat16)
     for name, L, d in points:
         H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
@@ -173,6 +184,8 @@ def main(argv=None) -> int:
             rows.append(dict(base, impl="new", mode="fwd", ms=None, tflops=None,
                              note=f"{type(exc).__name__}: {str(exc)[:300]}"))
         for arm in ARMS:
+            if arm == "new_r128" and d != 64:
+                continue
             try:
                 with bench_attention.env(**ARMS[arm]):
                     ms = median_event_ms(lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do), 1, 10, 2)
@@ -203,8 +216,8 @@ def main(argv=None) -> int:
         r_old = got["old"] / got["new"] if got.get("old") and got.get("new") else 0
         r_flex = got["flex"] / got["new"] if got.get("flex") and got.get("new") else 0
         print(f"{name:9} {d:4} {L:6}  {cell('old'):>15} {cell('new'):>15} {cell('new_tm'):>15}"
-              f" {cell('flex'):>15}  {r_old:7.2f} {r_flex:8.2f}  {bwd('old'):>8} / {bwd('new')}"
-              f" / {bwd('new_tm')}", flush=True)
+              f" {cell('new_r128'):>15} {cell('flex'):>15}  {r_old:7.2f} {r_flex:8.2f}"
+              f"  {bwd('old'):>8} / {bwd('new')} / {bwd('new_tm')} / {bwd('new_r128')}", flush=True)
         dump(a.json, rows, complete=False)
         del q, k, v, do
         cupy.get_default_memory_pool().free_all_blocks()
