@@ -168,8 +168,7 @@ __device__ __forceinline__ Bits mask_bits(const P& p, const It& item, int q0, in
                                           const int (&last)[2], bool pair_tile) {
   static_assert(4 * NT <= 8 * sizeof(Bits), "a bit an element");
   Bits keep = 0u;
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
+  auto tile = [&](int t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = 8 * t + (e & 1);
@@ -180,6 +179,14 @@ __device__ __forceinline__ Bits mask_bits(const P& p, const It& item, int q0, in
       }
       keep |= static_cast<Bits>(vis) << (4 * t + e);
     }
+  };
+  if constexpr (NT <= 8) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) tile(t);
+  } else {   // (128-row tiles, d = 64: a loop, or ptxas hoists 64 evaluations and spills)
+#pragma unroll 1
+    for (int t = 0; t < NT; ++t) tile(t);
+  }
   return keep;
 }
 

@@ -179,8 +179,8 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // mask_mod) keeps the plain path, its mask as bits (bwd_io::mask_bits, evaluated while S^T,
   // dP^T are in the tensor cores): the pairwise path holds S^T, dP^T, dK_j, dV_j (192 floats
   // a thread) through the mask_mod and spilled 8-80 bytes at 255 registers (bench/NOTES.md,
-  // session 10). HEAD_DIM 64: the pairwise path's 64-row tiles (session 9), or with 128-row
-  // ones (CUFLASH_BWD90_BMASK_ROWS=128, opt-in) the bits, 64 of them.
+  // session 10). HEAD_DIM 64: with the table's 128-row tiles the bits too, 64 of them (a block
+  // mask's mask_mod alone); in 64-row tiles (CUFLASH_BWD90_BMASK_ROWS=64) the pairwise path.
   constexpr bool kMaskBits = (HEAD_DIM == 128 || BLOCK_M == 128) && Var::kPairMask && !Var::kGrad && !Var::kNatural;
   using MaskWord = typename bwd_io::MaskWord<4 * Tr::kNTilesS>::type;
   constexpr bool kPairwise = (Var::kGrad || Var::kPairMask) && !kMaskBits;

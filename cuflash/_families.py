@@ -24,7 +24,8 @@ import numpy
 
 from . import _traits
 from ._traits import Traits
-from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
+from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
+                       modifier_tiles)
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -274,38 +275,22 @@ def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
     return True
 
 
-def _bwd90_block_mask() -> bool:
-    """``CUFLASH_BWD90_BLOCK_MASK`` (read at plan time): "1" (the default since session 10) runs
-    a block mask's mask_mod at d = 128 on bwd_sm90 (``_traits.BWD_SM90_BLOCK_MASK``), "0" on
-    bwd_sm80 as before, for an A/B in one process."""
-    value = os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"CUFLASH_BWD90_BLOCK_MASK={value!r}: expected 0 or 1")
-    return value != "0"
-
-
-#: Variants whose bwd_sm90 build with the mask as bits (a block mask at d = 128, or at d = 64
-#: with ``CUFLASH_BWD90_BMASK_ROWS=128``), compiled on the GPU, used local memory (a user
-#: mask_mod heavier than the suite's: 255 registers); from then on bwd_sm80 runs them at
-#: d = 128, the per-element path's 64-row tiles at d = 64 (``block_mask_bwd_spilled``)
+#: Variants whose bwd_sm90 build with the mask as bits (a block mask's mask_mod: d = 128, or
+#: d = 64 in 128-row tiles) used local memory on the GPU (``block_mask_bwd_spilled``)
 _BWD90_BLOCK_MASK_SPILLED: set = set()
 
 
 def block_mask_bwd_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
-    """Whether ``choice`` is a bwd_sm90 build for a block mask's mask_mod with the mask as bits
-    (at d = 128, ``_traits.BWD_SM90_BLOCK_MASK``; at d = 64 in 128-row tiles) whose kernel,
-    compiled now for ``device_id`` (memoised: the plan's own compile reuses it), uses local
-    memory; then it is recorded, and ``choose`` run again picks bwd_sm80 at d = 128, 64-row
-    tiles at d = 64 (session 10: the suite's mask_mods and the kit's but its documents, a
-    division by 7, compile with 0 spills at d = 128)."""
+    """Whether ``choice`` is such a bwd_sm90 build and its kernel, compiled now for
+    ``device_id`` (memoised: the plan's compile reuses it), uses local memory (a mask_mod
+    heavier than the suite's; session 10); then it is recorded, and ``choose`` run again picks
+    bwd_sm80 at d = 128, the per-element path's 64-row tiles at d = 64."""
     v, t = shape.variant, choice.traits
-    if choice.family.name != "bwd_sm90" or not v.block_mask or "mask_mod" not in v.features:
-        return False
-    if t.head_dim not in _traits.BWD_SM90_BLOCK_MASK and t.block_m != 128:
+    if (choice.family.name != "bwd_sm90" or not v.block_mask or not v.mask_mod
+            or (t.head_dim not in _traits.BWD_SM90_BLOCK_MASK and t.block_m != 128)):
         return False
     from . import _jit
-    kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
-    if not kernel.local_size_bytes:
+    if not _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude).local_size_bytes:
         return False
     _BWD90_BLOCK_MASK_SPILLED.add(v)
     return True
@@ -374,7 +359,7 @@ def _bwd_tc_select(fam, shape, dev):
         if not shape.variant.causal:
             sets = sets + _traits.BWD_SM90_MODIFIERS_NONCAUSAL[bucket]
         if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
-                and _bwd90_block_mask() and shape.variant not in _BWD90_BLOCK_MASK_SPILLED):
+                and bwd90_block_mask() and shape.variant not in _BWD90_BLOCK_MASK_SPILLED):
             bits = not any(feats <= s for s in sets)
             sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
@@ -390,10 +375,9 @@ def _bwd_tc_select(fam, shape, dev):
     why = [f"head-dim bucket {bucket}: {t.reason}"]
     t = modifier_tiles(fam.name, t, shape.variant, why)
     if fam.name == "bwd_sm90" and t.block_m == 128 and shape.variant.mask_mod:
-        bits = True     # (CUFLASH_BWD90_BMASK_ROWS=128 at d = 64: the mask as 64 bits)
-        if shape.variant in _BWD90_BLOCK_MASK_SPILLED:
+        bits = shape.variant not in _BWD90_BLOCK_MASK_SPILLED     # (d = 64: 64 bits)
+        if not bits:
             t = t.replace(block_m=64)
-            bits = False
             why.append("block_m=64: the 128-row build of this mask_mod used local memory")
     if bits:
         why.append("the block mask's mask_mod as bits on the plain path (bwd_sm90.cu kMaskBits; "

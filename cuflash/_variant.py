@@ -217,17 +217,28 @@ def _bmask_keep_blocks() -> bool:
     return value != "1"
 
 
+def bwd90_block_mask() -> bool:
+    """``CUFLASH_BWD90_BLOCK_MASK`` (read at plan time): "1" (the default since session 10) runs
+    a block mask's mask_mod at d = 128 on bwd_sm90 (``_traits.BWD_SM90_BLOCK_MASK``), "0" on
+    bwd_sm80 as before, for an A/B in one process."""
+    import os
+    value = os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BWD90_BLOCK_MASK={value!r}: expected 0 or 1")
+    return value != "0"
+
+
 def _bwd90_bmask_rows(variant: Variant) -> bool:
-    """``CUFLASH_BWD90_BMASK_ROWS=128`` (read at plan time; session 10, opt-in, not measured):
-    bwd_sm90 keeps its table's 128-row query tiles (d = 64) for a block mask's mask_mod alone,
-    which then takes the plain path with its mask as 64 bits (bwd_sm90.cu kMaskBits) instead of
-    the per-element path's 64-row tiles; "64" (the default) as before. A build that uses local
-    memory goes back to 64 rows (``_families.block_mask_bwd_spilled``)."""
+    """``CUFLASH_BWD90_BMASK_ROWS`` (read at plan time; session 10): "128" (the default) lets
+    bwd_sm90 keep its table's 128-row query tiles at d = 64 for a block mask's mask_mod alone,
+    which then takes the plain path with its mask as 64 bits (bwd_sm90.cu kMaskBits); "64"
+    gives it the per-element path's 64-row tiles as in session 9, for an A/B in one process. A
+    build that uses local memory goes back to 64 rows (``_families.block_mask_bwd_spilled``)."""
     import os
     value = os.environ.get("CUFLASH_BWD90_BMASK_ROWS", "").strip()
     if value not in ("", "64", "128"):
         raise ValueError(f"CUFLASH_BWD90_BMASK_ROWS={value!r}: expected 64 or 128")
-    return (value == "128" and variant.block_mask
+    return (value != "64" and variant.block_mask
             and variant.features <= frozenset({"causal", "mask_mod"}))
 
 

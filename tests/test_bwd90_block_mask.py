@@ -44,9 +44,9 @@ def test_a_block_mask_at_d128_runs_bwd_sm90_and_the_switch_restores_bwd_sm80(mon
     # what stays on bwd_sm80: deterministic, a transform beside the mask_mod
     assert _families.choose("bwd", _shape(deterministic=True), H200).family.name == "bwd_sm80"
     assert _families.choose("bwd", _shape(softcap=True), H200).family.name == "bwd_sm80"
-    # d = 64: the per-element path as before (no "as bits" reason)
+    # d = 64: bwd_sm90 either way (the mask as bits in 128-row tiles: the next test)
     c64 = _families.choose("bwd", _shape(d=64), H200)
-    assert c64.family.name == "bwd_sm90" and not any("as bits" in r for r in c64.reasons)
+    assert c64.family.name == "bwd_sm90" and c64.traits.block_m == 128
     monkeypatch.setenv("CUFLASH_BWD90_BLOCK_MASK", "0")
     assert _families.choose("bwd", _shape(), H200).family.name == "bwd_sm80"
     assert _families.choose("bwd", _shape(d=64), H200).family.name == "bwd_sm90"
@@ -73,25 +73,33 @@ def test_a_build_that_uses_local_memory_goes_back_to_bwd_sm80(monkeypatch):
     again = _families.choose("bwd", shape, H200)
     assert again.family.name == "bwd_sm80"
     assert not _families.block_mask_bwd_spilled(again, shape, 0)
-    # d = 64's builds are not checked (the per-element path, no fallback there)
+    # d = 64 with CUFLASH_BWD90_BMASK_ROWS=64: not checked (the per-element path, no fallback)
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "64")
     s64 = _shape(_documents(7), d=64)
     assert not _families.block_mask_bwd_spilled(_families.choose("bwd", s64, H200), s64, 0)
     assert len(kernels) == 2
 
 
-def test_the_d64_opt_in_keeps_128_row_tiles_and_goes_back_when_it_spills(monkeypatch):
-    """``CUFLASH_BWD90_BMASK_ROWS=128``: at d = 64 a block mask's mask_mod alone keeps bwd_sm90's
-    128-row tiles (the mask as 64 bits); with softcap beside it, or by default, 64 rows; a
-    build that used local memory goes back to 64 rows."""
+def test_d64_keeps_128_row_tiles_and_goes_back_when_it_spills(monkeypatch):
+    """At d = 64 a block mask's mask_mod alone keeps bwd_sm90's 128-row tiles (the mask as 64
+    bits; ``CUFLASH_BWD90_BMASK_ROWS=64``: session 9's 64-row tiles, the per-element path);
+    with softcap beside it, or without a block mask, 64 rows; a build that used local memory
+    goes back to 64 rows."""
     monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS", raising=False)
-    assert _families.choose("bwd", _shape(d=64), H200).traits.block_m == 64
-    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "128")
     shape = _shape(_documents(7), d=64)
     c = _families.choose("bwd", shape, H200)
     assert c.family.name == "bwd_sm90" and c.traits.block_m == 128
     assert any("as bits" in r for r in c.reasons)
     assert _families.choose("bwd", _shape(d=64, softcap=True), H200).traits.block_m == 64
     assert _families.choose("bwd", _shape(), H200).traits.block_m == 64      # d = 128: its table's
+    tr = _trace.trace_mask_mod(_documents(7))
+    no_bm = _families.Shape("bfloat16", 64, 4096, 4096, 64, 64, Variant(
+        causal=True, mask_mod=_trace_cuda.qualified_name(tr), prelude=tr.source))
+    assert _families.choose("bwd", no_bm, H200).traits.block_m == 64
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "64")
+    c64 = _families.choose("bwd", shape, H200)
+    assert c64.traits.block_m == 64 and not any("as bits" in r for r in c64.reasons)
+    monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS")
 
     class Kernel:
         local_size_bytes = 8
@@ -110,7 +118,7 @@ def test_the_d64_opt_in_keeps_128_row_tiles_and_goes_back_when_it_spills(monkeyp
 def test_the_suites_mask_mods_compile_without_spills_at_d128():
     """The mods suite's window, document and prefix mask_mods (bench/suite_mods.py at L = 4096),
     causal or not: the dispatcher's bwd_sm90 build at d = 128 has 0 spills and no stack on
-    sm_90a, and so has the d = 64 opt-in's 128-row build of the suite's own calls
+    sm_90a, and so has the d = 64 128-row build of the suite's own calls
     (bench/probes/bmask_spills.py prints the testing kit's too)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import suite_mods
@@ -123,12 +131,11 @@ def test_the_suites_mask_mods_compile_without_spills_at_d128():
             assert c.family.name == "bwd_sm90", c.reasons
             exprs[c.expr] = (name, causal)
             preludes.append(shape.variant.prelude)
-        # (and the d = 64 opt-in's 128-row build of the suite's own call: causal as it passes it)
+        # (and d = 64's 128-row build of the suite's own call: causal as the suite passes it)
         shape = _shape(mod.mask_mod, d=64, causal=mod.mask_causal)
-        t = _families.choose("bwd", shape, H200).traits
-        expr = _families.FAMILIES["bwd_sm90"].expr("bfloat16", t.replace(block_m=128), shape.variant,
-                                                   fuse_dq=False)
-        exprs[expr] = (name, "d 64, 128 rows")
+        c = _families.choose("bwd", shape, H200)
+        assert c.traits.block_m == 128, c.reasons
+        exprs[c.expr] = (name, "d 64")
     fam = _families.FAMILIES["bwd_sm90"]
     nvrtc = _jit._nvrtc_for("sm_90a")
     log, lowered, _ = nvrtc.compile("\n".join(dict.fromkeys(preludes)) + _jit.load_source(fam.source), fam.source,

@@ -2,7 +2,8 @@
 d = 128 block-mask backward on bwd_sm90 (session 10)"): a block mask's mask_mod at d = 128 runs
 bwd_sm90 by default, its mask kept as bits on the plain path (bwd_sm90.cu kMaskBits), with
 ``CUFLASH_BWD90_BLOCK_MASK=0`` the switch back to bwd_sm80; a mask_mod whose build uses local
-memory there goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). Results and
+memory there goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). At d = 64 the same
+path in 128-row tiles (``CUFLASH_BWD90_BMASK_ROWS=64``: session 9's 64-row ones). Results and
 gradients by the kit's rule (tests/_naive_modifiers.check_result / check_gradients)."""
 from __future__ import annotations
 
@@ -110,17 +111,20 @@ def test_a_mask_mod_that_spills_goes_back_to_bwd_sm80():
     _check(_documents(7), True, seed=3)
 
 
+@pytest.mark.parametrize("rows", ["128", "64"])
 @pytest.mark.parametrize("name, causal", [("documents96", True), ("prefix100", False),
                                           ("window200", True)])
-def test_the_d64_opt_in_128_row_tiles(monkeypatch, name, causal):
-    """``CUFLASH_BWD90_BMASK_ROWS=128`` (opt-in): at d = 64 bwd_sm90 keeps 128-row tiles with
-    the mask as 64 bits (the suite's calls: documents and the window causal, prefix not), no
-    local memory, and o, lse, dq, dk, dv are right."""
+def test_d64_block_mask_backward_in_128_row_tiles(monkeypatch, name, causal, rows):
+    """At d = 64 bwd_sm90 keeps 128-row tiles for a block mask's mask_mod, the mask as 64 bits
+    on the plain path (the suite's calls: documents and the window causal, prefix not), with no
+    local memory; ``CUFLASH_BWD90_BMASK_ROWS=64`` gives session 9's 64-row tiles; o, lse, dq,
+    dk, dv right either way."""
     from cuflash import _api
-    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", "128")
+    monkeypatch.setenv("CUFLASH_BWD90_BMASK_ROWS", rows)
     _api.clear_plans()
     choice, local = _choice(MASKS[name], causal, d=64)
-    assert choice.family.name == "bwd_sm90" and choice.traits.block_m == 128 and local == 0, choice.expr
+    assert choice.family.name == "bwd_sm90" and choice.traits.block_m == int(rows), choice.expr
+    assert local == 0, choice.expr
     _check(MASKS[name], causal, seed=4, d=64)
     monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS")
     _api.clear_plans()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Question (session 10, issue 10): with a block mask, does the d = 128 backward on bwd_sm90
 (its mask_mod as bits on the plain path, the new default) beat bwd_sm80 (the default until
-session 10), and does fwd+bwd reach FlexAttention? (bench/NOTES.md "The d = 128 block-mask
+session 10), and does fwd+bwd reach FlexAttention? (``--d 64``: the same path in 128-row tiles
+against session 9's per-element path in 64-row ones.) (bench/NOTES.md "The d = 128 block-mask
 backward on bwd_sm90 (session 10)".)
 
     PYTHONPATH=. python bench/probes/bmask_bwd128.py [--json out.json] [--L 4096,16384]
@@ -12,13 +13,13 @@ One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d) and mas
 also takes the sliding window of 1024), each through one ``cuflash.block_mask`` of 128 x 128
 (built once per point, as a user reuses it). Each point times, CUDA-event medians:
 
-- ``old``: fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=0`` (the backward on bwd_sm80);
-- ``new``: fwd+bwd with the default (the backward on bwd_sm90);
+- ``old``: fwd+bwd with session 9's backward: ``CUFLASH_BWD90_BLOCK_MASK=0`` (d = 128:
+  bwd_sm80) and ``CUFLASH_BWD90_BMASK_ROWS=64`` (d = 64: bwd_sm90's per-element path in
+  64-row tiles);
+- ``new``: fwd+bwd with the defaults (bwd_sm90, the mask as bits on the plain path: 64-row
+  tiles at d = 128, 128-row tiles at d = 64);
 - ``new_tm``: ``new`` in tile-major grid order (``CUFLASH_GRID_ORDER=1``, forward and backward:
   what a causal call gets; prefix-LM's call is not causal, so batch-major by default);
-- ``new_r128`` (d = 64 points only, ``--d 64``): ``CUFLASH_BWD90_BMASK_ROWS=128``, bwd_sm90 in
-  its table's 128-row tiles with the mask as 64 bits on the plain path (opt-in) instead of
-  the per-element path's 64-row tiles (session 9's, ``new`` at d = 64);
 - ``fwd``: the forward alone (the same kernel in both arms), so that the backward's share,
   fwd+bwd minus fwd, is printed for old and new (``bwd_tflops``);
 - ``flex``: ``torch.compile``d FlexAttention fwd+bwd with its own block mask, as suite_mods
@@ -42,18 +43,16 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-_ORDER = {"CUFLASH_GRID_ORDER": None, "CUFLASH_BWD90_BMASK_ROWS": None}
-ARMS = {"old": {"CUFLASH_BWD90_BLOCK_MASK": "0", **_ORDER},
-        "new": {"CUFLASH_BWD90_BLOCK_MASK": None, **_ORDER},
-        # d = 64 only (at d = 128 it is new): the opt-in 128-row tiles with the mask as bits
-        "new_r128": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": None,
-                     "CUFLASH_BWD90_BMASK_ROWS": "128"},
+ARMS = {"old": {"CUFLASH_BWD90_BLOCK_MASK": "0", "CUFLASH_BWD90_BMASK_ROWS": "64",
+                "CUFLASH_GRID_ORDER": None},
+        "new": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_BWD90_BMASK_ROWS": None,
+                "CUFLASH_GRID_ORDER": None},
         # new in tile-major grid order (the order causal calls get): key tile 0 of every head
         # first, so prefix-LM's long blocks (the keys every query sees) start in the first
         # waves instead of the last head's ending the kernel alone (its non-causal call is
         # batch-major); no new kernel, the order is a launch parameter
-        "new_tm": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_GRID_ORDER": "1",
-                   "CUFLASH_BWD90_BMASK_ROWS": None}}
+        "new_tm": {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_BWD90_BMASK_ROWS": None,
+                   "CUFLASH_GRID_ORDER": "1"}}
 _MASKS: dict = {}
 
 
@@ -107,13 +106,10 @@ def _warm(points, flex_warm) -> None:
 
     for name, L, d in points:              # the block masks (NumPy), before the threads
         _spec(name, L, suite_mods.WIDTH // d)
-    for i, arm in enumerate(("old", "new", "new_r128")):      # (new_tm runs new's kernels)
-        todo = [(name, L, d) for name, L, d in points if arm != "new_r128" or d == 64]
-        if not todo:
-            continue
+    for i, arm in enumerate(("old", "new")):      # (new_tm runs new's kernels)
         with bench_attention.env(**ARMS[arm]):
             with ThreadPoolExecutor(8) as pool:
-                futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in todo]
+                futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points]
                 if i == 0 and flex_warm is not None:
                     try:
                         flex_warm()
@@ -165,8 +161,8 @@ def main(argv=None) -> int:
     _warm(points, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'mask':9} {'d':>4} {'L':>6}  {'old fwd+bwd':>15} {'new fwd+bwd':>15} {'new_tm':>15}"
-          f" {'new_r128':>15} {'flex fwd+bwd':>15}  new/old new/flex  bwd alone old / new / new_tm"
-          f" / new_r128   (ms / TFLOP/s on visible pairs)", flush=True)
+          f" {'flex fwd+bwd':>15}  new/old new/flex  bwd alone old / new / new_tm"
+          f"   (ms / TFLOP/s on visible pairs)", flush=True)
     rows, bf16 = [], numpy.dtype(ml_dtypes.bfloat16)
     for name, L, d in points:
         H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
@@ -184,8 +180,6 @@ def main(argv=None) -> int:
             rows.append(dict(base, impl="new", mode="fwd", ms=None, tflops=None,
                              note=f"{type(exc).__name__}: {str(exc)[:300]}"))
         for arm in ARMS:
-            if arm == "new_r128" and d != 64:
-                continue
             try:
                 with bench_attention.env(**ARMS[arm]):
                     ms = median_event_ms(lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do), 1, 10, 2)
@@ -216,8 +210,8 @@ def main(argv=None) -> int:
         r_old = got["old"] / got["new"] if got.get("old") and got.get("new") else 0
         r_flex = got["flex"] / got["new"] if got.get("flex") and got.get("new") else 0
         print(f"{name:9} {d:4} {L:6}  {cell('old'):>15} {cell('new'):>15} {cell('new_tm'):>15}"
-              f" {cell('new_r128'):>15} {cell('flex'):>15}  {r_old:7.2f} {r_flex:8.2f}"
-              f"  {bwd('old'):>8} / {bwd('new')} / {bwd('new_tm')} / {bwd('new_r128')}", flush=True)
+              f" {cell('flex'):>15}  {r_old:7.2f} {r_flex:8.2f}"
+              f"  {bwd('old'):>8} / {bwd('new')} / {bwd('new_tm')}", flush=True)
         dump(a.json, rows, complete=False)
         del q, k, v, do
         cupy.get_default_memory_pool().free_all_blocks()
