@@ -364,8 +364,10 @@ BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}
 #: testing kit's compile at 254-255 registers with 0 spills, causal or not (sm_90a, bf16), but
 #: the kit's documents (a division by 7: 8-20 bytes) -- a build that uses local memory on the
 #: GPU goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). ``CUFLASH_BWD90_BLOCK_MASK=0``
-#: (read at plan time) restores bwd_sm80. At d = 64 the mask_mod is in the per-element set above
-#: (215-219 registers, 0 spills).
+#: (read at plan time) restores bwd_sm80. At d = 64 the mask_mod is in the per-element set above;
+#: with a block mask it keeps the table's 128-row tiles and takes the bits too (64 of them;
+#: ``_variant.modifier_tiles``, 254-255 registers, 0 spills for the suite's and the kit's;
+#: ``CUFLASH_BWD90_BMASK_ROWS=64``: session 9's 64-row per-element path, 215-219 registers).
 BWD_SM90_BLOCK_MASK = {128: frozenset({"mask_mod"})}
 
 # ---------------------------------------------------------------------------------------------

@@ -251,7 +251,8 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     mask's mask_mod with them: ``FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK``); a ``heavy`` one
     32-key tiles (fwd_sm80, fwd_sm90);
     bwd_sm80 query chunks of at most 32 rows; bwd_sm90 query tiles of 64 rows where the
-    per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone). The table's choices spill with them (the compile
+    per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone, nor
+    for a block mask's mask_mod alone, whose mask then goes as bits: ``_bwd90_bmask_rows``). The table's choices spill with them (the compile
     table of docs/modifiers.md). Appends the reason to ``why``."""
     if not variant.score_path:
         return t
