@@ -34,7 +34,7 @@
 // (no gradient), so it changes only P's exponent, by -slope log2(e) |i + diag - j| (one FFMA
 // an element, Mod::alibi_exp2), and dS = P o (dP - D) and everything after are as plain. A
 // score transform that needs the chain rule or writes a gradient (softcap, bias, score_mod) or
-// an element mask (bool array, mask_mod; at d = 128 alone: the plain path, kMaskBits) takes the
+// an element mask (bool array, mask_mod; a block mask's mask_mod alone: the plain path, kMaskBits) takes the
 // path of bwd_io::p_ds_pair, the element of P and dS that bwd_sm80 computes too, with the chain
 // rule of softcap / score_mod and dL/dbias (ALiBi: in Mod::score there); a block mask skips the
 // query tiles it calls empty and the mask_mod of those it calls full. Which modifiers run at
