@@ -1,4 +1,4 @@
-"""GPU tests of the d = 128 block-mask backward on bwd_sm90 (session 10, bench/NOTES.md "The
+"""GPU tests of the block-mask backward on bwd_sm90 with the mask as bits (session 10, bench/NOTES.md "The
 d = 128 block-mask backward on bwd_sm90 (session 10)"): a block mask's mask_mod at d = 128 runs
 bwd_sm90 by default, its mask kept as bits on the plain path (bwd_sm90.cu kMaskBits), with
 ``CUFLASH_BWD90_BLOCK_MASK=0`` the switch back to bwd_sm80; a mask_mod whose build uses local
@@ -33,7 +33,7 @@ def _window(n):
 
 
 def _choice(mask_mod, causal, dtype="bfloat16", d=128):
-    """The backward the dispatcher picks on device 0 for this block mask at d = 128 (after the
+    """The backward the dispatcher picks on device 0 for this block mask at head dim d (after the
     plan's local-memory check), and its kernel's local memory."""
     from cuflash import _families, _jit, _trace, _trace_cuda
     from cuflash._variant import Variant
