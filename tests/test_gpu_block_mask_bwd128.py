@@ -1,5 +1,6 @@
-"""GPU tests of the block-mask backward on bwd_sm90 with the mask as bits (session 10, bench/NOTES.md "The
-d = 128 block-mask backward on bwd_sm90 (session 10)"): a block mask's mask_mod at d = 128 runs
+"""GPU tests of the block-mask backward on bwd_sm90 with the mask as bits (session 10,
+bench/NOTES.md "The d = 128 block-mask backward on bwd_sm90 (session 10)"): a block mask's
+mask_mod at d = 128 runs
 bwd_sm90 by default, its mask kept as bits on the plain path (bwd_sm90.cu kMaskBits), with
 ``CUFLASH_BWD90_BLOCK_MASK=0`` the switch back to bwd_sm80; a mask_mod whose build uses local
 memory there goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). At d = 64 the same
