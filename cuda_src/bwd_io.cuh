@@ -1,7 +1,9 @@
 // cuflash: tile I/O of the tensor-core backward kernels (bwd_sm80.cu, bwd_sm90.cu): rows of
 // a global matrix into a swizzled shared tile by cp.async, zeroing the dead query rows of a
-// tile, and the dK_j, dV_j epilogue. `Tile` is any layout with kChunks (16-byte chunks
-// a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh) or Sm90Tile (sm90_ops.cuh).
+// tile, and the dK_j, dV_j epilogue; the element of P and dS with the modifiers (p_ds_pair)
+// and bwd_sm90's selections of masked pairs (select_visible, mask_bits). `Tile` is any layout
+// with kChunks (16-byte chunks a row) and addr(base, row, chunk): SwizzledTile (mma_sm80.cuh)
+// or Sm90Tile (sm90_ops.cuh).
 #pragma once
 #include "last_block.cuh"
 
@@ -123,6 +125,69 @@ __device__ __forceinline__ void store2_grad(unsigned long long base, bool as_t, 
       if (col + 1 < n) dst[col + 1] = from_acc<T, float>(y);
     }
   }
+}
+
+// x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
+// 8t + (e & 1) is visible from first[e >> 1] on and, where QUERY_HI (Variant::kKeyLo), up to
+// last[e >> 1] (relative columns; see the kernel). Selection, not arithmetic: x may hold Inf
+// or NaN there.
+template <bool QUERY_HI, int NT>
+__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2], const int (&last)[2]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      x[t][e] = (c >= first[e >> 1] && (!QUERY_HI || c <= last[e >> 1])) ? x[t][e] : 0.f;
+    }
+}
+
+// The word that holds N mask bits (mask_bits)
+template <int N> struct MaskWord { using type = unsigned; };
+template <> struct MaskWord<64> { using type = unsigned long long; };
+
+// x = 0 where bit 4t + e of `keep` is clear (mask_bits). Selection, not arithmetic: x may
+// hold Inf or NaN there.
+template <int NT, typename Bits>
+__device__ __forceinline__ void select_bits(float (&x)[NT][4], Bits keep) {
+  static_assert(4 * NT <= 8 * sizeof(Bits), "a bit an element");
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[t][e] = ((keep >> (4 * t + e)) & 1u) ? x[t][e] : 0.f;
+}
+
+// The analytic bounds and the element mask of a thread's S^T-layout fragment of NT 8-column
+// tiles (bwd_sm90; element (t, e) is query q0 + 8t + (e & 1), key kj0 + 8 (e >> 1)) as bits
+// 4t + e, set where the pair is visible: first / last as select_visible reads them, and the
+// bool array / mask_mod (Var::pair_visible, rows and keys clamped into the problem) where the
+// tile is not known full (pair_tile). One register for the whole tile where p_ds_pair keeps
+// S and dP of every element waiting for its own evaluation (bwd_sm90.cu: kMaskBits).
+template <class Var, int NT, typename Bits, class P, class It>
+__device__ __forceinline__ Bits mask_bits(const P& p, const It& item, int q0, int kj0, const int (&first)[2],
+                                          const int (&last)[2], bool pair_tile) {
+  static_assert(4 * NT <= 8 * sizeof(Bits), "a bit an element");
+  Bits keep = 0u;
+  auto tile = [&](int t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * t + (e & 1);
+      bool vis = c >= first[e >> 1] && (!Var::kKeyLo || c <= last[e >> 1]);
+      if (pair_tile) {
+        const int qi = q0 + c, kj = kj0 + 8 * (e >> 1);
+        vis = vis && Var::pair_visible(p.mod, Var::at_row(p.mod, item, qi, p.Lq), p.var.causal_offset, qi, kj, p.Lq, p.Lk);
+      }
+      keep |= static_cast<Bits>(vis) << (4 * t + e);
+    }
+  };
+  if constexpr (NT <= 8) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) tile(t);
+  } else {   // (128-row tiles, d = 64: a loop, or ptxas hoists 64 evaluations and spills)
+#pragma unroll 1
+    for (int t = 0; t < NT; ++t) tile(t);
+  }
+  return keep;
 }
 
 // -- 11 and 14 of Algorithm 2 for one pair, with the score pipeline (DESIGN.md "Modifiers"):

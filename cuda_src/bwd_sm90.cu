@@ -34,13 +34,13 @@
 // (no gradient), so it changes only P's exponent, by -slope log2(e) |i + diag - j| (one FFMA
 // an element, Mod::alibi_exp2), and dS = P o (dP - D) and everything after are as plain. A
 // score transform that needs the chain rule or writes a gradient (softcap, bias, score_mod) or
-// an element mask (bool array, mask_mod) takes the path of bwd_io::p_ds_pair, the element of P
-// and dS that bwd_sm80 computes too, with the chain rule of softcap / score_mod and dL/dbias
-// (ALiBi with them: inside Mod::score there); a block mask skips the query tiles it calls
-// empty and the mask_mod of those it calls full. The softcap alone (bfloat16's tanh.approx
-// build, no element mask: Var::kSoftcapBwdPlain, session 10) keeps the plain path: th =
-// tanh(tau S / c) per element, P from it, and the chain rule's 1 - th^2 folded into P once P^T
-// is packed for dV. Which modifiers run here at which head dim (registers):
+// an element mask (bool array, mask_mod; a block mask's mask_mod alone: the plain path, kMaskBits) takes the
+// path of bwd_io::p_ds_pair, the element of P and dS that bwd_sm80 computes too, with the chain
+// rule of softcap / score_mod and dL/dbias (ALiBi: in Mod::score there); a block mask skips the
+// query tiles it calls empty and the mask_mod of those it calls full. The softcap alone
+// (bfloat16's tanh.approx build, no element mask, opt-in: Var::kSoftcapBwdPlain, session 10)
+// keeps the plain path: th = tanh(tau S / c) per element, P from it, and the chain rule's
+// 1 - th^2 folded into P once P^T is packed for dV. Which modifiers run at which head dim:
 // cuflash/_traits.py, BWD_SM90_MODIFIERS.
 //
 // Requirements the launcher (cuflash/_plan.py, _launch.py) guarantees: as bwd_sm80 (rows of q, k, v,
@@ -126,21 +126,6 @@ struct BwdSm90Traits {
   static_assert(kSmemBytes <= 227 * 1024, "H100/H200 shared memory per block");
 };
 
-// x = 0 where the pair (key row, query column) of an S^T-layout fragment is masked: column
-// 8t + (e & 1) is visible from first[e >> 1] on and, where QUERY_HI (Variant::kKeyLo), up to
-// last[e >> 1] (relative columns; see the kernel). Selection, not arithmetic: x may hold Inf
-// or NaN there.
-template <bool QUERY_HI, int NT>
-__device__ __forceinline__ void select_visible(float (&x)[NT][4], const int (&first)[2], const int (&last)[2]) {
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * t + (e & 1);
-      x[t][e] = (c >= first[e >> 1] && (!QUERY_HI || c <= last[e >> 1])) ? x[t][e] : 0.f;
-    }
-}
-
 // The softcap's th = tanh(S tau / c) of a masked pair on the plain path (Var::kSoftcapBwdPlain):
 // finite, so that P (1 - th^2) stays 0 x finite = 0 (th = -inf gave 0 x inf = NaN), and so
 // negative that P = exp2(th c log2(e) - L log2(e)) is exactly 0 (ex2.approx.ftz of < -126)
@@ -201,8 +186,17 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // bwd_io::p_ds_pair below; causal, the window, the sink and ALiBi keep the plain one (the
   // sink is in L_i already, dsink is the launcher's, from D and L; ALiBi is a constant added
   // to the scaled score, so it changes only the exponent of P: Mod::alibi_exp2).
-  // (the softcap alone, Var::kSoftcapBwdPlain: its two steps on the plain path, below)
-  constexpr bool kPairwise = (Var::kGrad && !Var::kSoftcapBwdPlain) || Var::kPairMask;
+  //   kMaskBits: an element mask with no score transform at HEAD_DIM 128 (a block mask's
+  // mask_mod) keeps the plain path, its mask as bits (bwd_io::mask_bits, evaluated while S^T,
+  // dP^T are in the tensor cores): the pairwise path holds S^T, dP^T, dK_j, dV_j (192 floats
+  // a thread) through the mask_mod and spilled 8-80 bytes at 255 registers (bench/NOTES.md,
+  // session 10). HEAD_DIM 64: with the table's 128-row tiles the bits too, 64 of them (a block
+  // mask's mask_mod alone); in 64-row tiles (CUFLASH_BWD90_BMASK_ROWS=64) the pairwise path.
+  // The softcap alone (Var::kSoftcapBwdPlain): its two steps on the plain path, below.
+  constexpr bool kMaskBits = (HEAD_DIM == 128 || BLOCK_M == 128) && Var::kPairMask && !Var::kGrad && !Var::kNatural;
+  using MaskWord = typename bwd_io::MaskWord<4 * Tr::kNTilesS>::type;
+  constexpr bool kPairwise = ((Var::kGrad && !Var::kSoftcapBwdPlain) || Var::kPairMask) && !kMaskBits;
+  static_assert(!(kMaskBits && Var::kSoftcapBwdPlain), "the softcap's plain path has no element mask");
   static_assert(kPairwise || !Var::Mod::kTransforms || Var::Mod::kHasAlibi || Var::kSoftcapBwdPlain,
                 "the plain path's only score transforms are ALiBi and the softcap alone");
   // tau * log2(e); log2(e) where the modifiers give natural-unit scores (p_ds_pair)
@@ -366,7 +360,12 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     // keys or the tile's mask boundary evaluate the mask. first[h], last[h]: this thread's first
     // and last visible query column, relative to its column 2 t4, for its key rows g (h = 0)
     // and g + 8 (h = 1).
-    const bool need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, p.mod, m0, m0 + BLOCK_M, kw0, kw0 + 16);
+    // (kMaskBits: the element mask where the block mask does not know the tile full: a branch a warp and tile)
+    bool need_mask;
+    if constexpr (kMaskBits)
+      need_mask = kw0 + 16 > p.Lk || pair_tile || Var::needs_bound_mask(p.var, p.mod, m0, m0 + BLOCK_M, kw0, kw0 + 16);
+    else
+      need_mask = kw0 + 16 > p.Lk || Var::needs_mask(p.var, p.mod, m0, m0 + BLOCK_M, kw0, kw0 + 16);
     int first[2], last[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -375,6 +374,10 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       last[h] = Var::query_last(p.var, p.mod, key) - m0 - 2 * t4;   // used only where kKeyLo
     }
 
+    // (kMaskBits: first / last and the element mask as bits, while S^T, dP^T are computed)
+    [[maybe_unused]] MaskWord keep = ~MaskWord(0);
+    if constexpr (kMaskBits)
+      if (need_mask) keep = bwd_io::mask_bits<Var, Tr::kNTilesS, MaskWord>(p, item, m0 + 2 * t4, kw0 + g, first, last, pair_tile);
     unsigned pa[Tr::kQSteps][4];   // P^T as the A operand of dV (rounded to T)
     unsigned dsa[Tr::kQSteps][4];  // dS^T as the A operand of dK (rounded to T)
     if constexpr (!kPairwise) {
@@ -430,7 +433,8 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
             s[t][e] = ex2_approx(x);
           }
         }
-        if (need_mask) select_visible<Var::kKeyLo>(s, first, last);
+        if constexpr (kMaskBits) { if (need_mask) bwd_io::select_bits(s, keep); }
+        else if (need_mask) bwd_io::select_visible<Var::kKeyLo>(s, first, last);
 #pragma unroll
         for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
       }
@@ -445,7 +449,8 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) dp[t][e] = s[t][e] * (dp[t][e] - ((e & 1) ? di.y : di.x));
       }
-      if (need_mask) select_visible<Var::kKeyLo>(dp, first, last);
+      if constexpr (kMaskBits) { if (need_mask) bwd_io::select_bits(dp, keep); }
+      else if (need_mask) bwd_io::select_visible<Var::kKeyLo>(dp, first, last);
 #pragma unroll
       for (int kk = 0; kk < Tr::kQSteps; ++kk) p_fragment<T>(dsa[kk], dp, kk);
     } else {

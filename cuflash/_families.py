@@ -24,7 +24,8 @@ import numpy
 
 from . import _traits
 from ._traits import Traits
-from ._variant import ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, modifier_tiles
+from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
+                       modifier_tiles)
 from ._fwd_schedule import bmask_long_keys, fwd_sm90_grid, persist_wanted  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
@@ -320,6 +321,27 @@ def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
     return True
 
 
+#: Variants whose bwd_sm90 build with the mask as bits (a block mask's mask_mod: d = 128, or
+#: d = 64 in 128-row tiles) used local memory on the GPU (``block_mask_bwd_spilled``)
+_BWD90_BLOCK_MASK_SPILLED: set = set()
+
+
+def block_mask_bwd_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
+    """Whether ``choice`` is such a bwd_sm90 build and its kernel, compiled now for
+    ``device_id`` (memoised: the plan's compile reuses it), uses local memory (a mask_mod
+    heavier than the suite's; session 10); then it is recorded, and ``choose`` run again picks
+    bwd_sm80 at d = 128, the per-element path's 64-row tiles at d = 64."""
+    v, t = shape.variant, choice.traits
+    if (choice.family.name != "bwd_sm90" or not v.block_mask or not v.mask_mod
+            or (t.head_dim not in _traits.BWD_SM90_BLOCK_MASK and t.block_m != 128)):
+        return False
+    from . import _jit
+    if not _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude).local_size_bytes:
+        return False
+    _BWD90_BLOCK_MASK_SPILLED.add(v)
+    return True
+
+
 def _fwd_sm90_instances(fam, arch):
     for bucket, t in _traits.TABLES[fam.name].items():
         for w in range(1, t["warpgroups"] + 1):
@@ -376,13 +398,15 @@ def _bwd_tc_select(fam, shape, dev):
     step = 64 if fam.name == "bwd_sm90" else 32     # wgmma: 64-column blocks; mma.sync: 32
     bucket = max(32, -(-shape.dmax // step) * step)
     key = (bucket, shape.variant.causal) if fam.name == "bwd_sm90" else bucket
+    bits = False     # bwd_sm90 runs a block mask's mask_mod on its plain path (kMaskBits)
     if fam.name == "bwd_sm90":
         # its modifiers all in one of the bucket's sets (the plain path's, the per-element one's)
         feats, sets = shape.variant.features - {"causal"}, _traits.BWD_SM90_MODIFIERS[bucket]
         if not shape.variant.causal:
             sets = sets + _traits.BWD_SM90_MODIFIERS_NONCAUSAL[bucket]
         if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
-                and os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "0").strip() == "1"):
+                and bwd90_block_mask() and shape.variant not in _BWD90_BLOCK_MASK_SPILLED):
+            bits = not any(feats <= s for s in sets)
             sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
             missing = feats - frozenset().union(*sets)
@@ -396,6 +420,14 @@ def _bwd_tc_select(fam, shape, dev):
     flags = {"deterministic": shape.deterministic} if "deterministic" in fam.features else {}
     why = [f"head-dim bucket {bucket}: {t.reason}"]
     t = modifier_tiles(fam.name, t, shape.variant, why)
+    if fam.name == "bwd_sm90" and t.block_m == 128 and shape.variant.mask_mod:
+        bits = shape.variant not in _BWD90_BLOCK_MASK_SPILLED     # (d = 64: 64 bits)
+        if not bits:
+            t = t.replace(block_m=64)
+            why.append("block_m=64: the 128-row build of this mask_mod used local memory")
+    if bits:
+        why.append("the block mask's mask_mod as bits on the plain path (bwd_sm90.cu kMaskBits; "
+                   "at d = 128 CUFLASH_BWD90_BLOCK_MASK=0 runs bwd_sm80)")
     if fam.name == "bwd_sm90":
         # plain attention only (the modifiers' variants are compiled once, without it)
         flags["fuse_dq"] = not (shape.variant.features - {"causal"}) and fuse_dq_wanted(

@@ -191,6 +191,8 @@ class BackwardPlan:
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, deterministic, mods)
         self.choice = _families.choose("bwd", shape, dev)
+        if _families.block_mask_bwd_spilled(self.choice, shape, prob.device_id):   # bwd_sm80 then
+            self.choice = _families.choose("bwd", shape, dev)
         if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
             self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         lse_contiguous = lse.flags.c_contiguous

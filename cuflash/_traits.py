@@ -390,14 +390,18 @@ BWD_SM90_MODIFIERS = {
 }
 #: ... and the sets a bucket adds for Variants without causal (the bias at d = 128)
 BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}
-#: ... and with a block mask (session 8), at d = 128 a mask_mod alone (with causal), OPT-IN
-#: (``CUFLASH_BWD90_BLOCK_MASK=1``, read at plan time): bwd_sm80 on a Hopper runs mma.sync where
-#: bwd_sm90 runs wgmma, and a block mask's backward is the suite's fwd+bwd gap to
-#: FlexAttention, but the mods suite's own window, document and prefix mask_mods spill 4-40
-#: bytes at 255 registers there (sm_90a, the dispatcher's build for B x H = 64, L = 4096,
-#: non-deterministic; the testing kit's heavier ones 8-60), and 0 spills is the rule until a
-#: GPU run says the spilling build still beats bwd_sm80's (0 spills). At d = 64 the mask_mod is
-#: in the per-element set above (215-219 registers, 0 spills).
+#: ... and with a block mask (session 8), at d = 128 a mask_mod alone (with causal): bwd_sm80 on a
+#: Hopper runs mma.sync where bwd_sm90 runs wgmma, and a block mask's backward was the suite's
+#: fwd+bwd gap to FlexAttention (0.60-0.72x at d = 128, session 9). Session 10: the mask_mod's
+#: mask is kept as bits on the plain path (bwd_sm90.cu kMaskBits; the per-element path spilled
+#: 8-80 bytes at 255 registers), and the suite's window, document and prefix mask_mods and the
+#: testing kit's compile at 254-255 registers with 0 spills, causal or not (sm_90a, bf16), but
+#: the kit's documents (a division by 7: 8-20 bytes) -- a build that uses local memory on the
+#: GPU goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). ``CUFLASH_BWD90_BLOCK_MASK=0``
+#: (read at plan time) restores bwd_sm80. At d = 64 the mask_mod is in the per-element set above;
+#: with a block mask it keeps the table's 128-row tiles and takes the bits too (64 of them;
+#: ``_variant.modifier_tiles``, 254-255 registers, 0 spills for the suite's and the kit's;
+#: ``CUFLASH_BWD90_BMASK_ROWS=64``: session 9's 64-row per-element path, 215-219 registers).
 BWD_SM90_BLOCK_MASK = {128: frozenset({"mask_mod"})}
 
 # ---------------------------------------------------------------------------------------------

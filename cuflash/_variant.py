@@ -304,6 +304,31 @@ def _bmask_keep_blocks() -> bool:
     return value != "1"
 
 
+def bwd90_block_mask() -> bool:
+    """``CUFLASH_BWD90_BLOCK_MASK`` (read at plan time): "1" (the default since session 10) runs
+    a block mask's mask_mod at d = 128 on bwd_sm90 (``_traits.BWD_SM90_BLOCK_MASK``), "0" on
+    bwd_sm80 as before, for an A/B in one process."""
+    import os
+    value = os.environ.get("CUFLASH_BWD90_BLOCK_MASK", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BWD90_BLOCK_MASK={value!r}: expected 0 or 1")
+    return value != "0"
+
+
+def _bwd90_bmask_rows(variant: Variant) -> bool:
+    """``CUFLASH_BWD90_BMASK_ROWS`` (read at plan time; session 10): "128" (the default) lets
+    bwd_sm90 keep its table's 128-row query tiles at d = 64 for a block mask's mask_mod alone,
+    which then takes the plain path with its mask as 64 bits (bwd_sm90.cu kMaskBits); "64"
+    gives it the per-element path's 64-row tiles as in session 9, for an A/B in one process. A
+    build that uses local memory goes back to 64 rows (``_families.block_mask_bwd_spilled``)."""
+    import os
+    value = os.environ.get("CUFLASH_BWD90_BMASK_ROWS", "").strip()
+    if value not in ("", "64", "128"):
+        raise ValueError(f"CUFLASH_BWD90_BMASK_ROWS={value!r}: expected 64 or 128")
+    return (value != "64" and variant.block_mask
+            and variant.features <= frozenset({"causal", "mask_mod"}))
+
+
 def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     """The traits a family's table gives plain attention, adjusted for a Variant whose
     per-element score code needs registers (``score_path``): one block an SM (255 registers a
@@ -313,7 +338,8 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     mask's mask_mod with them: ``FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK``); a ``heavy`` one
     32-key tiles (fwd_sm80, fwd_sm90);
     bwd_sm80 query chunks of at most 32 rows; bwd_sm90 query tiles of 64 rows where the
-    per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone). The table's choices spill with them (the compile
+    per-element code runs (S^T and dP^T of 128 rows with it spill; not for a sink alone, nor
+    for a block mask's mask_mod alone, whose mask then goes as bits: ``_bwd90_bmask_rows``). The table's choices spill with them (the compile
     table of docs/modifiers.md). Appends the reason to ``why``."""
     if not variant.score_path:
         return t
@@ -340,7 +366,7 @@ def modifier_tiles(family: str, t, variant: Variant, why: list[str]):
     # plain path)
     if family == "bwd_sm90" and t.block_m > 64 and (
             variant.softcap or variant.bias or variant.mask or variant.score_mod
-            or variant.mask_mod):
+            or variant.mask_mod) and not _bwd90_bmask_rows(variant):
         named["block_m"] = 64
     if family not in ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90") or not named:
         return t

@@ -10,8 +10,9 @@ runs in its own process (two cuflash packages cannot share one); each times, at 
 the mods suite's shapes (B = 16384 / L, H = 16) and its three block masks (window 1024,
 8 documents, prefix-LM; ``cuflash.block_mask`` of 128 x 128, ``causal`` as the suite passes
 it), forward and fwd+bwd (``attention_vjp`` + pullback), CUDA-event medians. The new tree also
-times fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=1`` (the backward on bwd_sm90, opt-in at d = 128
-because its builds spill 4-40 bytes there: does it still beat bwd_sm80?), and FlexAttention (torch.compile'd, as suite_mods does)
+times fwd+bwd with ``CUFLASH_BWD90_BLOCK_MASK=1`` (the backward on bwd_sm90: opt-in at d = 128
+in sessions 8-9, the default since session 10; bench/probes/bmask_bwd128.py compares it with
+bwd_sm80 in one process), and FlexAttention (torch.compile'd, as suite_mods does)
 unless --no-flex. TFLOP/s on visible pairs (suite_mods.visible_pairs). Prints one line per
 point and writes ``{"meta", "rows"}`` to --json. The kernels are compiled on first use (NVRTC
 cache on disk): a second run is the timed one if the first ran past 90 s.

@@ -10,8 +10,10 @@ L = 4096, bf16; causal and not; deterministic and not for the backwards), compil
 build with NVRTC for the family's arch (sm_90a for the sm90 families, sm_80 for the sm80 ones)
 and prints registers, spill bytes and a fingerprint of the machine code
 (tools/sass_identity.py's), e.g. to check that a refactor leaves these builds unchanged.
-Session 8: bwd_sm90 at d = 128 spilled 4-40 bytes in all six, so that path became opt-in
-(``CUFLASH_BWD90_BLOCK_MASK=1``); at d = 64, 0.
+Session 8: bwd_sm90 at d = 128 spilled 4-40 bytes in all six, so that path became opt-in; at
+d = 64, 0. Session 10: with the mask as bits (bwd_sm90.cu kMaskBits) 0 in all six, and the
+default (``CUFLASH_BWD90_BLOCK_MASK=0`` shows bwd_sm80's builds instead). ``--kit``: the testing
+kit's mask_mods (cuflash._testing_modifiers.MASK_MODS) instead of the suite's.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--families", default="bwd_sm90,bwd_sm80,fwd_sm90,fwd_sm80")
+    ap.add_argument("--kit", action="store_true",
+                    help="the testing kit's mask_mods (cuflash._testing_modifiers.MASK_MODS) "
+                         "instead of the suite's")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import cuflash
@@ -45,8 +50,12 @@ def main(argv=None) -> int:
         fam, dev = _families.FAMILIES[fam_name], _families.PROFILES[profile]
         nvrtc = _jit._nvrtc_for(arch)
         direction = "bwd" if fam_name.startswith("bwd") else "fwd"
-        for name in ("window", "document", "prefix"):
-            mask_mod = suite_mods.mods_for(a.L, 16)[name].mask_mod
+        if a.kit:
+            from cuflash import _testing_modifiers
+            mods = dict(_testing_modifiers.MASK_MODS)
+        else:
+            mods = {n: suite_mods.mods_for(a.L, 16)[n].mask_mod for n in ("window", "document", "prefix")}
+        for name, mask_mod in mods.items():
             tr = _trace.trace_mask_mod(mask_mod)
             # the keys its query blocks visit (session 10: fwd_sm90's blocks an SM and schedule)
             keys = cuflash.block_mask(mask_mod, (1, 1), a.L, a.L).mean_row_keys()
@@ -70,10 +79,12 @@ def main(argv=None) -> int:
                     res = _jit._parse_ptxas(log, fn)
                     fp = sass_identity.fingerprint((_jit.sass_sections(cubin) or {}).get(fn, ""), fn)
                     out[key] = dict(fp, registers=res.get("registers"),
-                                    spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0))
+                                    spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0),
+                                    stack=res.get("stack", 0))
                     print(f"{key} {choice.expr.split(', cuflash::Variant')[0].split('<')[1]}"
                           f"{' persist' if choice.expr.endswith(', 1>') else ''}: {res.get('registers')} registers, "
-                          f"{out[key]['spill_bytes']} spill bytes, sha {fp.get('sha', '')[:12]}",
+                          f"{out[key]['spill_bytes']} spill bytes, {out[key]['stack']} stack, "
+                          f"sha {fp.get('sha', '')[:12]}",
                           flush=True)
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
