@@ -103,12 +103,15 @@ def test_the_switch_back_to_bwd_sm80(monkeypatch):
 
 def test_a_mask_mod_that_spills_goes_back_to_bwd_sm80():
     """The testing kit's documents (// 7: its bwd_sm90 build spills 8-20 bytes at 255
-    registers, session 10): the dispatcher's build after the plan's check uses no local memory
-    (bwd_sm80, or bwd_sm90 where this GPU's compile does not spill), and the call is right."""
+    registers, session 10): after the plan's check the dispatcher's build is bwd_sm80, or
+    bwd_sm90 where this GPU's compile of it uses no local memory, and the call is right.
+    (bwd_sm80's build of this mask_mod itself used 8 bytes of local memory on the H200's NVRTC
+    13 in session 10, as it did when it was session 9's default: the fallback is the old path,
+    not a spill-free one.)"""
     from cuflash import _api
     _api.clear_plans()
     choice, local = _choice(_documents(7), True)
-    assert local == 0, choice.expr
+    assert choice.family.name == "bwd_sm80" or local == 0, (choice.expr, local)
     _check(_documents(7), True, seed=3)
 
 

@@ -76,6 +76,15 @@ def check_case(case, out_layout="c"):
     mask={"shape": (1, 1, 1, 128), "expanded": (), "layout": "reversed", "keep": 0.5},
     score_mod="tanh_cap", mask_mod="dilated", block_mask={"mask_mod": "dilated", "block": (1, 7)}),
     "c").via("session 9's campaign: lse off by ex2_poly's degree-3 fit (test_testing.CAMPAIGN_FAILURES)")
+@example(AttentionCase.make(
+    "float16", (11, 6), (13, 6), (13, 6), seed=22952, layouts=("f", "c", "c", "transposed"),
+    expanded=((), (), ()), logit_scale=0.01, value_scale=1.0, scale=0.2582673330146801,
+    causal=True, softcap=50.0, sink={"shape": (), "expanded": (), "scale": 1.0, "dtype": "float16"},
+    bias={"shape": (11, 13), "expanded": (), "layout": "c", "scale": 0.1, "hide": 0.5,
+          "dtype": "float16"},
+    mask={"shape": (1, 13), "expanded": (), "layout": "f", "keep": 0.1},
+    mask_mod="per_head", block_mask={"mask_mod": "per_head", "block": (7, 7)}),
+    "c").via("session 10's campaign: the float16 softcap's cancellation at small scores (test_testing.CAMPAIGN_FAILURES)")
 def test_matches_reference(case, out_layout):
     import cupy
     target(check_case(case.with_xp(cupy), out_layout))

@@ -1070,6 +1070,19 @@ CAMPAIGN_FAILURES = [
                  mask={"shape": (1, 1, 1, 128), "expanded": (), "layout": "reversed", "keep": 0.5},
                  score_mod="tanh_cap", mask_mod="dilated",
                  block_mask={"mask_mod": "dilated", "block": (1, 7)})),
+    # session 10 (seed 202, example 211; float16, d 6): lse 3.4e-6 off in the one row that sees
+    # keys, bound 1.1e-6, on main and on 9b6d075 alike. The float16 softcap build computes c
+    # tanh(y) as c - 2c / (e^{2y} + 1), whose absolute error ~3.5e-7 c (c = 50) is a large one
+    # for logits ~0.01; now the odd series of tanh below |y| = 1/4 (variant.cuh softcap_of).
+    # An @example of test_gpu_forward's test_matches_reference too.
+    dict(args=("float16", (11, 6), (13, 6), (13, 6)),
+         kw=dict(seed=22952, layouts=("f", "c", "c", "transposed"), expanded=((), (), ()),
+                 logit_scale=0.01, value_scale=1.0, scale=0.2582673330146801, causal=True,
+                 softcap=50.0, sink={"shape": (), "expanded": (), "scale": 1.0, "dtype": "float16"},
+                 bias={"shape": (11, 13), "expanded": (), "layout": "c", "scale": 0.1,
+                       "hide": 0.5, "dtype": "float16"},
+                 mask={"shape": (1, 13), "expanded": (), "layout": "f", "keep": 0.1},
+                 mask_mod="per_head", block_mask={"mask_mod": "per_head", "block": (7, 7)})),
 ]
 
 
