@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Callable, Iterable
 
 import ml_dtypes
@@ -26,7 +25,10 @@ from . import _traits
 from ._traits import Traits
 from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
                        modifier_tiles)
+from . import _spills  # (and below, names other modules take from here)
 from ._fwd_schedule import bmask_long_keys, fwd_sm90_grid, persist_wanted  # noqa: F401
+from ._overrides import fuse_dq_finish, fuse_dq_wanted, tile_override  # noqa: F401
+from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
 ALL_DTYPES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -174,36 +176,11 @@ class Choice:
         return dict(self.flags)
 
 
-# ---------------------------------------------------------------------------------------------
-# Environment overrides (tuning runs and A/B comparisons; read per plan, plans are cached)
-# ---------------------------------------------------------------------------------------------
-
+# Environment overrides (tuning runs, A/B comparisons; read per plan): the rest in _overrides
 #: CUFLASH_FWD / CUFLASH_BWD: the family to start the search from ("auto": the best that
 #: applies). ``CUFLASH_FWD=sm80`` keeps Hopper on the mma.sync kernel, ``CUFLASH_BWD=simt``
 #: forces the generic backward; a family that cannot run the problem falls through to the next.
 _FAMILY_ENV = {"fwd": "CUFLASH_FWD", "bwd": "CUFLASH_BWD"}
-
-
-def fuse_dq_wanted(blocks: int, dev: "DeviceInfo") -> bool:
-    """bwd_sm90's ``fuse_dq`` flag: compile in the rounding of dQ by the main kernel
-    (bwd_io::finish_dq_at_end), which spares the call bwd_finish_dq's launch, where the whole
-    backward is one wave of ``blocks`` (at most one a SM): there the GPU work is short and the
-    host's launches are what a call costs. Above, the kernel without it runs: the fence that the
-    fused rounding needs makes ptxas track the completion of every dQ atomic of the main loop
-    (ATOMG instead of REDG), a cost the separate launch does not have. ``CUFLASH_FUSE_DQ``:
-    ``0`` never, ``1`` (tests, A/B runs) always, unset: by the rule."""
-    value = os.environ.get("CUFLASH_FUSE_DQ", "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"CUFLASH_FUSE_DQ={value!r}: expected 0 or 1")
-    return blocks <= dev.num_sms if value == "" else value == "1"
-
-
-def fuse_dq_finish(choice: "Choice", dq_direct: bool, launches: int) -> bool:
-    """Whether a backward plan drops bwd_finish_dq's launch: its kernel was compiled with the
-    rounding (the ``fuse_dq`` flag), dq is the result itself (no broadcast dimension to sum
-    over) and one launch covers the batch (the counters are per batch item of a launch). A
-    kernel with the flag and a plan that cannot use it still runs right (with the launch)."""
-    return bool(choice.flag.get("fuse_dq")) and dq_direct and launches == 1
 
 
 def family_override(kind: str) -> str:
@@ -215,20 +192,6 @@ def family_override(kind: str) -> str:
     if value not in allowed:
         raise ValueError(f"{var}={value!r}: expected one of {allowed}")
     return value
-
-
-def tile_override(family: str, bucket: int) -> tuple[int, ...] | None:
-    """``CUFLASH_TILES="fwd_sm80:64=32:8:1:2;bwd_sm90:128=64:2:1"``: replace the table entry
-    of (family, head-dim bucket) by these values of its tile arguments after ``head_dim``, in
-    template order. For tuning runs; the compile gate checks the tables, not these."""
-    spec = os.environ.get("CUFLASH_TILES", "")
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        m = re.fullmatch(r"(\w+):(\d+)=([\d:]+)", item)
-        if not m:
-            raise ValueError(f"CUFLASH_TILES entry {item!r}: expected family:bucket=a:b:...")
-        if m.group(1) == family and int(m.group(2)) == bucket:
-            return tuple(int(x) for x in m.group(3).split(":"))
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,90 +219,27 @@ def _fwd_sm90_select(fam, shape, dev):
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")
     if (t.min_blocks > 1 and shape.variant.block_mask and shape.variant.score_path
             and 0 < bmask_long_keys() <= shape.bmask_keys
-            and (shape.variant, even) not in _LONG_LISTS_TWO_BLOCKS):
+            and (shape.variant, even) not in _spills.LONG_LISTS_TWO_BLOCKS):
         # (the 2 blocks an SM kept for short lists: prefix-LM at 4k, 34.75 key tiles a block,
         # ran 4% slower so than at min_blocks 1, whose build has the same 128 registers)
         t = t.replace(min_blocks=1)
         why.append(f"min_blocks=1: the block mask's lists are long ({shape.bmask_keys} keys a "
                    f"query block on average, >= {bmask_long_keys()}: CUFLASH_FWD90_BMASK_LONG)")
     if t.min_blocks > 1 and shape.variant.score_path and (
-            not even or (shape.variant, even) in _KEPT_BLOCKS_SPILLED):
+            not even or (shape.variant, even) in _spills.KEPT_BLOCKS_SPILLED):
         # (a block mask's kept blocks an SM, _traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK: the
         # predicated build of the suite's causal window and prefix spills 24 bytes at 128
         # registers, and a build the GPU found using local memory goes back to one block)
         t = t.replace(min_blocks=1)
         why.append("min_blocks=1: " + ("the predicated build spills at 2 blocks an SM" if not even
                                        else "this mask_mod's build at 2 blocks an SM used local memory"))
-    if even and persist_wanted(shape, t, dev) and (shape.variant, even) not in _KEPT_BLOCKS_SPILLED:
+    if even and persist_wanted(shape, t, dev) and (shape.variant, even) not in _spills.KEPT_BLOCKS_SPILLED:
         # (the predicated causal window spills 4 bytes)
         t = t.replace(persist=1)
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
                    "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
     return t, {"even": even}, why
-
-
-#: (Variant, EVEN) of fwd_sm90 block-mask builds whose min_blocks 1 build (the long-list rule,
-#: ``bmask_long_keys``) took more than 128 registers on the GPU, so would run 1 block an SM
-#: instead of 2: they keep the 2-block build (``kept_blocks_spilled``)
-_LONG_LISTS_TWO_BLOCKS: set = set()
-
-#: (Variant, EVEN) of fwd_sm90 builds that kept 2 blocks an SM for a block mask and, compiled
-#: on the GPU, used local memory (a heavier user mask_mod: spills at the 128-register cap); the
-#: dispatcher gives them min_blocks 1 from then on (``kept_blocks_spilled``)
-_KEPT_BLOCKS_SPILLED: set = set()
-
-
-def kept_blocks_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
-    """Whether ``choice`` is a fwd_sm90 build that kept the table's blocks an SM for a block
-    mask's mask_mod (``_traits.FWD_SM90_MIN_BLOCKS_BLOCK_MASK``) and its kernel, compiled now
-    for ``device_id`` (memoised: the plan's own compile reuses it), uses local memory; then it
-    is recorded, and ``choose`` run again picks min_blocks 1 (0 spills: the suite's mask_mods
-    and most of the testing kit's compile without; a mask_mod dividing by a constant that is not
-    a power of two spilled 16-32 bytes, session 9). The same for a persistent build (``persist``,
-    session 10: a block mask with short lists at min_blocks 1), which ``choose`` then gives up;
-    and a build of the long-list rule (min_blocks 1 for lists of >= ``bmask_long_keys()`` keys)
-    whose registers leave room for 1 block an SM only is recorded, and ``choose`` keeps 2."""
-    t, v = choice.traits, shape.variant
-    if choice.family.name != "fwd_sm90" or not (v.block_mask and v.score_path):
-        return False
-    from . import _jit
-    if any("CUFLASH_FWD90_BMASK_LONG" in r for r in choice.reasons):
-        # the long-list rule's min_blocks 1 build: it paid where it kept 2 blocks an SM (<= 128
-        # registers for 256 threads, as prefix-LM's does); one that takes more goes back to
-        # the 2-block build (the suite's prefix with causal=True: 130 registers)
-        kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
-        if kernel.num_regs * t.threads * 2 > 65536:
-            _LONG_LISTS_TWO_BLOCKS.add((v, bool(choice.flag.get("even"))))
-            return True
-    if not (t.min_blocks >= 2 or t["persist"]):
-        return False
-    kernel = _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude)
-    if not kernel.local_size_bytes:
-        return False
-    _KEPT_BLOCKS_SPILLED.add((v, bool(choice.flag.get("even"))))
-    return True
-
-
-#: Variants whose bwd_sm90 build with the mask as bits (a block mask's mask_mod: d = 128, or
-#: d = 64 in 128-row tiles) used local memory on the GPU (``block_mask_bwd_spilled``)
-_BWD90_BLOCK_MASK_SPILLED: set = set()
-
-
-def block_mask_bwd_spilled(choice: "Choice", shape: Shape, device_id: int) -> bool:
-    """Whether ``choice`` is such a bwd_sm90 build and its kernel, compiled now for
-    ``device_id`` (memoised: the plan's compile reuses it), uses local memory (a mask_mod
-    heavier than the suite's; session 10); then it is recorded, and ``choose`` run again picks
-    bwd_sm80 at d = 128, the per-element path's 64-row tiles at d = 64."""
-    v, t = shape.variant, choice.traits
-    if (choice.family.name != "bwd_sm90" or not v.block_mask or not v.mask_mod
-            or (t.head_dim not in _traits.BWD_SM90_BLOCK_MASK and t.block_m != 128)):
-        return False
-    from . import _jit
-    if not _jit.get_kernel(choice.family.source, choice.expr, device_id, v.prelude).local_size_bytes:
-        return False
-    _BWD90_BLOCK_MASK_SPILLED.add(v)
-    return True
 
 
 def _fwd_sm90_instances(fam, arch):
@@ -405,7 +305,7 @@ def _bwd_tc_select(fam, shape, dev):
         if not shape.variant.causal:
             sets = sets + _traits.BWD_SM90_MODIFIERS_NONCAUSAL[bucket]
         if (shape.variant.block_mask and bucket in _traits.BWD_SM90_BLOCK_MASK
-                and bwd90_block_mask() and shape.variant not in _BWD90_BLOCK_MASK_SPILLED):
+                and bwd90_block_mask() and shape.variant not in _spills.BWD90_BLOCK_MASK_SPILLED):
             bits = not any(feats <= s for s in sets)
             sets = sets + (_traits.BWD_SM90_BLOCK_MASK[bucket],)
         if not any(feats <= s for s in sets):
@@ -421,7 +321,7 @@ def _bwd_tc_select(fam, shape, dev):
     why = [f"head-dim bucket {bucket}: {t.reason}"]
     t = modifier_tiles(fam.name, t, shape.variant, why)
     if fam.name == "bwd_sm90" and t.block_m == 128 and shape.variant.mask_mod:
-        bits = shape.variant not in _BWD90_BLOCK_MASK_SPILLED     # (d = 64: 64 bits)
+        bits = shape.variant not in _spills.BWD90_BLOCK_MASK_SPILLED     # (d = 64: 64 bits)
         if not bits:
             t = t.replace(block_m=64)
             why.append("block_m=64: the 128-row build of this mask_mod used local memory")

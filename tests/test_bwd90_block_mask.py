@@ -63,7 +63,8 @@ def test_a_build_that_uses_local_memory_goes_back_to_bwd_sm80(monkeypatch):
         local_size_bytes = 0
 
     monkeypatch.setattr(_jit, "get_kernel", lambda *a: kernels.append(a) or Kernel)
-    monkeypatch.setattr(_families, "_BWD90_BLOCK_MASK_SPILLED", set())
+    from cuflash import _spills
+    monkeypatch.setattr(_spills, "BWD90_BLOCK_MASK_SPILLED", set())
     shape = _shape(_documents(7))
     c = _families.choose("bwd", shape, H200)
     assert c.family.name == "bwd_sm90"
@@ -105,7 +106,8 @@ def test_d64_keeps_128_row_tiles_and_goes_back_when_it_spills(monkeypatch):
         local_size_bytes = 8
 
     monkeypatch.setattr(_jit, "get_kernel", lambda *a: Kernel)
-    monkeypatch.setattr(_families, "_BWD90_BLOCK_MASK_SPILLED", set())
+    from cuflash import _spills
+    monkeypatch.setattr(_spills, "BWD90_BLOCK_MASK_SPILLED", set())
     assert _families.block_mask_bwd_spilled(c, shape, 0)
     again = _families.choose("bwd", shape, H200)
     assert again.family.name == "bwd_sm90" and again.traits.block_m == 64

@@ -443,7 +443,8 @@ def test_fwd_sm90_block_mask_persistent_where_registers_allow(monkeypatch):
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
     assert traits()["persist"] == 0                  # the default
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "auto")
-    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", {(v, True)})
+    from cuflash import _spills
+    monkeypatch.setattr(_spills, "KEPT_BLOCKS_SPILLED", {(v, True)})
     assert traits()["persist"] == 0
 
 
@@ -463,7 +464,8 @@ def test_long_list_rule_keeps_two_blocks_where_its_build_is_heavier(monkeypatch)
         local_size_bytes, num_regs = 0, 128
 
     monkeypatch.setattr(_jit, "get_kernel", lambda *a: Kernel)
-    monkeypatch.setattr(_families, "_LONG_LISTS_TWO_BLOCKS", set())
+    from cuflash import _spills
+    monkeypatch.setattr(_spills, "LONG_LISTS_TWO_BLOCKS", set())
     c = _families.choose("fwd", shape, H200)
     assert c.traits.min_blocks == 1 and not _families.kept_blocks_spilled(c, shape, 0)
     Kernel.num_regs = 130

@@ -327,7 +327,8 @@ def test_fwd_sm90_keeps_two_blocks_an_sm_for_a_block_mask_at_d64(monkeypatch):
         local_size_bytes = 0
 
     monkeypatch.setattr(_jit, "get_kernel", lambda *a: kernels.append(a) or Kernel)
-    monkeypatch.setattr(_families, "_KEPT_BLOCKS_SPILLED", set())
+    from cuflash import _spills
+    monkeypatch.setattr(_spills, "KEPT_BLOCKS_SPILLED", set())
     assert not _families.kept_blocks_spilled(c, shape, 0) and kernels[-1][1] == c.expr
     Kernel.local_size_bytes = 16
     assert _families.kept_blocks_spilled(c, shape, 0)

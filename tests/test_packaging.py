@@ -231,3 +231,13 @@ def test_readme_cupy_example_runs_on_the_gpu():
                                      causal=True)
     assert_attention_close(o[head], case, lse=lse[head],
                            grads=tuple(g[head] for g in (dq, dk, dv)))
+
+
+def test_no_package_module_exceeds_500_lines():
+    """Issue 9's rule: the package holds what users call, in modules a reader can hold (<= 500
+    lines); a module that grows past it is split where its parts meet (session 10 split
+    _families into _spills and _overrides, _plan into _plan_cache)."""
+    package = Path(__file__).resolve().parents[1] / "cuflash"
+    long = {p.name: n for p in sorted(package.glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"

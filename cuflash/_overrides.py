@@ -1,0 +1,49 @@
+"""Environment overrides of the dispatcher's flags, for tuning runs and A/B comparisons (read per
+plan; plans are cached): ``CUFLASH_FUSE_DQ`` and ``CUFLASH_TILES``. ``CUFLASH_FWD`` /
+``CUFLASH_BWD`` (the family to start from) live beside the registry: ``_families.family_override``."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._devices import DeviceInfo
+    from ._families import Choice
+
+
+def fuse_dq_wanted(blocks: int, dev: "DeviceInfo") -> bool:
+    """bwd_sm90's ``fuse_dq`` flag: compile in the rounding of dQ by the main kernel
+    (bwd_io::finish_dq_at_end), which spares the call bwd_finish_dq's launch, where the whole
+    backward is one wave of ``blocks`` (at most one a SM): there the GPU work is short and the
+    host's launches are what a call costs. Above, the kernel without it runs: the fence that the
+    fused rounding needs makes ptxas track the completion of every dQ atomic of the main loop
+    (ATOMG instead of REDG), a cost the separate launch does not have. ``CUFLASH_FUSE_DQ``:
+    ``0`` never, ``1`` (tests, A/B runs) always, unset: by the rule."""
+    value = os.environ.get("CUFLASH_FUSE_DQ", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_FUSE_DQ={value!r}: expected 0 or 1")
+    return blocks <= dev.num_sms if value == "" else value == "1"
+
+
+def fuse_dq_finish(choice: "Choice", dq_direct: bool, launches: int) -> bool:
+    """Whether a backward plan drops bwd_finish_dq's launch: its kernel was compiled with the
+    rounding (the ``fuse_dq`` flag), dq is the result itself (no broadcast dimension to sum
+    over) and one launch covers the batch (the counters are per batch item of a launch). A
+    kernel with the flag and a plan that cannot use it still runs right (with the launch)."""
+    return bool(choice.flag.get("fuse_dq")) and dq_direct and launches == 1
+
+
+def tile_override(family: str, bucket: int) -> tuple[int, ...] | None:
+    """``CUFLASH_TILES="fwd_sm80:64=32:8:1:2;bwd_sm90:128=64:2:1"``: replace the table entry
+    of (family, head-dim bucket) by these values of its tile arguments after ``head_dim``, in
+    template order. For tuning runs; the compile gate checks the tables, not these."""
+    spec = os.environ.get("CUFLASH_TILES", "")
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        m = re.fullmatch(r"(\w+):(\d+)=([\d:]+)", item)
+        if not m:
+            raise ValueError(f"CUFLASH_TILES entry {item!r}: expected family:bucket=a:b:...")
+        if m.group(1) == family and int(m.group(2)) == bucket:
+            return tuple(int(x) for x in m.group(3).split(":"))
+    return None
