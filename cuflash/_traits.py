@@ -397,7 +397,7 @@ BWD_SM90_MODIFIERS_NONCAUSAL = {64: (), 128: (frozenset({"bias", "sink"}),)}
 #: 8-80 bytes at 255 registers), and the suite's window, document and prefix mask_mods and the
 #: testing kit's compile at 254-255 registers with 0 spills, causal or not (sm_90a, bf16), but
 #: the kit's documents (a division by 7: 8-20 bytes) -- a build that uses local memory on the
-#: GPU goes back to bwd_sm80 (``_families.block_mask_bwd_spilled``). ``CUFLASH_BWD90_BLOCK_MASK=0``
+#: GPU goes back to bwd_sm80 (``_spills.block_mask_bwd_spilled``). ``CUFLASH_BWD90_BLOCK_MASK=0``
 #: (read at plan time) restores bwd_sm80. At d = 64 the mask_mod is in the per-element set above;
 #: with a block mask it keeps the table's 128-row tiles and takes the bits too (64 of them;
 #: ``_variant.modifier_tiles``, 254-255 registers, 0 spills for the suite's and the kit's;

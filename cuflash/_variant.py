@@ -320,7 +320,7 @@ def _bwd90_bmask_rows(variant: Variant) -> bool:
     bwd_sm90 keep its table's 128-row query tiles at d = 64 for a block mask's mask_mod alone,
     which then takes the plain path with its mask as 64 bits (bwd_sm90.cu kMaskBits); "64"
     gives it the per-element path's 64-row tiles as in session 9, for an A/B in one process. A
-    build that uses local memory goes back to 64 rows (``_families.block_mask_bwd_spilled``)."""
+    build that uses local memory goes back to 64 rows (``_spills.block_mask_bwd_spilled``)."""
     import os
     value = os.environ.get("CUFLASH_BWD90_BMASK_ROWS", "").strip()
     if value not in ("", "64", "128"):
