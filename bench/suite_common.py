@@ -56,3 +56,39 @@ def compile_flex(torch):
         if hasattr(cfg, name):
             setattr(cfg, name, 4096)
     return torch.compile(flex_attention)
+
+
+def bf16_zeros(shape):
+    """A CuPy bfloat16 array of zeros: the probes' compile warm-ups (never timed)."""
+    import cupy
+    import ml_dtypes
+    import numpy
+    return cupy.asarray(numpy.zeros(shape, ml_dtypes.bfloat16))
+
+
+def _warm_report(what: str, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception as exc:     # the timed run reports it
+        print(f"# warm-up ({what}): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
+def warm_arms(arms, envs: dict, jobs: list, flex_warm: Callable[[], object] | None = None,
+              workers: int = 16) -> None:
+    """Compile every arm's kernels before timing: each arm's ``jobs`` (zero-argument calls, one
+    a point, on the timed shapes) in ``workers`` threads under its environment ``envs[arm]``
+    (NVRTC runs outside the GIL; the switches are process-wide, so the arms one after the
+    other), and ``flex_warm`` (FlexAttention's torch.compile) in this thread while the first
+    arm's kernels compile. A failure is printed; the timed run reports it."""
+    from concurrent.futures import ThreadPoolExecutor
+    import cupy
+    import bench_attention
+    for i, arm in enumerate(arms):
+        with bench_attention.env(**envs[arm]):
+            with ThreadPoolExecutor(workers) as pool:
+                futures = [pool.submit(job) for job in jobs]
+                if i == 0 and flex_warm is not None:
+                    _warm_report("flex", flex_warm)
+                for f in futures:
+                    _warm_report(arm, f.result)
+        cupy.cuda.Device().synchronize()

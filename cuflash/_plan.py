@@ -70,6 +70,16 @@ def _stream() -> int:
 _DQ_WORD = _launch.PARAMS.fields["dq"][1] // 8
 
 
+def _checked_choice(kind: str, shape, dev, device_id: int):
+    """The dispatcher's choice, checked once per plan against its compile on this GPU
+    (``_spills``): a build that uses local memory (or, fwd_sm90's long-list rule, leaves room
+    for fewer blocks an SM than it was chosen for) is recorded, and ``choose`` run again picks
+    its fallback (fwd_sm90: the other blocks an SM; bwd_sm90's block mask: bwd_sm80 or 64 rows)."""
+    check = _families.kept_blocks_spilled if kind == "fwd" else _families.block_mask_bwd_spilled
+    choice = _families.choose(kind, shape, dev)
+    return _families.choose(kind, shape, dev) if check(choice, shape, device_id) else choice
+
+
 def _run(launch: Launch, offsets, stream: int, bases: list[int]) -> None:
     """Launch once per outer batch index: the base pointers plus that launch's offsets."""
     if len(offsets) == 1 and not any(offsets[0]):
@@ -96,9 +106,7 @@ class ForwardPlan:
         self.device_id = prob.device_id
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, mods=mods)
-        self.choice = _families.choose("fwd", shape, dev)
-        if _families.kept_blocks_spilled(self.choice, shape, prob.device_id):   # 1 block an SM then
-            self.choice = _families.choose("fwd", shape, dev)
+        self.choice = _checked_choice("fwd", shape, dev, prob.device_id)
         if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
             self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         fam, t = self.choice.family, self.choice.traits
@@ -189,9 +197,7 @@ class BackwardPlan:
         self.prob = Dims.of(prob)
         self.mods = ModifierPatch(prob, mods) if mods is not None and mods.features else None
         shape = Shape.of(prob, deterministic, mods)
-        self.choice = _families.choose("bwd", shape, dev)
-        if _families.block_mask_bwd_spilled(self.choice, shape, prob.device_id):   # bwd_sm80 then
-            self.choice = _families.choose("bwd", shape, dev)
+        self.choice = _checked_choice("bwd", shape, dev, prob.device_id)
         if self.mods is not None and self.mods.block_mask:   # its lists for these tiles
             self.mods.set_tiles(self.choice.family.name, self.choice.traits)
         lse_contiguous = lse.flags.c_contiguous

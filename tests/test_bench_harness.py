@@ -533,3 +533,31 @@ def test_host_overhead_cpu_state_and_python_reference(tmp_path):
     assert ho.cpu_state(str(tmp_path / "missing")) == {"cpu_model": None, "cpu_mhz_mean": None}
     call = ho.python_reference()
     assert call() == call() == 4 << 40
+
+
+def test_warm_arms_runs_every_job_under_each_arms_environment_and_reports_failures(monkeypatch,
+                                                                                     capsys):
+    """suite_common.warm_arms (the probes' compile warm-up): every job once per arm, under
+    that arm's environment, FlexAttention's warm-up once beside the first arm, a failure
+    printed rather than raised (the timed run reports it)."""
+    import types
+    sc = _load("suite_common")
+    synced = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(synchronize=lambda: synced.append(1))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    seen, flex = [], []
+
+    def job(n):
+        def run():
+            seen.append((os.environ.get("CUFLASH_TEST_ARM"), n))
+            if n == 2:
+                raise RuntimeError("no build")
+        return run
+    envs = {"old": {"CUFLASH_TEST_ARM": "old"}, "new": {"CUFLASH_TEST_ARM": "new"}}
+    sc.warm_arms(["old", "new"], envs, [job(1), job(2)], lambda: flex.append(1), workers=2)
+    assert sorted(seen) == [("new", 1), ("new", 2), ("old", 1), ("old", 2)]
+    assert flex == [1] and len(synced) == 2 and "CUFLASH_TEST_ARM" not in os.environ
+    out = capsys.readouterr().out
+    assert out.count("warm-up (old): RuntimeError: no build") == 1
+    assert out.count("warm-up (new): RuntimeError: no build") == 1

@@ -351,6 +351,26 @@ def test_modifier_gradients_on_bwd_sm90(bwd_family, name):
     assert bwd_family == ["bwd_sm90.cu" if hopper and not forced else "bwd_sm80.cu"]
 
 
+def _check_softcap_rows(dtype, d, causal, cap, seed):
+    """softcap=cap forward and gradients against the oracle (the kit's rule) on q rows scaled
+    by 300 and 30 (far beyond the cap on both sides), 1 (around it), 1e-2 and 1e-4 (near 0),
+    one kind each 5 rows; Lq 250 > Lk 190 (rows with no key under bottom-right causal). Plans
+    are cleared around it: the callers' switches are read at plan time."""
+    from cuflash import _api
+    _api.clear_plans()
+    rng = numpy.random.default_rng(seed)
+    Lq, Lk = 250, 190
+    row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
+    q = (rng.standard_normal((2, 2, Lq, d)) * row_scale[:, None]).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, Lk, d)).astype(dtype) for _ in range(2))
+    kw = dict(softcap=cap)
+    o, lse = run_gpu(q, k, v, causal, kw)
+    naive.check_result(q, k, v, causal, kw, o, lse)
+    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
+    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
+    _api.clear_plans()
+
+
 @pytest.mark.parametrize("tanh, poly", [("1", "1"), ("1", "0"), ("0", "1")],
                          ids=["tanh.approx+ex2_poly", "tanh.approx", "ex2-rcp"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
@@ -364,21 +384,9 @@ def test_softcap_at_extreme_magnitudes(bwd_family, monkeypatch, tanh, poly, dtyp
     2: tanh saturates to +-1 and its derivative 1 - tanh^2 to 0), around the cap (scale 1)
     and near 0 (scaled by 1e-2 and 1e-4: tanh linear, relative error of tanh.approx at its
     smallest arguments), one row kind each 5 rows, against the oracle with the kit's rule."""
-    from cuflash import _api
     monkeypatch.setenv("CUFLASH_SOFTCAP_TANH", tanh)
     monkeypatch.setenv("CUFLASH_SOFTCAP_POLY", poly)
-    _api.clear_plans()
-    rng = numpy.random.default_rng(11)
-    Lq, Lk = 250, 190
-    row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
-    q = (rng.standard_normal((2, 2, Lq, d)) * row_scale[:, None]).astype(dtype)
-    k, v = (rng.standard_normal((2, 2, Lk, d)).astype(dtype) for _ in range(2))
-    kw = dict(softcap=2.0)
-    o, lse = run_gpu(q, k, v, causal, kw)
-    naive.check_result(q, k, v, causal, kw, o, lse)
-    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
-    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
-    _api.clear_plans()
+    _check_softcap_rows(dtype, d, causal, 2.0, seed=11)
 
 
 @pytest.mark.parametrize("fixed, bwd", [("1", "plain"), ("0", "plain"), ("1", "pairwise")],
@@ -392,21 +400,9 @@ def test_softcap_fixed_offset_and_bwd_plain_path(bwd_family, monkeypatch, fixed,
     (CUFLASH_SOFTCAP_BWD), each against the other build, on rows scaled to reach the cap on
     both sides and to stay near 0, with rows that see no key (Lq > Lk under causal, bottom
     right), forward and gradients against the oracle with the kit's rule."""
-    from cuflash import _api
     monkeypatch.setenv("CUFLASH_SOFTCAP_FIXED", fixed)
     monkeypatch.setenv("CUFLASH_SOFTCAP_BWD", bwd)
-    _api.clear_plans()
-    rng = numpy.random.default_rng(12)
-    Lq, Lk = 250, 190
-    row_scale = numpy.array([300.0, 30.0, 1.0, 1e-2, 1e-4])[numpy.arange(Lq) % 5]
-    q = (rng.standard_normal((2, 2, Lq, d)) * row_scale[:, None]).astype(BF16)
-    k, v = (rng.standard_normal((2, 2, Lk, d)).astype(BF16) for _ in range(2))
-    kw = dict(softcap=cap)
-    o, lse = run_gpu(q, k, v, causal, kw)
-    naive.check_result(q, k, v, causal, kw, o, lse)
-    o, lse, do, grads = run_gpu_backward(q, k, v, causal, kw)
-    naive.check_gradients(grads, q, k, v, o, lse, do, causal, kw)
-    _api.clear_plans()
+    _check_softcap_rows(BF16, d, causal, cap, seed=12)
 
 
 @pytest.mark.parametrize("slopes, causal, window", [

@@ -89,6 +89,19 @@ def test_the_window_plan_is_persistent(monkeypatch):
     assert _families.fwd_sm90_grid(c.traits, 320, dev) == min(320, 2 * dev.num_sms)
 
 
+def _check_block_mask_forward(mm, batch, L, d, causal, seed):
+    """One bfloat16 forward with the block mask of ``mm`` (its map broadcast over ``batch``) on
+    random inputs, against the oracle by the kit's rule; returns the block mask."""
+    import cupy
+    rng = numpy.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(batch + (L, d)).astype(BF16) for _ in range(3))
+    bm = cuflash.block_mask(mm, (1, 1), L, L)
+    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
+                               return_lse=True, block_mask=bm)
+    naive.check_result(q, k, v, causal, {"block_mask": bm}, cupy.asnumpy(o), cupy.asnumpy(lse))
+    return bm
+
+
 @pytest.mark.parametrize("persist", ["0", "auto"])
 @pytest.mark.parametrize("mask", ["documents", "late_rows"])
 @pytest.mark.parametrize("causal", [True, False])
@@ -98,7 +111,6 @@ def test_block_mask_persistent_at_d128(monkeypatch, persist, mask, causal):
     current item's last tile is issued. 64 items x 6 row blocks of 192 > 132 resident blocks.
     ``late_rows``: the first 256 rows see no key (items with an empty list, after which the
     next item loads its own Q and K/V)."""
-    import cupy
     from cuflash import _api
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", persist)
     _api.clear_plans()
@@ -107,12 +119,7 @@ def test_block_mask_persistent_at_d128(monkeypatch, persist, mask, causal):
         mm = lambda b, h, q, kv: ((q // 128) == (kv // 128)) & (q >= kv)   # noqa: E731
     else:
         mm = lambda b, h, q, kv: (q >= 256) & (kv <= q) & (q - kv < 300)   # noqa: E731
-    rng = numpy.random.default_rng(7)
-    q, k, v = (rng.standard_normal((4, 16, L, d)).astype(BF16) for _ in range(3))
-    bm = cuflash.block_mask(mm, (1, 1), L, L)
-    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
-                               return_lse=True, block_mask=bm)
-    naive.check_result(q, k, v, causal, {"block_mask": bm}, cupy.asnumpy(o), cupy.asnumpy(lse))
+    _check_block_mask_forward(mm, (4, 16), L, d, causal, seed=7)
     _api.clear_plans()
 
 
@@ -123,17 +130,11 @@ def test_prefix_long_lists_keep_two_blocks_an_sm(causal):
     dispatcher's build for it leaves room for two blocks of its threads (at 256 threads: <= 128
     registers; causal=True took 130 at min_blocks 1 on NVRTC 13, so it keeps 2) or has
     min_blocks 2, and the call is right."""
-    import cupy
     from cuflash import _families, _jit, _trace, _trace_cuda
     from cuflash._variant import Variant
     L, d = 4096, 64
     mm = lambda b, h, q, kv: (kv < L // 4) | (q >= kv)   # noqa: E731
-    rng = numpy.random.default_rng(3)
-    q, k, v = (rng.standard_normal((1, 2, L, d)).astype(BF16) for _ in range(3))
-    bm = cuflash.block_mask(mm, (1, 1), L, L)
-    o, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=causal,
-                               return_lse=True, block_mask=bm)
-    naive.check_result(q, k, v, causal, {"block_mask": bm}, cupy.asnumpy(o), cupy.asnumpy(lse))
+    bm = _check_block_mask_forward(mm, (1, 2), L, d, causal, seed=3)
     tr = _trace.trace_mask_mod(mm)
     var = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
                   prelude=tr.source)

@@ -82,45 +82,26 @@ def _bwd_family(kw, nbatch, L, d) -> str:
     return f"{c.family.name} B_r={c.traits.block_m}"
 
 
-def _zeros(shape):
-    import cupy
-    import ml_dtypes
-    import numpy
-    return cupy.asarray(numpy.zeros(shape, ml_dtypes.bfloat16))
-
-
 def _warm(points, flex_warm) -> None:
     """Every arm's kernels compiled first, on the timed shapes (zeros), a point a thread (NVRTC
     runs outside the GIL; the switch is process-wide, so the arms one after the other);
     ``flex_warm`` in this thread meanwhile."""
-    from concurrent.futures import ThreadPoolExecutor
+    import functools
     import cupy
     import cuflash
-    import bench_attention
     import suite_mods
+    from suite_common import bf16_zeros, warm_arms
 
     def one(d, L, name, H):
-        q, k, v = (_zeros((max(1, suite_mods.TOKENS // L), H, L, d)) for _ in range(3))
+        q, k, v = (bf16_zeros((max(1, suite_mods.TOKENS // L), H, L, d)) for _ in range(3))
         kw = _spec(name, L, H)[1]
         cuflash.attention_vjp(q, k, v, **kw)[1](cupy.ones_like(q))
 
     for name, L, d in points:              # the block masks (NumPy), before the threads
         _spec(name, L, suite_mods.WIDTH // d)
-    for i, arm in enumerate(("old", "new")):      # (new_tm runs new's kernels)
-        with bench_attention.env(**ARMS[arm]):
-            with ThreadPoolExecutor(8) as pool:
-                futures = [pool.submit(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points]
-                if i == 0 and flex_warm is not None:
-                    try:
-                        flex_warm()
-                    except Exception as exc:     # the timed run reports it
-                        print(f"# warm-up (flex): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                for f in futures:
-                    try:
-                        f.result()
-                    except Exception as exc:     # the timed run reports it
-                        print(f"# warm-up ({arm}): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        cupy.cuda.Device().synchronize()
+    warm_arms(("old", "new"), ARMS,      # (new_tm runs new's kernels)
+              [functools.partial(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points],
+              flex_warm, workers=8)
 
 
 def main(argv=None) -> int:

@@ -98,11 +98,11 @@ def _warm(arms, ds, lengths, masks, modes, flex_warm=None) -> None:
     timed points' shapes (zeros): the grid decides the tiles and each L traces its own
     mask_mod constants. ``flex_warm`` (FlexAttention's torch.compile of every point) runs in
     this thread while the first arm's kernels compile in the others."""
-    from concurrent.futures import ThreadPoolExecutor
+    import functools
     import cupy
     import cuflash
-    import bench_attention
     import suite_mods
+    from suite_common import bf16_zeros as _bf16_zeros, warm_arms
 
     def one(d, L, name, mode):
         H = suite_mods.WIDTH // d      # the timed points' batch: the grid decides the tiles
@@ -113,29 +113,8 @@ def _warm(arms, ds, lengths, masks, modes, flex_warm=None) -> None:
         else:
             cuflash.attention_vjp(q, k, v, **kw)[1](cupy.ones_like(q))
 
-    for i, arm in enumerate(arms):
-        with bench_attention.env(**ARMS[arm]):
-            with ThreadPoolExecutor(16) as pool:
-                futures = [pool.submit(one, d, L, n, m) for d in ds for L in lengths for n in masks
-                           for m in modes]
-                if i == 0 and flex_warm is not None:
-                    try:
-                        flex_warm()
-                    except Exception as exc:     # the timed run reports it
-                        print(f"# warm-up (flex): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                for f in futures:
-                    try:
-                        f.result()
-                    except Exception as exc:     # the timed run reports it
-                        print(f"# warm-up ({arm}): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        cupy.cuda.Device().synchronize()
-
-
-def _bf16_zeros(shape):
-    import cupy
-    import ml_dtypes
-    import numpy
-    return cupy.asarray(numpy.zeros(shape, ml_dtypes.bfloat16))
+    warm_arms(arms, ARMS, [functools.partial(one, d, L, n, m) for d in ds for L in lengths
+                           for n in masks for m in modes], flex_warm)
 
 
 def main(argv=None) -> int:

@@ -103,9 +103,9 @@ def main(argv=None) -> int:
     import cuflash
     import bench_attention
     import suite_mods
-    from bmask_short import _bf16_zeros, _spec
-    from concurrent.futures import ThreadPoolExecutor
-    from suite_common import compile_flex, median_event_ms
+    import functools
+    from bmask_short import _spec
+    from suite_common import bf16_zeros as _bf16_zeros, compile_flex, median_event_ms, warm_arms
     torch = compiled = cbm = None
     if not a.no_flex:
         import torch
@@ -143,21 +143,9 @@ def main(argv=None) -> int:
                     compiled(*leaves, score_mod=None, block_mask=fbm).backward(torch.ones_like(q))
         torch.cuda.synchronize()
 
-    for i, arm in enumerate(arms):       # compile first: each arm's points in threads
-        with bench_attention.env(**ARMS[arm]):
-            with ThreadPoolExecutor(16) as pool:
-                futures = [pool.submit(one, n, d, L, m) for n, d, L in points for m in modes]
-                if i == 0 and compiled is not None:
-                    try:
-                        flex_warm()
-                    except Exception as exc:     # the timed run reports it
-                        print(f"# warm-up (flex): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                for f in futures:
-                    try:
-                        f.result()
-                    except Exception as exc:
-                        print(f"# warm-up ({arm}): {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        cupy.cuda.Device().synchronize()
+    # compile first: each arm's points in threads, FlexAttention's beside the first arm's
+    warm_arms(arms, ARMS, [functools.partial(one, n, d, L, m) for n, d, L in points for m in modes],
+              flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'point':9} {'d':>4} {'L':>6} {'mode':8} " + " ".join(f"{x:>15}" for x in arms + ["flex"])
           + "  new/old new/flex new/plain   (ms / TFLOP/s on visible pairs)", flush=True)
