@@ -117,7 +117,7 @@ part_correctness() {
   # The GPU tests, a fuzz campaign and the sanitizer at once (none of them is timed, so they
   # may share the GPU; NVRTC compiles of the specialisations they need spread over the cores):
   #   tests     -n $CORR_TEST_WORKERS (8), $TESTS_PROFILE (gpu), stopped at $CORR_SECONDS - 60
-  #   fuzz      $FUZZ_SHARDS (5) processes of python -m cuflash fuzz, seeds 1..N, together
+  #   fuzz      $FUZZ_SHARDS (5) processes of python -m cuflash fuzz, seeds $FUZZ_SEED0 (1).., together
   #             $FUZZ_EXAMPLES (10000) examples of every feature, each stopped after
   #             $CORR_SECONDS - 90 s; merged by bench/fuzz_merge.py  -> fuzz.json fuzz.log
   #   sanitize  bench/sanitize.sh with budgets summing to about $CORR_SECONDS - 80
@@ -130,7 +130,7 @@ part_correctness() {
     SANITIZE_BUDGET_RACECHECK=$((b * 40 / 100)) SANITIZE_BUDGET_SYNCCHECK=$((b * 20 / 100)) \
     part_sanitize > "$OUT/sanitize.out" 2>&1 &
   local san_pid=$!
-  fuzz_campaign $((secs - 90)) "$shards" "$n" 1
+  fuzz_campaign $((secs - 90)) "$shards" "$n" "${FUZZ_SEED0:-1}"
   wait "$tests_pid" "$san_pid"
   cat "$OUT/sanitize.out"
 }
