@@ -12,7 +12,11 @@ and every block's list is short, so its fixed cost weighs (bench/NOTES.md, sessi
 One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d), forward only (the
 switch changes nothing else): the suite's causal documents and its window 1024 as a block mask
 (both ``causal=True``), arms ``table`` (the table's warpgroups), ``wg2`` and ``wg1`` (at most 2 /
-1 warpgroups a block for lists shorter than ``CUFLASH_FWD90_BMASK_LONG``'s 2048 keys), and
+1 warpgroups a block for lists shorter than ``CUFLASH_FWD90_BMASK_LONG``'s 2048 keys), each
+also with session 10's persistent schedule (``persist``, ``wg2p``:
+``CUFLASH_FWD90_PERSIST=auto``, where a block is alone on its SM: d 128; elsewhere the same
+build as without; not with 1 warpgroup, whose persistent grid of one block an SM would leave
+the SM 4 warps), and
 ``torch.compile``d FlexAttention as suite_mods times it. Every arm's output is checked against
 the table arm's (the kit's rule needs the float64 reference, too slow here: max |difference|
 is printed and stored, and must be of bfloat16's rounding). Prints ms / TFLOP/s on visible
@@ -30,9 +34,13 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "bench" / "probes")]
 
-ARMS = {"table": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table"},
-        "wg2": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2"},
-        "wg1": {"CUFLASH_FWD90_BMASK_SHORT_WG": "1"}}
+ARMS = {"table": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "0"},
+        "wg2": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "0"},
+        "wg1": {"CUFLASH_FWD90_BMASK_SHORT_WG": "1", "CUFLASH_FWD90_PERSIST": "0"},
+        # session 10's persistent schedule (opt-in "auto": short lists at 1 block an SM, so d
+        # 128 only), never measured on the suite's documents, with each warpgroup count
+        "persist": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "auto"},
+        "wg2p": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "auto"}}
 
 
 def dump(path, rows, complete: bool) -> None:
