@@ -315,6 +315,22 @@ def bwd90_block_mask() -> bool:
     return value != "0"
 
 
+def bmask_tile_major(kind: str) -> bool:
+    """``CUFLASH_BMASK_TILE_MAJOR`` (read at plan time; session 11): which launches of a block
+    mask WITHOUT causal run in tile-major grid order (``_plan.grid_order``; a causal call is
+    tile-major already). "bwd" (the default): the backward's, whose key tile 0 of every batch
+    item then starts first -- prefix-LM's long blocks (the prefix's keys, seen by every query)
+    in the first waves, not the last batch item's ending the kernel alone (bench/NOTES.md,
+    session 11: the tail the batch-major order leaves, 0.15 ms at 4k, d = 128); "both": the
+    forward's too (its heaviest query tile first); "none": batch-major, as in session 10.
+    ``kind``: "fwd" or "bwd"."""
+    import os
+    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "bwd"
+    if value not in ("bwd", "both", "none"):
+        raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected bwd, both or none")
+    return value == "both" or value == kind
+
+
 def _bwd90_bmask_rows(variant: Variant) -> bool:
     """``CUFLASH_BWD90_BMASK_ROWS`` (read at plan time; session 10): "128" (the default) lets
     bwd_sm90 keep its table's 128-row query tiles at d = 64 for a block mask's mask_mod alone,

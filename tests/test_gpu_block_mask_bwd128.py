@@ -132,3 +132,25 @@ def test_d64_block_mask_backward_in_128_row_tiles(monkeypatch, name, causal, row
     _check(MASKS[name], causal, seed=4, d=64)
     monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS")
     _api.clear_plans()
+
+
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("order", ["", "both", "none"])
+def test_prefix_lm_in_tile_major_grid_order(monkeypatch, order, d):
+    """Session 11: a block mask without causal runs its backward tile-major by default (key
+    tile 0 of each of the 4 heads first; ``_plan.grid_order``), "both" the forward too, "none"
+    both batch-major as in session 10 (``CUFLASH_BMASK_TILE_MAJOR``, plan time): bwd_sm90
+    with no local memory, o, lse, dq, dk, dv right in each order."""
+    from cuflash import _api, _plan
+    if order:
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", order)
+    else:
+        monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR", raising=False)
+    monkeypatch.delenv("CUFLASH_GRID_ORDER", raising=False)
+    _api.clear_plans()
+    choice, local = _choice(MASKS["prefix100"], False, d=d)
+    assert choice.family.name == "bwd_sm90" and local == 0, choice.expr
+    assert _plan.grid_order(choice, False, True) == (0 if order == "none" else 1)
+    _check(MASKS["prefix100"], False, seed=5, d=d)
+    monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR", raising=False)
+    _api.clear_plans()

@@ -1,0 +1,121 @@
+"""The grid order of a block mask without causal (session 11, bench/NOTES.md "The prefix-LM
+block-mask backward in tile-major order (session 11)"): the backward runs tile-major by default
+(``_variant.bmask_tile_major``, ``CUFLASH_BMASK_TILE_MAJOR``), the forward batch-major unless
+"both"; plain attention and causal calls keep their orders. Without a GPU: the plan's choice of
+order, the makespan model that predicts the gain (bench/probes/bmask_bwd128.py --model), and
+(``slow``) fwd_sm80 and bwd_sm80 -- whose blocks map to (batch item, tile) through the same
+common.cuh grid_tile as fwd_sm90 / bwd_sm90 -- run in the host emulation in both orders with a
+prefix-LM block mask, against the reference by the kit's rule. bwd_sm90 itself in tile-major
+order: tests/test_gpu_block_mask_bwd128.py."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+
+from cuflash import _families, _plan, _problem
+from cuflash._families import PROFILES, Shape
+from cuflash._variant import Variant
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = PROFILES["h200"]
+
+
+def _choose(kind, causal, block_mask, d=128, det=False):
+    v = Variant(causal=causal, mask_mod="cuflash::user::m" if block_mask else None,
+                block_mask=block_mask)
+    shape = Shape("bfloat16", 64, 4096, 4096, d, d, v, det) if kind == "bwd" else \
+        Shape("bfloat16", 64, 4096, 4096, d, d, v)
+    return _families.choose(kind, shape, H200)
+
+
+def test_a_block_mask_without_causal_runs_its_backward_tile_major(monkeypatch):
+    for name in ("CUFLASH_BMASK_TILE_MAJOR", "CUFLASH_GRID_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+    for d in (64, 128):
+        bwd = _choose("bwd", False, True, d)
+        assert bwd.family.name == "bwd_sm90"
+        assert _plan.grid_order(bwd, False, True) == 1            # the new default
+        assert _plan.grid_order(bwd, False, False) == 0           # plain: unchanged
+        assert _plan.grid_order(bwd, True, True) == 1             # causal: as before
+        fwd = _choose("fwd", False, True, d)
+        assert _plan.grid_order(fwd, False, True) == 0            # the forward: opt-in
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "both")
+        assert _plan.grid_order(fwd, False, True) == 1
+        assert _plan.grid_order(bwd, False, True) == 1
+        assert _plan.grid_order(fwd, False, False) == 0
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "none")
+        assert _plan.grid_order(bwd, False, True) == 0            # session 10's order
+        assert _plan.grid_order(bwd, True, True) == 1
+        monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")             # the A/B override wins
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "bwd")
+        assert _plan.grid_order(bwd, False, True) == 0
+        monkeypatch.delenv("CUFLASH_GRID_ORDER")
+        monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR")
+    # batch-major by construction (bwd_sm80: deterministic relies on it)
+    det = _choose("bwd", False, True, 64, det=True)
+    assert det.family.name == "bwd_sm80" and _plan.grid_order(det, False, True) == 0
+    monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "fwd")
+    with pytest.raises(ValueError, match="CUFLASH_BMASK_TILE_MAJOR"):
+        _plan.grid_order(_choose("bwd", False, True), False, True)
+
+
+def test_the_makespan_model_puts_tile_major_at_the_bound_for_prefix():
+    """The probe's model (132 SMs, one block an SM, block = F + t x query tiles, in grid
+    order): batch-major leaves prefix-LM's last batch item's long blocks as the tail; tile-major
+    is longest-first there (key tile 0..7 see every query tile, then fewer), within 1% of the
+    bound; documents (causal) are tile-major already."""
+    sys.path[:0] = [str(ROOT / "bench" / "probes"), str(ROOT / "bench")]
+    import bmask_bwd128 as probe
+    for d in (64, 128):
+        for L in (4096, 16384):
+            m = probe.model("prefix", d, L)
+            assert m["tm"] < m["bm"] and m["tm"] <= 1.01 * m["bound"], m
+            assert m["bm"] - m["tm"] > 0.02 * m["bm"] or L == 16384, m
+    # the fit to session 10's measured gain (new_tm - new, fwd+bwd): d 128 4k 0.170 ms
+    m = probe.model("prefix", 128, 4096)
+    assert 0.10 < (m["bm"] - m["tm"]) / 1e3 < 0.20, m
+
+
+@pytest.mark.slow
+def test_emulated_kernels_are_right_in_either_grid_order():
+    """fwd_sm80 and bwd_sm80 (host emulation) with a prefix-LM block mask, not causal, 6 batch
+    items of ragged length: o, lse and the gradients right in batch-major and tile-major
+    order (every (batch item, tile) run once: dk, dv start as NaN)."""
+    import ml_dtypes
+    import _emu_sm80 as emu
+    import _naive_modifiers as naive
+    import cuflash
+    from cuflash._block_mask import block_mask
+    from _inputs import make_array
+    if not emu.available():
+        pytest.skip("g++ is needed for the emulation")
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    L, n = 300, 70
+    rng = numpy.random.default_rng(5)
+    q, k, v = (make_array(rng, (2, 3, L, 64), bf16) for _ in range(3))
+    kw = {"block_mask": block_mask(lambda b, h, qi, kv: (kv < n) | (qi >= kv), (1, 1), L, L)}
+    prob = _problem.make_problem(q, k, v, scale=None, causal=False)
+    mods = emu.modifiers_of(prob, **kw)
+    shape = Shape.of(prob, mods=mods)
+    fwd = _families.choose("fwd", shape, PROFILES["a100"])
+    bwd = _families.choose("bwd", Shape.of(prob, False, mods), PROFILES["a100"])
+    assert bwd.family.name == "bwd_sm80"
+    flib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)],
+                     kernel_text=shape.variant.prelude + (emu.cuda_src_dir() / "fwd_sm80.cu").read_text())
+    blib = emu.build("bwd_sm80.cu", [("bwd", bwd.expr)],
+                     kernel_text=shape.variant.prelude + (emu.cuda_src_dir() / "bwd_sm80.cu").read_text())
+    t = fwd.traits
+    o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=False, return_lse=True, **kw)
+    o_ref, lse_ref = o_ref.astype(bf16), lse_ref.astype(numpy.float32)
+    do = make_array(numpy.random.default_rng(6), o_ref.shape, bf16)
+    for order in (0, 1):
+        o, lse = emu.fwd_sm80(flib, fwd.expr, q, k, v, block_m=t.block_m, block_n=t.block_n,
+                              threads=t.threads, smem_bytes=t.smem_bytes, causal=False,
+                              grid_order=order, **kw)
+        naive.check_result(q, k, v, False, kw, o, lse)
+        grads = emu.bwd_sm80(blib, do, q, k, v, o_ref, lse_ref, causal=False, tiles=bwd.traits,
+                             expr=bwd.expr, grid_order=order, **kw)
+        naive.check_gradients(grads, q, k, v, o_ref, lse_ref, do, False, kw)
