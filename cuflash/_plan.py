@@ -32,7 +32,7 @@ AUX_THREADS, DOT_ROWS_PER_BLOCK, DOT_BLOCKS_PER_SM = 256, 8, 8
 def grid_order(choice, causal: bool, block_mask: bool = False) -> int:
     """Tile-major under a causal mask for the tensor-core families (whose ordering is written
     for it), and for a block mask without causal where ``_variant.bmask_tile_major`` says so
-    (the backward's by default: its tile 0 is the heaviest of prefix-LM's), else batch-major.
+    (by default: prefix-LM's heaviest tiles are the ones numbered 0), else batch-major.
     ``CUFLASH_GRID_ORDER`` overrides it for A/B runs."""
     import os
     from ._variant import bmask_tile_major

@@ -318,16 +318,16 @@ def bwd90_block_mask() -> bool:
 def bmask_tile_major(kind: str) -> bool:
     """``CUFLASH_BMASK_TILE_MAJOR`` (read at plan time; session 11): which launches of a block
     mask WITHOUT causal run in tile-major grid order (``_plan.grid_order``; a causal call is
-    tile-major already). "bwd" (the default): the backward's, whose key tile 0 of every batch
+    tile-major already). "both" (the default): the backward's, whose key tile 0 of every batch
     item then starts first -- prefix-LM's long blocks (the prefix's keys, seen by every query)
     in the first waves, not the last batch item's ending the kernel alone (bench/NOTES.md,
-    session 11: the tail the batch-major order leaves, 0.15 ms at 4k, d = 128); "both": the
-    forward's too (its heaviest query tile first); "none": batch-major, as in session 10.
-    ``kind``: "fwd" or "bwd"."""
+    session 11: that tail was 0.15 ms at 4k, d = 128) -- and the forward's (its last query
+    tile, prefix-LM's heaviest, of every batch item first); "bwd": the backward's only;
+    "none": batch-major, as in session 10. ``kind``: "fwd" or "bwd"."""
     import os
-    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "bwd"
+    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "both"
     if value not in ("bwd", "both", "none"):
-        raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected bwd, both or none")
+        raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected both, bwd or none")
     return value == "both" or value == kind
 
 

@@ -1,12 +1,12 @@
 """The grid order of a block mask without causal (session 11, bench/NOTES.md "The prefix-LM
-block-mask backward in tile-major order (session 11)"): the backward runs tile-major by default
-(``_variant.bmask_tile_major``, ``CUFLASH_BMASK_TILE_MAJOR``), the forward batch-major unless
-"both"; plain attention and causal calls keep their orders. Without a GPU: the plan's choice of
-order, the makespan model that predicts the gain (bench/probes/bmask_bwd128.py --model), and
-(``slow``) fwd_sm80 and bwd_sm80 -- whose blocks map to (batch item, tile) through the same
-common.cuh grid_tile as fwd_sm90 / bwd_sm90 -- run in the host emulation in both orders with a
-prefix-LM block mask, against the reference by the kit's rule. bwd_sm90 itself in tile-major
-order: tests/test_gpu_block_mask_bwd128.py."""
+block mask in tile-major order (session 11)"): forward and backward run tile-major by default
+(``_variant.bmask_tile_major``); ``CUFLASH_BMASK_TILE_MAJOR=bwd`` (plan time) runs the forward
+batch-major again, ``none`` both; plain attention and causal calls keep their orders. Without
+a GPU: the plan's choice of order, the makespan model that predicts the gain
+(bench/probes/bmask_bwd128.py --model), and (``slow``) fwd_sm80 and bwd_sm80 -- whose blocks
+map to (batch item, tile) through the same common.cuh grid_tile as fwd_sm90 / bwd_sm90 -- run
+in the host emulation in both orders with a prefix-LM block mask, against the reference by the
+kit's rule. fwd_sm90 / bwd_sm90 themselves in each order: tests/test_gpu_block_mask_bwd128.py."""
 from __future__ import annotations
 
 import sys
@@ -31,26 +31,26 @@ def _choose(kind, causal, block_mask, d=128, det=False):
     return _families.choose(kind, shape, H200)
 
 
-def test_a_block_mask_without_causal_runs_its_backward_tile_major(monkeypatch):
+def test_a_block_mask_without_causal_runs_tile_major(monkeypatch):
     for name in ("CUFLASH_BMASK_TILE_MAJOR", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(name, raising=False)
     for d in (64, 128):
-        bwd = _choose("bwd", False, True, d)
-        assert bwd.family.name == "bwd_sm90"
-        assert _plan.grid_order(bwd, False, True) == 1            # the new default
-        assert _plan.grid_order(bwd, False, False) == 0           # plain: unchanged
-        assert _plan.grid_order(bwd, True, True) == 1             # causal: as before
-        fwd = _choose("fwd", False, True, d)
-        assert _plan.grid_order(fwd, False, True) == 0            # the forward: opt-in
-        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "both")
-        assert _plan.grid_order(fwd, False, True) == 1
+        bwd, fwd = _choose("bwd", False, True, d), _choose("fwd", False, True, d)
+        assert bwd.family.name == "bwd_sm90" and fwd.family.name == "fwd_sm90"
+        for c in (fwd, bwd):
+            assert _plan.grid_order(c, False, True) == 1          # the new default
+            assert _plan.grid_order(c, False, False) == 0         # plain: unchanged
+            assert _plan.grid_order(c, True, True) == 1           # causal: as before
+            assert _plan.grid_order(c, True, False) == 1
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "bwd")     # the backward only
         assert _plan.grid_order(bwd, False, True) == 1
-        assert _plan.grid_order(fwd, False, False) == 0
-        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "none")
-        assert _plan.grid_order(bwd, False, True) == 0            # session 10's order
+        assert _plan.grid_order(fwd, False, True) == 0
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "none")    # session 10's orders
+        assert _plan.grid_order(bwd, False, True) == 0
+        assert _plan.grid_order(fwd, False, True) == 0
         assert _plan.grid_order(bwd, True, True) == 1
         monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")             # the A/B override wins
-        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "bwd")
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "both")
         assert _plan.grid_order(bwd, False, True) == 0
         monkeypatch.delenv("CUFLASH_GRID_ORDER")
         monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR")

@@ -135,12 +135,13 @@ def test_d64_block_mask_backward_in_128_row_tiles(monkeypatch, name, causal, row
 
 
 @pytest.mark.parametrize("d", [128, 64])
-@pytest.mark.parametrize("order", ["", "both", "none"])
+@pytest.mark.parametrize("order", ["", "bwd", "none"])
 def test_prefix_lm_in_tile_major_grid_order(monkeypatch, order, d):
-    """Session 11: a block mask without causal runs its backward tile-major by default (key
-    tile 0 of each of the 4 heads first; ``_plan.grid_order``), "both" the forward too, "none"
-    both batch-major as in session 10 (``CUFLASH_BMASK_TILE_MAJOR``, plan time): bwd_sm90
-    with no local memory, o, lse, dq, dk, dv right in each order."""
+    """Session 11: a block mask without causal runs tile-major by default, forward and
+    backward (key tile 0 / the last query tile of each of the 4 heads first;
+    ``_plan.grid_order``); "bwd" the backward only, "none" both batch-major as in session 10
+    (``CUFLASH_BMASK_TILE_MAJOR``, plan time): bwd_sm90 with no local memory, o, lse, dq, dk,
+    dv right in each order."""
     from cuflash import _api, _plan
     if order:
         monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", order)

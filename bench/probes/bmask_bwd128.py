@@ -16,17 +16,19 @@ also takes the sliding window of 1024), each through one ``cuflash.block_mask`` 
 masks of --L16 at 16k too (only prefix-LM's order changed: documents are causal, tile-major
 already). Each point times, CUDA-event medians:
 
-- ``fwd`` / ``fwd_tm``: the forward alone, batch-major (the default) / tile-major
-  (``CUFLASH_BMASK_TILE_MAJOR=both``: its heaviest query tile of every batch item first);
+- ``fwd`` / ``fwd_tm``: the forward alone, batch-major (session 10's order,
+  ``CUFLASH_BMASK_TILE_MAJOR=none``) / tile-major (the default now: the heaviest query tile of
+  every batch item first);
 - ``old``: fwd+bwd as session 10 ran it (``CUFLASH_BMASK_TILE_MAJOR=none``: both batch-major);
-- ``new``: fwd+bwd with the defaults (the backward tile-major);
-- ``both``: the forward tile-major too (session 10's ``new_tm`` arm, ``CUFLASH_GRID_ORDER=1``);
+- ``bwd_tm``: the backward tile-major, the forward batch-major (``=bwd``);
+- ``new``: fwd+bwd with the defaults (``=both``: what session 10's ``new_tm`` arm measured with
+  ``CUFLASH_GRID_ORDER=1``);
 - ``flex`` / ``flex_fwd``: ``torch.compile``d FlexAttention fwd+bwd / forward with its own
   block mask, as suite_mods times it (at the lengths of --flex-L; unless --no-flex).
 
 The arms run the same kernels (the order is a launch parameter), so one compile serves all.
 TFLOP/s on visible pairs (fwd+bwd 3.5 x the forward's 4 B H d pairs, the backward 2.5 x;
-``bwd alone`` = fwd+bwd minus the batch-major forward). The switch is read at plan time;
+``bwd alone`` = fwd+bwd minus the forward in the arm's order). The switch is read at plan time;
 ``bench_attention.env`` clears the plan cache around each arm. Prints one line per point and
 rewrites ``{"meta", "rows"}`` to --json after every point (each cuflash row names the backward
 family the dispatcher picked: ``bwd_family``). Kernels compile first, in threads (NVRTC; CuPy's
@@ -52,10 +54,11 @@ _BASE = {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_BWD90_BMASK_ROWS": None,
          "CUFLASH_GRID_ORDER": None}
 #: fwd+bwd arms (the same kernels; the order is a launch parameter, read at plan time)
 ARMS = {"old": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="none"),    # session 10: batch-major
-        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None),      # default: the backward tile-major
-        "both": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="both")}   # the forward too (s10's new_tm)
-#: forward-alone arms
-FWD_ARMS = {"fwd": ARMS["new"], "fwd_tm": ARMS["both"]}
+        "bwd_tm": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="bwd"),  # the backward tile-major only
+        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None)}      # default "both" (s10's new_tm)
+#: forward-alone arms, and the one in each fwd+bwd arm's order (its ``bwd alone``)
+FWD_ARMS = {"fwd": ARMS["old"], "fwd_tm": ARMS["new"]}
+FWD_OF = {"old": "fwd", "bwd_tm": "fwd", "new": "fwd_tm"}
 _MASKS: dict = {}
 SMS = 132
 #: the model's per-block cost, us (session 10's fit, bench/NOTES.md): t a query tile (plain
@@ -212,8 +215,8 @@ def main(argv=None) -> int:
     _warm(points, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'mask':9} {'d':>4} {'L':>6}  {'fwd':>14} {'fwd_tm':>14} {'flex_fwd':>14}  |"
-          f" {'old fwd+bwd':>14} {'new':>14} {'both':>14} {'flex':>14}  new/old new/flex"
-          f" fwd/flex  bwd alone old/new   (ms/TFLOP/s on visible pairs)", flush=True)
+          f" {'old fwd+bwd':>14} {'bwd_tm':>14} {'new':>14} {'flex':>14}  new/old new/flex"
+          f" fwd_tm/flex  bwd alone old/bwd_tm/new  (ms/TFLOP/s on visible pairs)", flush=True)
     rows, bf16 = [], numpy.dtype(ml_dtypes.bfloat16)
     for name, L, d in points:
         H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
@@ -241,8 +244,9 @@ def main(argv=None) -> int:
                 got[arm] = ms
                 row = dict(base, impl=arm, mode="fwd_bwd", ms=ms, tflops=3.5 * fwd_flops / ms / 1e9,
                            bwd_family=fam)
-                if got.get("fwd") and ms > got["fwd"]:
-                    row["bwd_tflops"] = 2.5 * fwd_flops / (ms - got["fwd"]) / 1e9
+                f = got.get(FWD_OF[arm])
+                if f and ms > f:
+                    row["bwd_tflops"] = 2.5 * fwd_flops / (ms - f) / 1e9
                 rows.append(row)
             except Exception as exc:    # a failing arm is a row, not the end of the run
                 rows.append(dict(base, impl=arm, mode="fwd_bwd", ms=None, tflops=None,
@@ -262,15 +266,15 @@ def main(argv=None) -> int:
             return f"{ms:6.3f}/{f / ms / 1e9:6.1f}" if ms else f"{'-':>13}"
 
         def bwd(x):
-            ms, f = got.get(x), got.get("fwd")
+            ms, f = got.get(x), got.get(FWD_OF[x])
             return f"{2.5 * fwd_flops / (ms - f) / 1e9:6.1f}" if ms and f and ms > f else f"{'-':>6}"
 
         def ratio(x, y):
             return got[y] / got[x] if got.get(x) and got.get(y) else 0
         print(f"{name:9} {d:4} {L:6}  {cell('fwd'):>14} {cell('fwd_tm'):>14} {cell('flex_fwd'):>14}  |"
-              f" {cell('old'):>14} {cell('new'):>14} {cell('both'):>14} {cell('flex'):>14}"
-              f"  {ratio('new', 'old'):7.3f} {ratio('new', 'flex'):8.3f} {ratio('fwd', 'flex_fwd'):8.3f}"
-              f"  {bwd('old'):>8} / {bwd('new')}", flush=True)
+              f" {cell('old'):>14} {cell('bwd_tm'):>14} {cell('new'):>14} {cell('flex'):>14}"
+              f"  {ratio('new', 'old'):7.3f} {ratio('new', 'flex'):8.3f} {ratio('fwd_tm', 'flex_fwd'):8.3f}"
+              f"  {bwd('old'):>8} / {bwd('bwd_tm')} / {bwd('new')}", flush=True)
         dump(a.json, rows, complete=False)
         del q, k, v, do
         cupy.get_default_memory_pool().free_all_blocks()
