@@ -1,12 +1,15 @@
 """The grid order of a block mask without causal (session 11, bench/NOTES.md "The prefix-LM
-block mask in tile-major order (session 11)"): forward and backward run tile-major by default
-(``_variant.bmask_tile_major``); ``CUFLASH_BMASK_TILE_MAJOR=bwd`` (plan time) runs the forward
-batch-major again, ``none`` both; plain attention and causal calls keep their orders. Without
-a GPU: the plan's choice of order, the makespan model that predicts the gain
-(bench/probes/bmask_bwd128.py --model), and (``slow``) fwd_sm80 and bwd_sm80 -- whose blocks
-map to (batch item, tile) through the same common.cuh grid_tile as fwd_sm90 / bwd_sm90 -- run
-in the host emulation in both orders with a prefix-LM block mask, against the reference by the
-kit's rule. fwd_sm90 / bwd_sm90 themselves in each order: tests/test_gpu_block_mask_bwd128.py."""
+block mask at 4k: tile-major order and dQ in rows (session 11)"): forward and backward run
+tile-major by default (``_variant.bmask_tile_major``); ``CUFLASH_BMASK_TILE_MAJOR=bwd`` (plan
+time) runs the forward batch-major again, ``none`` both; plain attention and causal calls keep
+their orders. Without a GPU: the plan's choice of order, the makespan model that predicts the
+gain (bench/probes/bmask_bwd128.py --model), and (``slow``) fwd_sm80 and bwd_sm80 -- whose
+blocks map to (batch item, tile) through the same common.cuh grid_tile as fwd_sm90 / bwd_sm90
+-- run in the host emulation in both orders with a prefix-LM block mask, against the reference
+by the kit's rule. And dQ's additions in rows (bwd_io::red_row_pairs, bwd_sm90's block-mask
+builds where d is the head-dim bucket): against red_add2's columns with g++, and the macro
+that turns them off (``_variant.DQ_BOUNDS``). The kernels themselves on the GPU:
+tests/test_gpu_block_mask_bwd128.py."""
 from __future__ import annotations
 
 import sys
@@ -103,10 +106,10 @@ def test_emulated_kernels_are_right_in_either_grid_order():
     fwd = _families.choose("fwd", shape, PROFILES["a100"])
     bwd = _families.choose("bwd", Shape.of(prob, False, mods), PROFILES["a100"])
     assert bwd.family.name == "bwd_sm80"
-    flib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)],
-                     kernel_text=shape.variant.prelude + (emu.cuda_src_dir() / "fwd_sm80.cu").read_text())
-    blib = emu.build("bwd_sm80.cu", [("bwd", bwd.expr)],
-                     kernel_text=shape.variant.prelude + (emu.cuda_src_dir() / "bwd_sm80.cu").read_text())
+    def text(name):
+        return shape.variant.prelude + (emu.cuda_src_dir() / name).read_text()
+    flib = emu.build("fwd_sm80.cu", [("fwd", fwd.expr)], kernel_text=text("fwd_sm80.cu"))
+    blib = emu.build("bwd_sm80.cu", [("bwd", bwd.expr)], kernel_text=text("bwd_sm80.cu"))
     t = fwd.traits
     o_ref, lse_ref = cuflash.reference.attention(q, k, v, causal=False, return_lse=True, **kw)
     o_ref, lse_ref = o_ref.astype(bf16), lse_ref.astype(numpy.float32)
@@ -119,3 +122,100 @@ def test_emulated_kernels_are_right_in_either_grid_order():
         grads = emu.bwd_sm80(blib, do, q, k, v, o_ref, lse_ref, causal=False, tiles=bwd.traits,
                              expr=bwd.expr, grid_order=order, **kw)
         naive.check_gradients(grads, q, k, v, o_ref, lse_ref, do, False, kw)
+
+
+# -- dQ's additions in bwd_sm90's block-mask builds (session 11): bwd_io::red_row_pairs
+
+RED_HARNESS = r"""
+#include <cstdint>
+#include <stdexcept>
+#define __device__
+#define __forceinline__ inline
+struct float2 { float x, y; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline void atomicAdd(float2* a, float2 v) {
+  if (reinterpret_cast<std::uintptr_t>(a) % 8) throw std::runtime_error("misaligned");
+  a->x += v.x; a->y += v.y;
+}
+namespace bwd_io {
+@BODY@
+}
+// row: n floats (8-byte aligned); acc: NT x 4 floats, row h of the fragment, times scale
+template <int NT> using Acc = const float[NT][4];
+extern "C" int red_row_pairs_host(int nt, float* row, int col0, const float* acc, int h,
+                                  float scale) {
+  try {
+    if (nt == 8) bwd_io::red_row_pairs(row, col0, *reinterpret_cast<Acc<8>*>(acc), h, scale);
+    else if (nt == 4) bwd_io::red_row_pairs(row, col0, *reinterpret_cast<Acc<4>*>(acc), h, scale);
+    else return 2;
+  } catch (...) { return 1; }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+def test_red_row_pairs_adds_what_red_add2_adds(tmp_path):
+    """Thread (g, t4) of a dQ slice of kDqCols = 8 NT columns from column dq_c0: bwd_sm90's
+    red_add2 loop adds tau acc[t][2 h], tau acc[t][2 h + 1] at columns dq_c0 + 8 t + 2 t4 and
+    + 1 of its row (every pair inside the row where d = HEAD_DIM); red_row_pairs, called with
+    col0 = dq_c0 + 2 t4, adds the same values at the same columns, each pair 8-byte aligned."""
+    import ctypes
+    import subprocess
+    src = (ROOT / "cuda_src" / "bwd_io.cuh").read_text()
+    start = src.index("// -- dQ_i += tau dS_ij K_j for one accumulator row")
+    end = src.index("// -- dQ's finishing in the main kernel")
+    (tmp_path / "r.cpp").write_text(RED_HARNESS.replace("@BODY@", src[start:end]))
+    run = subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o",
+                          str(tmp_path / "r.so"), str(tmp_path / "r.cpp")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[:3000]
+    lib = ctypes.CDLL(str(tmp_path / "r.so"))
+    fp = ctypes.POINTER(ctypes.c_float)
+    lib.red_row_pairs_host.argtypes = [ctypes.c_int, fp, ctypes.c_int, fp, ctypes.c_int,
+                                       ctypes.c_float]
+    rng = numpy.random.default_rng(3)
+    # (HEAD_DIM, kDqCols): d = 128, two column slices of 64; d = 64, one of 64; 32-col slices
+    for head_dim, cols in ((128, 64), (64, 64), (128, 32)):
+        nt = cols // 8
+        for dq_c0 in range(0, head_dim, cols):
+            for t4 in range(4):
+                for h in (0, 1):
+                    acc = rng.standard_normal((nt, 4)).astype(numpy.float32)
+                    base = rng.standard_normal(head_dim).astype(numpy.float32)
+                    row = base.copy()
+                    assert row.ctypes.data % 8 == 0
+                    rc = lib.red_row_pairs_host(nt, row.ctypes.data_as(fp), dq_c0 + 2 * t4,
+                                                acc.ctypes.data_as(fp), h, 0.5)
+                    assert rc == 0, "misaligned pair"
+                    want = base.copy()
+                    for t in range(nt):      # red_add2(dst, dq_c0 + 8 t + 2 t4, d, ...)
+                        col = dq_c0 + 8 * t + 2 * t4
+                        want[col] += numpy.float32(0.5) * acc[t, 2 * h]
+                        want[col + 1] += numpy.float32(0.5) * acc[t, 2 * h + 1]
+                    assert (row == want).all(), (head_dim, cols, dq_c0, t4, h)
+
+
+def test_the_row_pairs_only_where_d_is_the_head_dim_bucket(monkeypatch):
+    """The backward's Variant carries ``_variant.DQ_BOUNDS`` (red_add2's bounded additions)
+    where a block mask's d is not the bucket bwd_sm90 compiles, or with
+    ``CUFLASH_BWD90_DQ_ROWS=0``; never without a block mask."""
+    import types
+    from cuflash import _variant
+    monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
+    bm, none = types.SimpleNamespace(block_mask=object()), types.SimpleNamespace(block_mask=None)
+
+    def prob(d, dv):
+        return types.SimpleNamespace(d=d, dv=dv)
+    assert _variant._dq_bounds(prob(128, 128), bm) == ""
+    assert _variant._dq_bounds(prob(64, 64), bm) == ""
+    assert _variant._dq_bounds(prob(128, 64), bm) == ""                 # bucket of max(d, dv)
+    for d, dv in ((96, 96), (64, 128), (33, 33), (100, 128), (32, 32)):
+        assert _variant._dq_bounds(prob(d, dv), bm) == _variant.DQ_BOUNDS, (d, dv)
+    assert _variant._dq_bounds(prob(128, 128), none) == ""
+    monkeypatch.setenv("CUFLASH_BWD90_DQ_ROWS", "0")
+    assert _variant._dq_bounds(prob(128, 128), bm) == _variant.DQ_BOUNDS
+    assert _variant._dq_bounds(prob(128, 128), none) == ""
+    monkeypatch.setenv("CUFLASH_BWD90_DQ_ROWS", "2")
+    with pytest.raises(ValueError, match="CUFLASH_BWD90_DQ_ROWS"):
+        _variant._dq_bounds(prob(128, 128), bm)

@@ -155,3 +155,21 @@ def test_prefix_lm_in_tile_major_grid_order(monkeypatch, order, d):
     _check(MASKS["prefix100"], False, seed=5, d=d)
     monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR", raising=False)
     _api.clear_plans()
+
+
+@pytest.mark.parametrize("rows, d, causal", [("", 128, False), ("0", 128, False), ("", 64, True),
+                                             ("0", 64, True), ("", 96, False)])
+def test_dq_additions_in_rows_and_bounded(monkeypatch, rows, d, causal):
+    """Session 11: where d is the head-dim bucket, bwd_sm90's block-mask builds add dQ's rows
+    with bwd_io::red_row_pairs (no bounds); ``CUFLASH_BWD90_DQ_ROWS=0`` (plan time) and a d
+    below the bucket (96: HEAD_DIM 128) define ``CUFLASH_BWD90_DQ_BOUNDS`` and add them as
+    before (red_add2). o, lse, dq, dk, dv right each way."""
+    from cuflash import _api
+    if rows:
+        monkeypatch.setenv("CUFLASH_BWD90_DQ_ROWS", rows)
+    else:
+        monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
+    _api.clear_plans()
+    _check(MASKS["prefix100"] if not causal else MASKS["documents96"], causal, seed=6, d=d)
+    monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
+    _api.clear_plans()

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Question (session 11, issue 10): does the block-mask backward in tile-major grid order (the
-new default for a block mask without causal, ``CUFLASH_BMASK_TILE_MAJOR``) bring prefix-LM at
-L 4k to FlexAttention, forward and fwd+bwd, d 64 and 128? (Session 10 asked whether bwd_sm90
-with the mask as bits beat bwd_sm80; bench/NOTES.md "The prefix-LM block-mask backward in
-tile-major order (session 11)".)
+"""Question (session 11, issue 10): do the tile-major grid order (the new default for a block
+mask without causal, forward and backward: ``CUFLASH_BMASK_TILE_MAJOR``) and dQ's additions in
+rows (bwd_sm90's block-mask builds: ``CUFLASH_BWD90_DQ_ROWS``) bring prefix-LM at L 4k to
+FlexAttention, forward and fwd+bwd, d 64 and 128? (Session 10 asked whether bwd_sm90 with the
+mask as bits beat bwd_sm80; bench/NOTES.md "The prefix-LM block mask at 4k: tile-major order
+and dQ in rows (session 11)".)
 
     PYTHONPATH=. python bench/probes/bmask_bwd128.py [--json out.json] [--d 64,128]
         [--L 4096] [--L16 prefix] [--flex-L 4096] [--masks document,prefix] [--no-flex]
@@ -19,14 +20,17 @@ already). Each point times, CUDA-event medians:
 - ``fwd`` / ``fwd_tm``: the forward alone, batch-major (session 10's order,
   ``CUFLASH_BMASK_TILE_MAJOR=none``) / tile-major (the default now: the heaviest query tile of
   every batch item first);
-- ``old``: fwd+bwd as session 10 ran it (``CUFLASH_BMASK_TILE_MAJOR=none``: both batch-major);
-- ``bwd_tm``: the backward tile-major, the forward batch-major (``=bwd``);
-- ``new``: fwd+bwd with the defaults (``=both``: what session 10's ``new_tm`` arm measured with
-  ``CUFLASH_GRID_ORDER=1``);
+- ``old``: fwd+bwd as session 10 ran it (``CUFLASH_BMASK_TILE_MAJOR=none``, both batch-major;
+  ``CUFLASH_BWD90_DQ_ROWS=0``, dQ added through red_add2: machine code identical to 20120b4's);
+- ``tm``: both tile-major (the default; what session 10's ``new_tm`` arm measured with
+  ``CUFLASH_GRID_ORDER=1``), dQ as in ``old``;
+- ``new``: the defaults: ``tm`` with dQ's rows added by bwd_io::red_row_pairs (one base
+  address a row, 8 unconditional vector reds: no per-pair branch regions);
 - ``flex`` / ``flex_fwd``: ``torch.compile``d FlexAttention fwd+bwd / forward with its own
   block mask, as suite_mods times it (at the lengths of --flex-L; unless --no-flex).
 
-The arms run the same kernels (the order is a launch parameter), so one compile serves all.
+``tm`` runs ``old``'s kernels (the order is a launch parameter); ``new``'s backward is its own
+build.
 TFLOP/s on visible pairs (fwd+bwd 3.5 x the forward's 4 B H d pairs, the backward 2.5 x;
 ``bwd alone`` = fwd+bwd minus the forward in the arm's order). The switch is read at plan time;
 ``bench_attention.env`` clears the plan cache around each arm. Prints one line per point and
@@ -52,13 +56,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 _BASE = {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_BWD90_BMASK_ROWS": None,
          "CUFLASH_GRID_ORDER": None}
-#: fwd+bwd arms (the same kernels; the order is a launch parameter, read at plan time)
-ARMS = {"old": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="none"),    # session 10: batch-major
-        "bwd_tm": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="bwd"),  # the backward tile-major only
-        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None)}      # default "both" (s10's new_tm)
+#: fwd+bwd arms (read at plan time; the grid order is a launch parameter, dQ's rows a build)
+ARMS = {"old": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="none",      # session 10's code exactly
+                    CUFLASH_BWD90_DQ_ROWS="0"),
+        "tm": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None,         # + tile-major (s10's new_tm)
+                   CUFLASH_BWD90_DQ_ROWS="0"),
+        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None,        # + dQ's rows: the defaults
+                    CUFLASH_BWD90_DQ_ROWS=None)}
 #: forward-alone arms, and the one in each fwd+bwd arm's order (its ``bwd alone``)
 FWD_ARMS = {"fwd": ARMS["old"], "fwd_tm": ARMS["new"]}
-FWD_OF = {"old": "fwd", "bwd_tm": "fwd", "new": "fwd_tm"}
+FWD_OF = {"old": "fwd", "tm": "fwd_tm", "new": "fwd_tm"}
 _MASKS: dict = {}
 SMS = 132
 #: the model's per-block cost, us (session 10's fit, bench/NOTES.md): t a query tile (plain
@@ -129,8 +136,8 @@ def _spec(name, L, H):
 
 
 def _bwd_family(kw, nbatch, L, d) -> str:
-    """The backward family (its query rows a tile, its grid order) the dispatcher picks for
-    this point under the current switches."""
+    """The backward family (its query rows a tile, its grid order, dQ in rows or not) the
+    dispatcher picks for this point under the current switches."""
     from cuflash import _families, _plan, _trace, _trace_cuda
     from cuflash._variant import Variant
     tr = _trace.trace_mask_mod(kw["block_mask"].mask_mod)
@@ -140,7 +147,12 @@ def _bwd_family(kw, nbatch, L, d) -> str:
     c = _families.choose("bwd", shape, _families.device_info(0))
     if _families.block_mask_bwd_spilled(c, shape, 0):
         c = _families.choose("bwd", shape, _families.device_info(0))
-    return f"{c.family.name} B_r={c.traits.block_m} order={_plan.grid_order(c, kw['causal'], True)}"
+    import types
+    from cuflash._variant import _dq_bounds
+    rows = not _dq_bounds(types.SimpleNamespace(d=d, dv=d),
+                          types.SimpleNamespace(block_mask=kw["block_mask"]))
+    return (f"{c.family.name} B_r={c.traits.block_m} order={_plan.grid_order(c, kw['causal'], True)}"
+            f" dq_rows={int(rows and c.family.name == 'bwd_sm90')}")
 
 
 def _warm(points, flex_warm) -> None:
@@ -159,7 +171,7 @@ def _warm(points, flex_warm) -> None:
 
     for name, L, d in points:              # the block masks (NumPy), before the threads
         _spec(name, L, suite_mods.WIDTH // d)
-    warm_arms(("new",), ARMS,
+    warm_arms(("old", "new"), ARMS,      # (tm runs old's kernels)
               [functools.partial(one, d, L, name, suite_mods.WIDTH // d) for name, L, d in points],
               flex_warm, workers=8)
 
@@ -215,8 +227,8 @@ def main(argv=None) -> int:
     _warm(points, flex_warm if compiled is not None else None)
     print(f"# kernels compiled ({time.perf_counter() - t_start:.0f} s)", flush=True)
     print(f"{'mask':9} {'d':>4} {'L':>6}  {'fwd':>14} {'fwd_tm':>14} {'flex_fwd':>14}  |"
-          f" {'old fwd+bwd':>14} {'bwd_tm':>14} {'new':>14} {'flex':>14}  new/old new/flex"
-          f" fwd_tm/flex  bwd alone old/bwd_tm/new  (ms/TFLOP/s on visible pairs)", flush=True)
+          f" {'old fwd+bwd':>14} {'tm':>14} {'new':>14} {'flex':>14}  new/old new/flex"
+          f" fwd_tm/flex  bwd alone old/tm/new  (ms/TFLOP/s on visible pairs)", flush=True)
     rows, bf16 = [], numpy.dtype(ml_dtypes.bfloat16)
     for name, L, d in points:
         H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
@@ -272,9 +284,9 @@ def main(argv=None) -> int:
         def ratio(x, y):
             return got[y] / got[x] if got.get(x) and got.get(y) else 0
         print(f"{name:9} {d:4} {L:6}  {cell('fwd'):>14} {cell('fwd_tm'):>14} {cell('flex_fwd'):>14}  |"
-              f" {cell('old'):>14} {cell('bwd_tm'):>14} {cell('new'):>14} {cell('flex'):>14}"
+              f" {cell('old'):>14} {cell('tm'):>14} {cell('new'):>14} {cell('flex'):>14}"
               f"  {ratio('new', 'old'):7.3f} {ratio('new', 'flex'):8.3f} {ratio('fwd_tm', 'flex_fwd'):8.3f}"
-              f"  {bwd('old'):>8} / {bwd('bwd_tm')} / {bwd('new')}", flush=True)
+              f"  {bwd('old'):>8} / {bwd('tm')} / {bwd('new')}", flush=True)
         dump(a.json, rows, complete=False)
         del q, k, v, do
         cupy.get_default_memory_pool().free_all_blocks()
