@@ -7,7 +7,8 @@ mask as bits beat bwd_sm80; bench/NOTES.md "The prefix-LM block mask at 4k: tile
 and dQ in rows (session 11)".)
 
     PYTHONPATH=. python bench/probes/bmask_bwd128.py [--json out.json] [--d 64,128]
-        [--L 4096] [--L16 prefix] [--flex-L 4096] [--masks document,prefix] [--no-flex]
+        [--L 4096] [--L16 prefix] [--flex-L 4096] [--flex-fwd prefix] [--masks document,prefix]
+        [--no-flex]
     PYTHONPATH=. python bench/probes/bmask_bwd128.py --model     # no GPU: the makespan model
 
 One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d) and mask_mods
@@ -27,7 +28,9 @@ already). Each point times, CUDA-event medians:
 - ``new``: the defaults: ``tm`` with dQ's rows added by bwd_io::red_row_pairs (one base
   address a row, 8 unconditional vector reds: no per-pair branch regions);
 - ``flex`` / ``flex_fwd``: ``torch.compile``d FlexAttention fwd+bwd / forward with its own
-  block mask, as suite_mods times it (at the lengths of --flex-L; unless --no-flex).
+  block mask, as suite_mods times it (at the lengths of --flex-L; the forward for the masks of
+  --flex-fwd; unless --no-flex). Session 11's suite run (FINDINGS, 19:30) has Flex's forward
+  at every point: documents 4k 192 (d 128) / 155 (d 64), prefix 4k 372 / 349.
 
 ``tm`` runs ``old``'s kernels (the order is a launch parameter); ``new``'s backward is its own
 build.
@@ -183,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--L", default="4096")
     ap.add_argument("--L16", default="prefix", help="masks also run at L 16384 ('' for none)")
     ap.add_argument("--flex-L", default="4096", help="lengths FlexAttention runs at")
+    ap.add_argument("--flex-fwd", default="prefix",
+                    help="masks whose FlexAttention forward is timed too ('' for none)")
     ap.add_argument("--masks", default="document,prefix", help="of document, prefix, window")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--model", action="store_true", help="the makespan model only (no GPU)")
@@ -208,6 +213,7 @@ def main(argv=None) -> int:
     points += [(name, 16384, int(d)) for d in a.d.split(",") for name in a.L16.split(",")
                if name and (name, 16384, int(d)) not in points]
     flex_L = {int(x) for x in a.flex_L.split(",") if x}
+    flex_fwd = {x for x in a.flex_fwd.split(",") if x}
 
     def flex_warm():      # one forward and one fwd+bwd call of every FlexAttention point
         for name, L, d in points:
@@ -218,8 +224,9 @@ def main(argv=None) -> int:
             leaves = [torch.zeros((max(1, suite_mods.TOKENS // L), H, L, d), dtype=torch.bfloat16,
                                   device="cuda", requires_grad=True) for _ in range(3)]
             fbm = cbm(mask_mod, None, None, L, L, device="cuda")
-            with torch.no_grad():
-                compiled(*(x.detach() for x in leaves), score_mod=None, block_mask=fbm)
+            if name in flex_fwd:
+                with torch.no_grad():
+                    compiled(*(x.detach() for x in leaves), score_mod=None, block_mask=fbm)
             o = compiled(*leaves, score_mod=None, block_mask=fbm)
             o.backward(torch.ones_like(o))
         torch.cuda.synchronize()
@@ -266,6 +273,8 @@ def main(argv=None) -> int:
         if compiled is not None and L in flex_L:        # as suite_mods times it
             for mode, key, flops in (("fwd", "flex_fwd", fwd_flops),
                                      ("fwd_bwd", "flex", 3.5 * fwd_flops)):
+                if mode == "fwd" and name not in flex_fwd:
+                    continue
                 (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, mode, d, L, B, H,
                                                 [(q, k, v)], None, flops)
                 got[key] = row["ms"]
