@@ -7,16 +7,17 @@ its tiles hold 0.61 visible pairs each against 0.80 for 128-row blocks and 0.89 
 and every block's list is short, so its fixed cost weighs (bench/NOTES.md, session 11).
 
     PYTHONPATH=. python bench/probes/bmask_short_wg.py [--json out.json] [--no-flex]
-        [--points document,window] [--d 64,128] [--L 4096,16384]
+        [--points document,window,prefix] [--d 64,128] [--L 4096,16384]
 
 One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d), forward only (the
 switch changes nothing else): the suite's causal documents and its window 1024 as a block mask
-(both ``causal=True``), arms ``table`` (the table's warpgroups), ``wg2`` and ``wg1`` (at most 2 /
-1 warpgroups a block for lists shorter than ``CUFLASH_FWD90_BMASK_LONG``'s 2048 keys), each
-also with session 10's persistent schedule (``persist``, ``wg2p``:
+(both ``causal=True``) and prefix-LM (its lists are long; L 4k only), arms ``table`` (the
+table's warpgroups), ``wg2`` and ``wg1`` (at most 2 / 1 warpgroups a block for lists shorter
+than ``CUFLASH_FWD90_BMASK_LONG``'s 2048 keys), the first two also with session 10's persistent schedule (``persist``, ``wg2p``:
 ``CUFLASH_FWD90_PERSIST=auto``, where a block is alone on its SM: d 128; elsewhere the same
 build as without; not with 1 warpgroup, whose persistent grid of one block an SM would leave
-the SM 4 warps), and
+the SM 4 warps), ``pall`` (``CUFLASH_FWD90_PERSIST=all``: persistent for any Variant,
+prefix-LM's long lists too), and
 ``torch.compile``d FlexAttention as suite_mods times it. Every arm's output is checked against
 the table arm's (the kit's rule needs the float64 reference, too slow here: max |difference|
 is printed and stored, and must be of bfloat16's rounding). Prints ms / TFLOP/s on visible
@@ -40,7 +41,10 @@ ARMS = {"table": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIS
         # session 10's persistent schedule (opt-in "auto": short lists at 1 block an SM, so d
         # 128 only), never measured on the suite's documents, with each warpgroup count
         "persist": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "auto"},
-        "wg2p": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "auto"}}
+        "wg2p": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "auto"},
+        # ... and for any Variant ("all"): prefix-LM's long lists too, whose d 64 forward at 4k
+        # ran at 0.93x Flex (1 block an SM there: nothing overlaps a block's start and end)
+        "pall": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "all"}}
 
 
 def dump(path, rows, complete: bool) -> None:
@@ -55,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--L", default="4096,16384")
-    ap.add_argument("--points", default="document,window")
+    ap.add_argument("--points", default="document,window,prefix")
     ap.add_argument("--no-flex", action="store_true")
     a = ap.parse_args(argv)
     import cupy
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
         from torch.nn.attention.flex_attention import create_block_mask as cbm
         compiled = compile_flex(torch)
     points = [(n, int(d), int(L)) for n in a.points.split(",") for d in a.d.split(",")
-              for L in a.L.split(",")]
+              for L in a.L.split(",") if n != "prefix" or int(L) == 4096]
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t0 = [], time.perf_counter()
 
