@@ -231,8 +231,8 @@ __device__ __forceinline__ int load_opaque(const int* ptr) {
 // consecutive fractions of a group share their boundary, a partition).
 struct KeyRange { int start, end; };
 template <bool STREAM, int KEYS_PER_ITER>
-__device__ __forceinline__ KeyRange key_range(const DecodeParams& p, int n, int split, int lo, int hi,
-                                          long long den) {
+__device__ __forceinline__ KeyRange key_range(const DecodeParams& p, int n, int split, int lo,
+                                              int hi, long long den) {
   const int iters = (n + KEYS_PER_ITER - 1) / KEYS_PER_ITER;
   int start, end;
   if (STREAM) {

@@ -1,14 +1,14 @@
-"""decode_mma's fixed cost a call (session 11): the first K/V copies issued before
-cache_seqlens arrives (decode_mma.cu's CUFLASH_DECODE_EARLY_KV, the switch
-CUFLASH_DECODE_EARLY) and the fused merge's arrival and counter reset as one atomicInc
-(CUFLASH_DECODE_ARRIVE_WRAP, the switch CUFLASH_DECODE_ARRIVE), in the g++ emulation
-(tests/_emu_decode.py): the default build against the build of session 10 (both defines 0;
-blocks in order and shuffled, the arrival counters left at 0 by every call), bitwise, on dense caches whose rows are full (the early copies are the prologue's), shorter
-than the capacity (every split but the first moves: they are issued again over the early
-ones), shorter than the prologue's keys (one split) or empty, and lengths out of range (the
-clamp). The cache past each row's length holds NaN, so that a tile read from the guessed range
-and never replaced shows in the output (0 x NaN in O += P V), and every cp.async source is
-checked to lie inside the cache (the guessed range never passes the capacity)."""
+"""decode_mma's fixed cost a call (session 11): the first K/V copies issued before cache_seqlens
+arrives (decode_mma.cu's CUFLASH_DECODE_EARLY_KV, the switch CUFLASH_DECODE_EARLY) and the fused
+merge's arrival and counter reset as one atomicInc (CUFLASH_DECODE_ARRIVE_WRAP, the switch
+CUFLASH_DECODE_ARRIVE), in the g++ emulation (tests/_emu_decode.py): the default build against
+the build of session 10 (both defines 0; blocks in order and shuffled, the arrival counters left
+at 0 by every call), bitwise, on dense caches whose rows are full (the early copies are the
+prologue's), shorter than the capacity (every split but the first moves: they are issued again
+over the early ones), shorter than the prologue's keys (one split) or empty, and lengths out of
+range (the clamp). The cache past each row's length holds NaN, so that a tile read from the
+guessed range and never replaced shows in the output (0 x NaN in O += P V), and every cp.async
+source is checked to lie inside the cache (the guessed range never passes the capacity)."""
 
 from __future__ import annotations
 

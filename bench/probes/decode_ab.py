@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     points, modes = (POINTS_S11, MODES_S11) if args.set == "s11" else (POINTS, MODES)
     if not args.no_precompile:
-        print(f"precompiled the variants in {precompile(modes, args.set == 's10'):.0f} s", flush=True)
+        seconds = precompile(modes, stream=args.set == "s10")
+        print(f"precompiled the variants in {seconds:.0f} s", flush=True)
     rows = []
     dense_done = {}
     for B, Hq, Hkv, Lk, ps in points:
