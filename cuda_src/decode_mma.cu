@@ -177,8 +177,10 @@ __device__ __forceinline__ void cp_async_kv(unsigned dst, const void* src, int s
 // where they differ (a row shorter than the capacity, several splits; or n below the
 // prologue's last key), the copies are left to land (wait_group 0) and those of the real range
 // issued over them, the copies session 10 issued. Either way the tiles the loop reads are the
-// same bytes: bitwise the result of 0. Not for paged caches (the page walk reads its table from
-// n's tiles) nor the STREAM build (its blocks' first group is no split's).
+// same bytes: bitwise the result of 0. (Never masked instead: rows past n are the cache's
+// unwritten slots, possibly NaN, and a masked key's p = 0 times a NaN V row is NaN in O.)
+// Not for paged caches (the page walk reads its table from n's tiles) nor the STREAM build
+// (its blocks' first group is no split's).
 #ifndef CUFLASH_DECODE_EARLY_KV
 #define CUFLASH_DECODE_EARLY_KV 1
 #endif
@@ -370,7 +372,8 @@ decode_mma(const DecodeParams p) {
   int first_g = 0, end_g = 0;
   constexpr int kSpan = (S - 2) * Tr::kKeysPerIter + Tr::kKeys;
   if (!STREAM && !CUFLASH_PAGED(p)) {
-    const KeyRange range_g = key_range<STREAM, Tr::kKeysPerIter>(p, p.capacity, split, lo, hi, den);
+    const KeyRange range_g =
+        key_range<STREAM, Tr::kKeysPerIter>(p, p.capacity, split, lo, hi, den);
     first_g = range_g.start + warp * Tr::kKeys;
     end_g = range_g.end;
 #pragma unroll
