@@ -148,6 +148,12 @@ __device__ __forceinline__ void cp_async_kv(unsigned dst, const void* src, int s
 #ifndef CUFLASH_DECODE_MERGE_PREFETCH
 #define CUFLASH_DECODE_MERGE_PREFETCH 16
 #endif
+// The fused merge's arrival and counter reset as one atomic (merge_splits_if_last's WRAP): 1 by
+// default; 0 (the arrival of sessions 7-10) where the host defines it so
+// (CUFLASH_DECODE_ARRIVE=fence, A/B runs).
+#ifndef CUFLASH_DECODE_ARRIVE_WRAP
+#define CUFLASH_DECODE_ARRIVE_WRAP 1
+#endif
 
 // The page walk of a paged cache (CUFLASH_DECODE_PAGE_WALK, 1 by default; 0 where the host
 // defines it so, CUFLASH_DECODE_PAGES=s9: A/B runs): 1, lane j of a warp holds the page of the
@@ -158,6 +164,25 @@ __device__ __forceinline__ void cp_async_kv(unsigned dst, const void* src, int s
 // read a tile, and a miss in L2 every other iteration: the copies then wait on it).
 #ifndef CUFLASH_DECODE_PAGE_WALK
 #define CUFLASH_DECODE_PAGE_WALK 1
+#endif
+
+// The first K/V copies issued before cache_seqlens[b] arrives (CUFLASH_DECODE_EARLY_KV, 1 by
+// default; 0 where the host defines it so, CUFLASH_DECODE_EARLY=0: the machine code of session
+// 10, A/B runs). The length n of a batch row is a device value: reading it is one DRAM round
+// trip (the rows' lengths are evicted from L2 by the previous call's K/V stream), and before,
+// the first copies waited for it, then made their own round trip. Every key range of the even
+// splits of a dense cache is known from n; the copies of the prologue (S - 1 tiles a warp) are
+// issued for the range of a full row, n = capacity (with one split: key 0 on, whatever n, as
+// long as n reaches the prologue's last key), then compared with the range of the real n:
+// where they differ (a row shorter than the capacity, several splits; or n below the
+// prologue's last key), the copies are left to land (wait_group 0) and those of the real range
+// issued over them, the copies session 10 issued. Either way the tiles the loop reads are the
+// same bytes: bitwise the result of 0. (Never masked instead: rows past n are the cache's
+// unwritten slots, possibly NaN, and a masked key's p = 0 times a NaN V row is NaN in O.)
+// Not for paged caches (the page walk reads its table from n's tiles) nor the STREAM build
+// (its blocks' first group is no split's).
+#ifndef CUFLASH_DECODE_EARLY_KV
+#define CUFLASH_DECODE_EARLY_KV 1
 #endif
 
 // Issue the cp.async copies of one warp tile: keys [key0, key0 + 16), `valid` of which exist
@@ -189,6 +214,38 @@ __device__ __forceinline__ void issue_tile(const TileSrc<T>& src, unsigned ks, c
       cp_async_kv(ks + kTileBytes + soff[i], in ? src.v + i * vstep : v0, in ? v_bytes : 0);
     }
   }
+}
+
+// A load the compiler keeps where it is written and whose value it cannot move (its uses come
+// after it in the order of the source): cache_seqlens[b] for CUFLASH_DECODE_EARLY_KV.
+__device__ __forceinline__ int load_opaque(const int* ptr) {
+#ifdef __CUDA_ARCH__
+  int x;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(x) : "l"(ptr));
+  return x;
+#else
+  return *ptr;    // the host emulation (tests/_emu_decode.py)
+#endif
+}
+
+// The key range [start, end) of a block of a row of n keys: its split's (num_splits even
+// ranges of whole iterations) or, STREAM, its units [lo, hi) of den (whole iterations:
+// consecutive fractions of a group share their boundary, a partition).
+struct KeyRange { int start, end; };
+template <bool STREAM, int KEYS_PER_ITER>
+__device__ __forceinline__ KeyRange key_range(const DecodeParams& p, int n, int split, int lo,
+                                              int hi, long long den) {
+  const int iters = (n + KEYS_PER_ITER - 1) / KEYS_PER_ITER;
+  int start, end;
+  if (STREAM) {
+    start = min(n, static_cast<int>(static_cast<long long>(lo) * iters / den) * KEYS_PER_ITER);
+    end = min(n, static_cast<int>(static_cast<long long>(hi) * iters / den) * KEYS_PER_ITER);
+  } else {
+    const int per_split = (iters + p.num_splits - 1) / p.num_splits;
+    start = min(n, split * per_split * KEYS_PER_ITER);
+    end = min(n, start + per_split * KEYS_PER_ITER);
+  }
+  return {start, end};
 }
 
 // The kernel. Without STREAM: blockIdx.x = ((b * Hkv + h) * row_tiles + tile) * num_splits +
@@ -262,21 +319,18 @@ decode_mma(const DecodeParams p) {
   const int b = bh / p.Hkv, h = bh % p.Hkv;
   const int rows_total = p.G * p.Lq;
 
+#if CUFLASH_DECODE_EARLY_KV
+  // n's load issued now, its value read after the early copies (an opaque load: the compiler
+  // would otherwise compute n's range where the load is, and wait for it before any copy)
+  int n_loaded = load_opaque(reinterpret_cast<const int*>(p.cache_seqlens) + b);
+#else
   const int n = total_keys(p, b);
-  const int iters = (n + Tr::kKeysPerIter - 1) / Tr::kKeysPerIter;
-  int start, end;
-  if (STREAM) {
-    // whole iterations: consecutive fractions of a group share their boundary (a partition)
-    start = min(n, static_cast<int>(static_cast<long long>(lo) * iters / den) * Tr::kKeysPerIter);
-    end = min(n, static_cast<int>(static_cast<long long>(hi) * iters / den) * Tr::kKeysPerIter);
-  } else {
-    const int per_split = (iters + p.num_splits - 1) / p.num_splits;
-    start = min(n, split * per_split * Tr::kKeysPerIter);
-    end = min(n, start + per_split * Tr::kKeysPerIter);
-  }
+  const KeyRange range = key_range<STREAM, Tr::kKeysPerIter>(p, n, split, lo, hi, den);
+  const int start = range.start, end = range.end;
   // this warp's tiles: key0 = start + 64 t + 16 warp < end
   const int first = start + warp * Tr::kKeys;
   const int ntiles = first < end ? (end - first + Tr::kKeysPerIter - 1) / Tr::kKeysPerIter : 0;
+#endif
 
   // -- the Q tile (16 packed rows; rows past G * Lq and columns past d are zeros), one group
   //    with this warp's first K/V tile
@@ -310,6 +364,41 @@ decode_mma(const DecodeParams p) {
   pin(v_bytes);
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) pin(soff[i]);
+#if CUFLASH_DECODE_EARLY_KV
+  // the prologue's copies for a full row (n = capacity), before n is known (below); `early`:
+  // they are the copies of the real range (the same first tile, the same keys covered up to
+  // the prologue's last: kSpan), else (rare) they land and the real ones are issued over them
+  bool early = false;
+  int first_g = 0, end_g = 0;
+  constexpr int kSpan = (S - 2) * Tr::kKeysPerIter + Tr::kKeys;
+  if (!STREAM && !CUFLASH_PAGED(p)) {
+    const KeyRange range_g =
+        key_range<STREAM, Tr::kKeysPerIter>(p, p.capacity, split, lo, hi, den);
+    first_g = range_g.start + warp * Tr::kKeys;
+    end_g = range_g.end;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      const int key0 = first_g + s * Tr::kKeysPerIter;
+      if (key0 < end_g)
+        issue_tile<T, HEAD_DIM>(tile_src<T>(p, b, key0, 0, lane_k, lane_v),
+                                warp_s + 2 * s * Tr::kTileBytes, soff, kstep, vstep, end_g - key0,
+                                ld_row, k_bytes, v_bytes);
+      cp_async_commit();
+    }
+  }
+  // n (total_keys's clamp) and the range: from here on the copies wait for cache_seqlens
+  pin(n_loaded);
+  const int n = min(max(n_loaded, 0), p.capacity - p.Lnew) + p.Lnew;
+  const KeyRange range = key_range<STREAM, Tr::kKeysPerIter>(p, n, split, lo, hi, den);
+  const int start = range.start, end = range.end;
+  // this warp's tiles: key0 = start + 64 t + 16 warp < end
+  const int first = start + warp * Tr::kKeys;
+  const int ntiles = first < end ? (end - first + Tr::kKeysPerIter - 1) / Tr::kKeysPerIter : 0;
+  if (!STREAM && !CUFLASH_PAGED(p)) {
+    early = first_g == first && min(end_g, first_g + kSpan) == min(end, first + kSpan);
+    if (!early) cp_async_wait<0>();         // the wrong range's copies landed: overwrite them
+  }
+#endif
 #if CUFLASH_DECODE_PAGE_WALK
   // paged: the pages of this warp's tiles [0, 32) (pwin, lane j: tile j) and [32, 64) (pnext)
   int pwin = 0, pnext = 0;
@@ -317,6 +406,9 @@ decode_mma(const DecodeParams p) {
     pwin = lane < ntiles ? page_of(p, b, first + lane * Tr::kKeysPerIter) : 0;
     pnext = 32 + lane < ntiles ? page_of(p, b, first + (32 + lane) * Tr::kKeysPerIter) : 0;
   }
+#endif
+#if CUFLASH_DECODE_EARLY_KV
+  if (!early) {                             // (else the copies above are the prologue's)
 #endif
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
@@ -333,6 +425,9 @@ decode_mma(const DecodeParams p) {
     }
     cp_async_commit();
   }
+#if CUFLASH_DECODE_EARLY_KV
+  }
+#endif
   cp_async_wait<S - 2>();                   // the Q tile (and stage 0) landed
   __syncthreads();
 
@@ -520,7 +615,8 @@ decode_mma(const DecodeParams p) {
   // -- the combine of the splits, by the group's last block (the Q tile's region holds the
   //    flag, the warps' regions the weights: nothing reads either any more)
   if (FUSE && CUFLASH_NSPLIT > 1)
-    merge_splits_if_last<T, Tr::kThreads, CUFLASH_DECODE_MERGE_PREFETCH>(
+    merge_splits_if_last<T, Tr::kThreads, CUFLASH_DECODE_MERGE_PREFETCH,
+                         CUFLASH_DECODE_ARRIVE_WRAP != 0>(
         p, rest, bh, rows_total, tile * 16, min(16, rows_total - tile * 16),
         reinterpret_cast<float*>(smem + Tr::kTileBytes), reinterpret_cast<int*>(smem), CUFLASH_NSPLIT);
 #undef CUFLASH_NSPLIT

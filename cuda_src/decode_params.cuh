@@ -171,7 +171,13 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int b, int h, i
 // L2 round trip for S <= PRE where phase A then phase B took two or three (the merging block
 // is the kernel's last work: its latency is the call's). The same operations in the same
 // order: bitwise the result of PRE = 0 (decode_split's, and CUFLASH_DECODE_MERGE=0's).
-template <typename T, int THREADS, int PRE = 0>
+//   WRAP (decode_mma's default, CUFLASH_DECODE_ARRIVE_WRAP; not decode_split's): the arrival and
+// the counter's reset are one atomic, atomicInc(count, nsplit - 1), which wraps the count to 0
+// at the last arrival (the one that reads nsplit - 1). Before, the last block then reset it
+// with a second atomic (atomicExch) and its acquire fence waited for that write to land: an
+// L2 round trip more on the call's last path (the merging block is the kernel's last work).
+// The same partials merged in the same order: bitwise the result of WRAP = false.
+template <typename T, int THREADS, int PRE = 0, bool WRAP = false>
 __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int bh,
                                                      int rows_total, int row0, int nrows,
                                                      float* sw, int* sflag, int nsplit) {
@@ -195,9 +201,17 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
   }
 #else
   publish_block_writes();
-  if (threadIdx.x == 0)   // (reset: the counter is left at 0 for the next call on the stream)
+  if (WRAP) {
+    if (threadIdx.x == 0) {  // (the last arrival leaves the counter at 0 for the next call)
+      const unsigned top = unsigned(nsplit) - 1u;
+      const bool last = atomicInc(reinterpret_cast<unsigned*>(p.counters) + group, top) == top;
+      if (last) __threadfence();           // acquire: the other blocks' partials, read below
+      *sflag = last;
+    }
+  } else if (threadIdx.x == 0) {  // (reset: the counter is left at 0 for the next call)
     *sflag = arrive_is_last(reinterpret_cast<unsigned*>(p.counters) + group,
                             unsigned(nsplit), true);
+  }
 #endif
   __syncthreads();
   if (!*sflag) return;                     // the same for the whole block (shared memory)

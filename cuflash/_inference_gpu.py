@@ -34,7 +34,11 @@ deep cp.async ring of grids of at most one block an SM: opt-in, "auto"; unset or
 ring),
 ``CUFLASH_DECODE_L2`` (L2 hints on the K/V copies, opt-in), ``CUFLASH_DECODE_MERGE=0`` (the
 fused merge of session 7, two or three L2 round trips instead of one), ``CUFLASH_DECODE_SPLITS``
-(above; "s9", "slots"), ``CUFLASH_DECODE_PAGES=s9`` (the page walk of sessions 7-9).
+(above; "s9", "slots"), ``CUFLASH_DECODE_PAGES=s9`` (the page walk of sessions 7-9),
+``CUFLASH_DECODE_EARLY`` (the first K/V copies issued before cache_seqlens arrives, for a full
+row: by default; "one" only with one split, "0" never), ``CUFLASH_DECODE_ARRIVE`` (the fused
+merge's arrival: one atomicInc that also resets the counter by default; "fence" session 10's
+atomicAdd then atomicExch, "release" CUTLASS's barrier).
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ import os
 import numpy
 
 from . import _families, _launch, _traits
-from ._inference_grid import (STREAM_HEAD_DIM, balanced_splits, deep_stages, prelude, slot_grid,
-                              splits_mode, stages_mode, stream_grid, stream_mode, stream_spans)
+from ._inference_grid import (STREAM_HEAD_DIM, balanced_splits, deep_stages, early_mode, prelude,
+                              slot_grid, splits_mode, stages_mode, stream_grid, stream_mode,
+                              stream_spans)
 from ._plan import PlanCache
 from ._variant import LOG2E, VARIANT_PARAMS, Variant
 
@@ -444,7 +449,9 @@ def spec_or_reason(c, dev=None):
     stages = 3
     if choice.family.name == "decode_sm80":
         grid = stream or c.B * Hkv * tiles * splits
-        stages = deep_stages(grid, dev.num_sms, t.head_dim, dev.smem_optin)
+        iters = -(-c.capacity // keys_per_iter)           # a block's key iterations (even splits)
+        share = None if stream else -(-iters // splits)
+        stages = deep_stages(grid, dev.num_sms, t.head_dim, dev.smem_optin, share=share)
     if stages != 3:
         flags = dict(choice.flags, stream=", true" if stream else ", false", stages=f", {stages}")
         choice = dataclasses.replace(choice, flags=tuple(sorted(flags.items())),
@@ -454,7 +461,8 @@ def spec_or_reason(c, dev=None):
                        f"cp.async ring ({stages - 1} K/V tiles a warp in flight, "
                        f"{_traits.decode_sm80_smem(t.head_dim, stages) // 1024} KB of shared "
                        f"memory; CUFLASH_DECODE_STAGES=3: session 8's 3)")
-    defines = prelude(fuse) if choice.family.name == "decode_sm80" else ""
+    defines = (prelude(fuse, 0 if stream else splits) if choice.family.name == "decode_sm80"
+               else "")
     if defines:
         reasons.append("  A/B build: " + defines.replace("#define ", "").strip().replace("\n", ", "))
     return DecodeSpec(c, Hkv, G, st, choice, splits, reasons, fuse, stream, defines, stages)
@@ -465,7 +473,7 @@ def decode_plan(c):
     key = (c.device_id, _layout(c.q), _layout(c.k_cache), _layout(c.v_cache),
            _layout(c.k_new), _layout(c.v_new), _layout(c.block_table), c.seqlens.strides,
            c.num_splits, c.scale, c.causal, _forced(), fuse_wanted(), stream_mode(), stages_mode(),
-           splits_mode(), prelude())
+           splits_mode(), prelude(), early_mode())
     plan = _PLANS.get(key)
     if plan is None:
         spec = spec_or_reason(c)

@@ -4,7 +4,10 @@ iterations shared equally by one wave of blocks; by default where the groups fil
 resident slot and a block's share is long), the deep cp.async ring of grids of at most one
 block an SM (decode_mma.cu's STAGES; opt-in), the L2 hints of its K/V copies, the split count
 (balanced_splits by default; session 9's, or every resident slot: CUFLASH_DECODE_SPLITS) and
-the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9)."""
+the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9),
+the first K/V copies before the rows' lengths arrive (decode_mma.cu's EARLY_KV by default;
+CUFLASH_DECODE_EARLY=0 / one) and the fused merge's arrival (one atomicInc by default;
+CUFLASH_DECODE_ARRIVE=fence / release)."""
 
 from __future__ import annotations
 
@@ -45,33 +48,47 @@ def stream_mode() -> str:
     return value or "auto"
 
 
+#: CUFLASH_DECODE_STAGES=long: the deep ring only where a block reads at least this many key
+#: iterations (B 8 32/8 at 2 splits: 512 / 1024 at Lk 64k / 128k, where session 9 measured the
+#: deep ring +0.2 / +0.65%; B 1 32/8's 64-128, where it lost 4%, keep 3 stages)
+DEEP_MIN_SHARE = 512
+
+
 def stages_mode() -> int:
     """CUFLASH_DECODE_STAGES: decode_sm80's cp.async ring depth for grids of at most one block
     an SM (decode_mma.cu's STAGES; head-dim bucket 128): unset or "3" session 8's ring
     everywhere (the default: session 9's H200 run, bench/NOTES.md, measured the deep ring 4%
     slower at B = 1, 32/8, Lk 64k and 128k, and within 0.6% at B = 8); "auto" the deepest of
-    _traits.DECODE_SM80_DEEP_STAGES that fits the device's shared memory (returns 0); "4" ..
-    "8" that depth where it fits (A/B runs; the gate compiles 4 and 5)."""
+    _traits.DECODE_SM80_DEEP_STAGES that fits the device's shared memory (returns 0); "long"
+    the same where a block reads at least DEEP_MIN_SHARE key iterations (returns -1; A/B runs,
+    session 11); "4" .. "8" that depth where it fits (A/B runs; the gate compiles 4 and 5)."""
     value = os.environ.get("CUFLASH_DECODE_STAGES", "").strip().lower()
     if value == "":
         return 3
     if value == "auto":
         return 0
+    if value == "long":
+        return -1
     if value not in tuple(str(i) for i in range(3, 9)):
-        raise ValueError(f"CUFLASH_DECODE_STAGES={value!r}: expected auto or 3..8")
+        raise ValueError(f"CUFLASH_DECODE_STAGES={value!r}: expected auto, long or 3..8")
     return int(value)
 
 
 def deep_stages(blocks: int, num_sms: int, head_dim: int, smem_optin: int,
-                mode: int | None = None) -> int:
+                mode: int | None = None, share: int | None = None) -> int:
     """The ring depth of a decode_sm80 grid of ``blocks`` blocks: 3 unless the grid is at most
     one block an SM (then a deep ring costs no occupancy: the blocks are one wave either way)
     at head-dim bucket 128; then ``mode`` (stages_mode(): 0 the deepest of
-    DECODE_SM80_DEEP_STAGES that fits ``smem_optin``, 3 none, else that depth if it fits)."""
+    DECODE_SM80_DEEP_STAGES that fits ``smem_optin``, -1 the same where ``share``, the key
+    iterations of a block, is at least DEEP_MIN_SHARE, 3 none, else that depth if it fits)."""
     from ._traits import DECODE_SM80_DEEP_STAGES, decode_sm80_smem
     mode = stages_mode() if mode is None else mode
     if mode == 3 or head_dim != STREAM_HEAD_DIM or not 0 < blocks <= num_sms:
         return 3
+    if mode == -1:
+        if share is None or share < DEEP_MIN_SHARE:
+            return 3
+        mode = 0
     for stages in ((mode,) if mode else DECODE_SM80_DEEP_STAGES):
         if decode_sm80_smem(head_dim, stages) <= smem_optin:
             return stages
@@ -99,14 +116,23 @@ def merge_prefetch_wanted() -> bool:
     return value != "0"
 
 
-def release_arrival_wanted() -> bool:
-    """CUFLASH_DECODE_ARRIVE: "release" makes decode_mma's fused-merge arrival one thread's
-    acq_rel fence after the block barrier (CUTLASS's barrier) instead of every thread's
-    fence.sc (A/B runs; decode_params.cuh); unset or "fence": the latter."""
+def arrival_mode() -> str:
+    """CUFLASH_DECODE_ARRIVE: decode_mma's fused-merge arrival (decode_params.cuh's
+    merge_splits_if_last). Unset or "wrap" (the default, session 11): every thread's fence.sc,
+    the block barrier, then one atomicInc that arrives and, at the last arrival, wraps the
+    count to 0 (decode_mma.cu's CUFLASH_DECODE_ARRIVE_WRAP); "fence" (sessions 7-10, A/B runs):
+    the same arrival by atomicAdd, then the last block's reset by atomicExch, which its acquire
+    fence waits for (an L2 round trip more); "release" (A/B runs): one thread's acq_rel fence
+    after the block barrier (CUTLASS's barrier)."""
     value = os.environ.get("CUFLASH_DECODE_ARRIVE", "").strip().lower()
-    if value not in ("", "fence", "release"):
-        raise ValueError(f"CUFLASH_DECODE_ARRIVE={value!r}: expected fence or release")
-    return value == "release"
+    if value not in ("", "wrap", "fence", "release"):
+        raise ValueError(f"CUFLASH_DECODE_ARRIVE={value!r}: expected wrap, fence or release")
+    return value or "wrap"
+
+
+def release_arrival_wanted() -> bool:
+    """CUFLASH_DECODE_ARRIVE=release (arrival_mode)."""
+    return arrival_mode() == "release"
 
 
 def page_walk_wanted() -> bool:
@@ -120,17 +146,37 @@ def page_walk_wanted() -> bool:
     return value != "s9"
 
 
-def prelude(fused: bool = True) -> str:
+def early_mode() -> str:
+    """CUFLASH_DECODE_EARLY: decode_mma's first K/V copies issued before cache_seqlens arrives
+    (decode_mma.cu's CUFLASH_DECODE_EARLY_KV: the prologue's copies of a full row's range, n =
+    capacity, issued again where the real range differs). Unset or "all" (the default): every
+    even-split build of a dense cache; "one": only grids of one split (their first copies
+    start at key 0 whatever n; with several splits a row shorter than the capacity moves every
+    split but the first, whose early copies, ~64 KB a block, are then wasted and waited for);
+    "0": none (session 10's machine code, A/B runs)."""
+    value = os.environ.get("CUFLASH_DECODE_EARLY", "").strip().lower()
+    if value not in ("", "all", "one", "0"):
+        raise ValueError(f"CUFLASH_DECODE_EARLY={value!r}: expected all, one or 0")
+    return value or "all"
+
+
+def prelude(fused: bool = True, splits: int = 1) -> str:
     """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
     the builds the compile gate checks); those of the fused merge only for a ``fused`` build
-    (the others would compile the same machine code again)."""
+    (the others would compile the same machine code again); the early copies' (early_mode) for
+    a grid of ``splits`` even splits (0: the stream grid, whose build issues none either way:
+    "0" compiles its machine code of session 10)."""
     out = "" if page_walk_wanted() else "#define CUFLASH_DECODE_PAGE_WALK 0\n"
+    if early_mode() == "0" or (early_mode() == "one" and splits > 1):
+        out += "#define CUFLASH_DECODE_EARLY_KV 0\n"
     if l2_mode():
         out += f"#define CUFLASH_DECODE_L2 {l2_mode()}\n"
     if fused and not merge_prefetch_wanted():
         out += "#define CUFLASH_DECODE_MERGE_PREFETCH 0\n"
-    if fused and release_arrival_wanted():
+    if fused and arrival_mode() == "release":
         out += "#define CUFLASH_DECODE_RELEASE_ARRIVAL 1\n"
+    if fused and arrival_mode() == "fence":
+        out += "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n"
     return out
 
 

@@ -80,14 +80,16 @@ class Library:
             raise RuntimeError(f"{expr}: {self.lib.emu_message().decode()}")
 
 
-def build(exprs: list[str]) -> Library:
-    """g++-compile the kernels ``exprs`` of decode.cu / combine.cu (cached by source text)."""
+def build(exprs: list[str], prelude: str = "") -> Library:
+    """g++-compile the kernels ``exprs`` of decode.cu / combine.cu / decode_mma.cu (cached by
+    source text); ``prelude``: defines put before decode_mma.cu (its A/B builds, as the plan's
+    DecodeSpec.prelude)."""
     src_dir = cuda_src_dir()
     decode = (src_dir / "decode.cu").read_text()
     if _SMEM_DECL not in decode:
         raise RuntimeError("decode.cu's shared-memory declaration changed: update _emu_decode")
     text = (_PRELUDE + decode.replace(_SMEM_DECL, _SMEM_HOST) + (src_dir / "combine.cu").read_text()
-            + (src_dir / "decode_mma.cu").read_text())
+            + prelude + (src_dir / "decode_mma.cu").read_text())
     text = _emu_sm80.host_source(text)     # local includes; mma_sm80.cuh -> its emulation
     cases = "\n".join(
         f"    case {i}: body = [&] {{ {e}(P); }}; break;" for i, e in enumerate(exprs))

@@ -1,7 +1,31 @@
 #!/usr/bin/env python3
-"""Question: do decode_sm80's session-10 defaults (the split count that fills one block an SM
-with the fewest key iterations; the page walk a warp's 32 pages at a time) beat session 9's,
-and the peers? And does the slot grid (every resident slot, two blocks an SM) pay?
+"""Question: does decode_sm80's fixed cost a call come down with session 11's two cuts (the
+first K/V copies issued before cache_seqlens arrives; the fused merge's arrival and counter
+reset as one atomic), and where does that leave issue 11's >= 1.0x the better peer? (--set
+s10: session 10's question, its points and arms, below.)
+
+--set s11 (the default), in one process, plans forgotten (``cuflash._api.clear_plans()``)
+between the variants, at issue 11's open points (bf16, d 128, one query token, dense caches:
+B 8 32/8 8k / 64k / 128k, B 8 32/32 8k, B 64 32/8 8k, B 1 32/8 128k):
+  cuflash_old    CUFLASH_DECODE_EARLY=0 CUFLASH_DECODE_ARRIVE=fence: session 10's default
+                 (its machine code exactly: the defines 0);
+  cuflash        the default: the prologue's K/V copies for a full row issued before the
+                 row's length arrives (decode_mma.cu's EARLY_KV; re-issued where the real
+                 range differs), and the arrival by atomicInc (ARRIVE_WRAP: no atomicExch for
+                 the last block's acquire fence to wait on);
+  cuflash_early  CUFLASH_DECODE_ARRIVE=fence: the early copies alone;
+  cuflash_deep   CUFLASH_DECODE_STAGES=long on the default: the 5-stage ring where the grid is
+                 at most one block an SM and a block reads >= 512 key iterations (B 8 32/8
+                 64k / 128k at 2 splits; session 9 measured the deep ring there +0.2 / +0.65%,
+                 and -4% at B 1's short shares, which keep 3 stages); elsewhere the default;
+then SDPA cuDNN and SDPA flash (skipped without torch). The last lines print, per point, each
+cuflash row's ratio to the better peer (back to back / one call at a time) and its time saved
+against cuflash_old (us, back to back).
+
+--set s10: session 10's question: do decode_sm80's session-10 defaults (the split count that
+fills one block an SM with the fewest key iterations; the page walk a warp's 32 pages at a time)
+beat session 9's, and the peers? And does the slot grid (every resident slot, two blocks an SM)
+pay?
 
 At each point of issue 11's decode targets (bf16, d 128, one query token), in one process,
 plans forgotten (``cuflash._api.clear_plans()``) between the variants:
@@ -29,7 +53,8 @@ lines print, per dense point, each cuflash row's ratio to the better peer (back 
 iso), and per paged point each row's ratio to the dense default (>= 0.90 at page 16 and
 >= 0.97 at page 256 are issue 11's targets).
 
-    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab.json     (~40-70 s on an H200)
+    PYTHONPATH=. python bench/probes/decode_ab.py --json decode_ab_s11.json   (s11: ~30-50 s)
+    PYTHONPATH=. python bench/probes/decode_ab.py --set s10 --json decode_ab.json  (~40-70 s)
 """
 from __future__ import annotations
 
@@ -50,13 +75,21 @@ POINTS = [  # B, Hq, Hkv, Lk, page size (0: dense)
 MODES = (("cuflash_old", {"CUFLASH_DECODE_SPLITS": "s9", "CUFLASH_DECODE_PAGES": "s9"}),
          ("cuflash", {}),
          ("cuflash_slots", {"CUFLASH_DECODE_SPLITS": "slots"}))
+#: session 11's points (dense) and arms (--set s11)
+POINTS_S11 = [(8, 32, 8, 8192, 0), (8, 32, 8, 65536, 0), (8, 32, 8, 131072, 0),
+              (8, 32, 32, 8192, 0), (64, 32, 8, 8192, 0), (1, 32, 8, 131072, 0)]
+MODES_S11 = (("cuflash_old", {"CUFLASH_DECODE_EARLY": "0", "CUFLASH_DECODE_ARRIVE": "fence"}),
+             ("cuflash", {}),
+             ("cuflash_early", {"CUFLASH_DECODE_ARRIVE": "fence"}),
+             ("cuflash_deep", {"CUFLASH_DECODE_STAGES": "long"}))
 #: the modes run at the paged points
 PAGED_MODES = MODES[:2]
 SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2",
             "CUFLASH_DECODE_ARRIVE", "CUFLASH_DECODE_STAGES", "CUFLASH_DECODE_SPLITS",
-            "CUFLASH_DECODE_PAGES")
-#: decode_mma's (FUSE, STREAM) tails of the name expression that the points can use
-BUILDS = ("false", "true", "true, true")
+            "CUFLASH_DECODE_PAGES", "CUFLASH_DECODE_EARLY")
+#: decode_mma's (FUSE, STREAM[, STAGES]) tails of the name expression that the points can use
+#: (the 5-stage ring: CUFLASH_DECODE_STAGES=auto / long on an H200)
+BUILDS = ("false", "true", "true, true", "false, false, 5", "true, false, 5")
 
 
 def switches(env: dict):
@@ -66,7 +99,7 @@ def switches(env: dict):
     return ba.env(**{**dict.fromkeys(SWITCHES), **env})
 
 
-def precompile(modes) -> float:
+def precompile(modes, stream: bool = True) -> float:
     """Compile every variant's decode_mma builds (one split, fused, stream) at once, in parallel
     processes that fill CuPy's kernel cache on disk, so that the timed loop does not wait on
     NVRTC a variant after another (~6 s a compile). Returns the seconds it took."""
@@ -79,7 +112,12 @@ def precompile(modes) -> float:
     for _, env in modes:
         with switches(env):
             for flags in BUILDS:
-                jobs.add((expr.format(flags), _inference_grid.prelude(flags.startswith("true"))))
+                if ((flags == "true, true" and not stream)
+                        or (flags.endswith(", 5") and "CUFLASH_DECODE_STAGES" not in env)):
+                    continue                    # (a build no point of the set runs)
+                fused = flags.startswith("true")
+                for splits in (1, 2, 0):        # one split, several, the stream grid
+                    jobs.add((expr.format(flags), _inference_grid.prelude(fused, splits)))
     code = ("import sys\nfrom cuflash import _jit\n"
             "_jit.get_kernel('decode_mma.cu', sys.argv[1], 0, sys.argv[2])\n")
 
@@ -132,7 +170,10 @@ def summary(rows) -> None:
             continue
         best = min(r["ms"] for r in peers)
         best_iso = min(r["iso_ms"] for r in peers)
+        old = [r for r in mine if r["impl"] == "cuflash_old"]
         cells = [f"{r['impl'][8:] or 'new'} {best / r['ms']:.3f}/{best_iso / r['iso_ms']:.3f}"
+                 + (f" ({(old[0]['ms'] - r['ms']) * 1e3:+.1f} us)" if old and r is not old[0]
+                    else "")
                  for r in mine if r["impl"].startswith("cuflash")]
         print(f"B={pt[0]} {pt[1]}/{pt[2]} Lk={pt[3]} vs the better peer (b2b/iso, >1 faster): "
               + "; ".join(cells))
@@ -142,6 +183,8 @@ def main(argv=None) -> int:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--json", help="write the rows here")
     a.add_argument("--max-gb", type=float, default=20.0, help="skip points with more K/V")
+    a.add_argument("--set", choices=("s11", "s10"), default="s11",
+                   help="session 11's points and arms (default) or session 10's")
     a.add_argument("--no-precompile", action="store_true",
                    help="compile each variant when first timed (sequentially)")
     args = a.parse_args(argv)
@@ -155,11 +198,13 @@ def main(argv=None) -> int:
         if fn is None:
             print(f"{name}: skipped ({why})")
     t_start = time.perf_counter()
+    points, modes = (POINTS_S11, MODES_S11) if args.set == "s11" else (POINTS, MODES)
     if not args.no_precompile:
-        print(f"precompiled the variants in {precompile(MODES):.0f} s", flush=True)
+        seconds = precompile(modes, stream=args.set == "s10")
+        print(f"precompiled the variants in {seconds:.0f} s", flush=True)
     rows = []
     dense_done = {}
-    for B, Hq, Hkv, Lk, ps in POINTS:
+    for B, Hq, Hkv, Lk, ps in points:
         G, D = Hq // Hkv, sd.D
         nbytes = B * Hkv * Lk * D * 4
         if nbytes > args.max_gb * 1e9:
@@ -206,7 +251,7 @@ def main(argv=None) -> int:
 
             def dense(i):
                 return inf.attention_with_kvcache(*arrays(i), cache_seqlens=seqlens)
-            for impl, env in (MODES if not ps else (("cuflash_dense", {}),)):
+            for impl, env in (modes if not ps else (("cuflash_dense", {}),)):
                 with switches(env):
                     kernel = sd._kernel(inf, *arrays(0), seqlens, None)
                     add(impl, dense, kernel=kernel, env=env, stream="stream grid" in kernel)
@@ -235,7 +280,7 @@ def main(argv=None) -> int:
         del qs
         cupy.get_default_memory_pool().free_all_blocks()
     summary(rows)
-    meta = {"probe": "decode_ab", "seconds": time.perf_counter() - t_start}
+    meta = {"probe": "decode_ab", "set": args.set, "seconds": time.perf_counter() - t_start}
     try:
         meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     except Exception:

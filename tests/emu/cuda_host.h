@@ -281,6 +281,11 @@ inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; 
 inline double atomicAdd(double* p, double v) { const double old = *p; *p = old + v; return old; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
+inline unsigned atomicInc(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old >= v ? 0u : old + 1u;
+  return old;
+}
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
   static_assert(sizeof(T) == 4, "32-bit shuffles");
   uint32_t* mine = ::emu::my_xchg();
