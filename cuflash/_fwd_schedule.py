@@ -1,7 +1,8 @@
 """fwd_sm90's schedule choices that read a problem beyond its tiles (session 10): how many
 blocks run the grid (a persistent build's resident grid), when a block takes query tiles in
 turn (``persist_wanted``), and the block-mask list length from which its build keeps one block
-an SM's registers (``bmask_long_keys``). Read by the dispatcher (``_families._fwd_sm90_select``)
+an SM's registers (``bmask_long_keys``), and whether the analytic window takes its lean build
+(``window_lean``, session 11). Read by the dispatcher (``_families._fwd_sm90_select``)
 and the forward plan's launch (``_plan.ForwardPlan``); the reasons are in ``_traits``
 (``FWD_SM90_PERSIST_FEATURES``, ``FWD_SM90_BMASK_LONG_KEYS``) and bench/NOTES.md ("The window
 and block masks at short lists, forward (session 10)")."""
@@ -64,3 +65,16 @@ def fwd_sm90_grid(t, items: int, dev) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"CUFLASH_FWD90_PERSIST_GRID={value!r}: expected slots or k >= 1")
     return -(-items // int(value))
+
+
+def window_lean(variant) -> bool:
+    """Whether fwd_sm90 builds ``variant`` with LEAN (session 11, bench/NOTES.md "the window's
+    instructions per visible pair"): the analytic window (causal or not, with or without the
+    score transforms) without a block mask or an element mask, whose blocks see ~17 key tiles
+    so that a block's and a tile's fixed instructions are a large share. ``CUFLASH_FWD90_WINDOW_LEAN``
+    (plan time): "1" (default) or "0" (session 10's build)."""
+    value = os.environ.get("CUFLASH_FWD90_WINDOW_LEAN", "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"CUFLASH_FWD90_WINDOW_LEAN={value!r}: expected 1 or 0")
+    return (value == "1" and variant.window and not variant.block_mask and not variant.mask
+            and variant.mask_mod is None)
