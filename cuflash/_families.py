@@ -51,8 +51,7 @@ def _bool(x: bool) -> str:
 
 def _spelled(args: dict) -> dict:
     """Tile arguments as a template spells them: fwd_sm90's ``persist`` and ``lean`` are trailing
-    default arguments (PERSIST = 0, LEAN = 0), written only when set (both through ``{persist}``),
-    so the builds without them keep their names."""
+    default arguments (0), written only when set (both as ``{persist}``): other builds keep their names."""
     if "persist" in args:
         persist, lean = args["persist"], args.pop("lean", 0)
         args["persist"] = f", {persist}, {lean}" if lean else (f", {persist}" if persist else "")
@@ -241,12 +240,7 @@ def _fwd_sm90_select(fam, shape, dev):
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
                    "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
-    if window_lean(shape.variant):
-        t = t.replace(lean=1)
-        why.append("lean: the window's fixed costs a block and a tile cut (short batch "
-                   "offsets, K/V pointers advanced a tile, one bound's mask a tile: "
-                   "CUFLASH_FWD90_WINDOW_LEAN)")
-    return t, {"even": even}, why
+    return window_lean(t, shape.variant, why), {"even": even}, why
 
 
 def _fwd_sm90_instances(fam, arch):

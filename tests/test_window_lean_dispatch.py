@@ -1,0 +1,60 @@
+"""fwd_sm90's lean window build (session 11, ``CUFLASH_FWD90_WINDOW_LEAN``; bench/NOTES.md "the
+window's instructions per visible pair"): which Variants the dispatcher gives it, how it is
+spelled (a trailing template argument after PERSIST, so every other build keeps its name), and
+the switch. No GPU: the dispatcher on the H200 profile."""
+from __future__ import annotations
+
+import pytest
+
+from cuflash import _families
+from cuflash._families import PROFILES, Shape
+from cuflash._variant import Variant
+
+H200 = PROFILES["h200"]
+
+
+def choice(d=64, L=4096, **v):
+    return _families.choose("fwd", Shape("bfloat16", 32, L, L, d, d, Variant(**v)), H200)
+
+
+def test_the_window_is_lean_by_default(monkeypatch):
+    monkeypatch.delenv("CUFLASH_FWD90_WINDOW_LEAN", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
+    for d in (64, 128, 256):
+        for L in (4096, 4000):          # the EVEN build and the predicated one
+            for causal in (True, False):
+                c = choice(d, L, causal=causal, window=True)
+                assert c.family.name == "fwd_sm90" and c.traits["lean"] == 1
+                assert c.expr.endswith(", 0, 1>") and any("lean" in r for r in c.reasons)
+    assert choice(causal=True, window=True, softcap=True).traits["lean"] == 1   # a transform: lean
+    # plain attention keeps its name; the element masks and block masks are not lean
+    assert choice(causal=True).expr == ("cuflash::sm90::fwd_sm90<__nv_bfloat16, 64, 64, 2, 2, "
+                                        "cuflash::Variant<true>, true>")
+    assert choice(causal=True).traits["lean"] == 0
+    assert choice(causal=True, window=True, mask=True).traits["lean"] == 0
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", "0")
+    c = choice(causal=True, window=True)
+    assert c.traits["lean"] == 0 and c.expr.endswith("false, false>, true>")   # session 10's name
+    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_WINDOW_LEAN"):
+        choice(causal=True, window=True)
+
+
+def test_lean_with_the_persistent_schedule_and_tile_overrides(monkeypatch):
+    monkeypatch.delenv("CUFLASH_FWD90_WINDOW_LEAN", raising=False)
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
+    c = _families.choose("fwd", Shape("bfloat16", 128, 4096, 4096, 64, 64,
+                                      Variant(causal=True, window=True)), H200)
+    assert c.traits["persist"] == 1 and c.traits["lean"] == 1 and c.expr.endswith(", true, 1, 1>")
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST")
+    # CUFLASH_TILES may leave the schedule's arguments out (persist, lean), or give persist
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:128=64:2:1")
+    c = choice(128, causal=True, window=True)
+    assert c.traits["warpgroups"] == 2 and c.traits["lean"] == 1 and c.expr.endswith(", 2, 1, "
+           "cuflash::Variant<true, true, false, false, void, false, cuflash::NoScoreMod, "
+           "cuflash::NoMaskMod, false, false>, true, 0, 1>")
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:128=64:2:1:0")
+    assert choice(128, causal=True, window=True).traits["lean"] == 1
