@@ -298,26 +298,26 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
         mask_scores_before(s, first);
       }
     } else {
-    const int warp_row_first = wg_row_first + 16 * warp;
-    // (a block mask: the bounds' mask where they cross the tile, the pair masks where its kind
-    // is not full; in the predicated build every tile masks, as before: the branch on the
-    // bounds spilled 16 bytes at the 168-register cap of 3 warpgroups with causal)
-    const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (Var::kBlockMask && EVEN ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
-                                            : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
-    // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
-    if constexpr (Var::kNatural || Var::kPairMask)
-      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk,
-                             Var::kBlockMask && EVEN ? pair_tile : need_mask && pair_tile);
-    if (need_mask) {
-      int first[2], last[2];
+      const int warp_row_first = wg_row_first + 16 * warp;
+      // (a block mask: the bounds' mask where they cross the tile, the pair masks where its kind
+      // is not full; in the predicated build every tile masks, as before: the branch on the
+      // bounds spilled 16 bytes at the 168-register cap of 3 warpgroups with causal)
+      const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
+                             (Var::kBlockMask && EVEN ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
+                                              : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
+      // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
+      if constexpr (Var::kNatural || Var::kPairMask)
+        modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk,
+                               Var::kBlockMask && EVEN ? pair_tile : need_mask && pair_tile);
+      if (need_mask) {
+        int first[2], last[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
-        first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
+        for (int r = 0; r < 2; ++r) {
+          last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
+        }
+        mask_scores<Var::kKeyLo>(s, first, last);
       }
-      mask_scores<Var::kKeyLo>(s, first, last);
-    }
     }
     if constexpr (Var::kFixedOffset)
       fixed_offset_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, l_i, sl2, mo);
