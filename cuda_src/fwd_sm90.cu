@@ -73,15 +73,16 @@ struct Sm90Traits {
 // (min_blocks 1: at d = 64's 128-register cap of 2 blocks an SM, the outer loop alone made the
 // suite's causal builds spill 16-64 bytes). Not for varlen builds (a block's work item is its
 // sequence's): they compile as PERSIST = 0.
-// LEAN (the analytic window's fixed costs, session 11; CUFLASH_FWD90_WINDOW_LEAN): a window
-// block sees ~17 key tiles, not ~64 as causal attention's at 16k, so what a block or a tile
-// pays besides the products is a larger share of it (bench/NOTES.md, "the window's
-// instructions per visible pair (session 11)"). Under a window without a block mask or pair
-// mask (kLean below): the batch item's offsets without dividing by batch dims of size 1
-// (batch_offsets_short), the K/V source pointers advanced a tile at a time instead of
-// recomputed from the tile index, which key tiles need which bound's mask decided once a warp
-// (two tile indices) instead of a tile, and each masked tile tests the one bound that crosses
-// it (the far edge: first; the diagonal: last), not both. Every other Variant ignores it.
+// LEAN (short query tiles' fixed costs, session 11; CUFLASH_FWD90_LEAN): a window block sees
+// ~17 key tiles, not ~64 as causal attention's at 16k, and a block mask's short lists (packed
+// documents at 4k) 1-8, so what a block or a tile pays besides the products is a larger share
+// of it (bench/NOTES.md, "the window's instructions per visible pair (session 11)"). Any
+// Variant the dispatcher gives it (the window, block masks; never plain attention): the batch
+// item's offsets without dividing by batch dims of extent 1 (batch_offsets_short). Under a
+// window without a block mask or pair mask (kLean below) also: the K/V source pointers
+// advanced a tile at a time instead of recomputed from the tile index, which key tiles need
+// which bound's mask decided once a warp (two tile indices) instead of a tile, and each masked
+// tile tests the one bound that crosses it (the far edge: first; the diagonal: last), not both.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN,
           int PERSIST = 0, int LEAN = 0>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
@@ -120,7 +121,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
   constexpr bool kLean = LEAN != 0 && Var::kKeyLo && !Var::kBlockMask && !Var::kPairMask;
-  const BatchOffsets off = kLean ? batch_offsets_short(p, b) : batch_offsets(p, b);
+  const BatchOffsets off = LEAN != 0 ? batch_offsets_short(p, b) : batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
   // (c log2(e) where the scores are in units of the softcap c: Var::kCapUnits; tau log2(e)

@@ -70,16 +70,21 @@ def fwd_sm90_grid(t, items: int, dev) -> int:
 def window_lean(t, variant, why: list | None = None):
     """fwd_sm90's traits ``t`` with ``lean`` (session 11, bench/NOTES.md "the window's
     instructions per visible pair") where ``variant`` is the analytic window (causal or not, with
-    or without the score transforms) without a block mask or an element mask: its blocks see ~17
-    key tiles, so a block's and a tile's fixed instructions are a large share of them.
-    ``CUFLASH_FWD90_WINDOW_LEAN`` (plan time): "1" (default) or "0" (session 10's build)."""
-    value = os.environ.get("CUFLASH_FWD90_WINDOW_LEAN", "").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"CUFLASH_FWD90_WINDOW_LEAN={value!r}: expected 1 or 0")
-    if not (value == "1" and variant.window and not variant.block_mask and not variant.mask
-            and variant.mask_mod is None):
+    or without the score transforms) without a block mask or an element mask (its blocks see ~17
+    key tiles, so a block's and a tile's fixed instructions are a large share of them: the short
+    batch offsets and the loop's cuts), or has a block mask (the short batch offsets only: packed
+    documents at 4k visit 1-8 key tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1"
+    (default: both), "window", "bmask" (one of them) or "0" (session 10's builds)."""
+    value = os.environ.get("CUFLASH_FWD90_LEAN", "").strip() or "1"
+    if value not in ("0", "1", "window", "bmask"):
+        raise ValueError(f"CUFLASH_FWD90_LEAN={value!r}: expected 1, window, bmask or 0")
+    window = (variant.window and not variant.block_mask and not variant.mask
+              and variant.mask_mod is None)
+    if not ((window and value in ("1", "window")) or (variant.block_mask and value in ("1", "bmask"))):
         return t
     if why is not None:
-        why.append("lean: the window's fixed costs a block and a tile cut (short batch offsets, "
-                   "K/V pointers advanced a tile, one bound's mask a tile: CUFLASH_FWD90_WINDOW_LEAN)")
+        why.append("lean: " + ("the window's fixed costs a block and a tile cut (short batch offsets, "
+                               "K/V pointers advanced a tile, one bound's mask a tile" if window else
+                               "the short batch offsets of a block-mask query tile")
+                   + ": CUFLASH_FWD90_LEAN)")
     return t.replace(lean=1)

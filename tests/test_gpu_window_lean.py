@@ -1,4 +1,4 @@
-"""GPU tests of fwd_sm90's lean window build (session 11, ``CUFLASH_FWD90_WINDOW_LEAN``;
+"""GPU tests of fwd_sm90's lean builds (session 11, ``CUFLASH_FWD90_LEAN``;
 bench/NOTES.md "the window's instructions per visible pair (session 11)"): the analytic window's
 batch offsets without dividing by batch dims of size 1 (``batch_offsets_short``), K/V pointers
 advanced a key tile at a time, each warp's masked key tiles decided once and each of them masked
@@ -6,7 +6,8 @@ on the one bound that crosses it. Results by the kit's rule (tests/_naive_modifi
 the switch off and on: windows wider and narrower than a 64-key tile (both bounds in one tile),
 one-sided windows, a partial last key tile (the predicated build), a partial last Q tile, rows
 that see no key, and batch layouts whose dims do not merge (one, two and three batch dims, so
-the short decomposition divides, stops early, or runs through every dim)."""
+the short decomposition divides, stops early, or runs through every dim); block masks (the
+short batch offsets alone)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -27,7 +28,7 @@ def _run(monkeypatch, lean, q, k, v, causal, kw, layout=None, cut=False):
     the outer dims' do not merge into one batch dim; ``cut``: dim 1 sliced to its first 3."""
     import cupy
     from cuflash import _api
-    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", lean)
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", lean)
     _api.clear_plans()
     if layout == "bshd":
         dev = [cupy.ascontiguousarray(cupy.asarray(x).swapaxes(-3, -2)).swapaxes(-3, -2) for x in (q, k, v)]
@@ -80,15 +81,22 @@ def test_window_lean_batch_layouts(monkeypatch, lean, batch):
     naive.check_result(q, k, v, True, kw, o, lse)
 
 
-def test_window_lean_matches_the_old_build(monkeypatch):
-    """The lean build masks the same pairs with the same arithmetic as session 10's: o and lse
-    equal bitwise (the issue's shape at L 2k, d 64 and 128)."""
-    for d in (64, 128):
-        q, k, v = _inputs((1, 4), 2048, 2048, d, d)
-        old = _run(monkeypatch, "0", q, k, v, True, {"window": (1024, 0)})
-        new = _run(monkeypatch, "1", q, k, v, True, {"window": (1024, 0)})
-        numpy.testing.assert_array_equal(new[1], old[1])
-        numpy.testing.assert_array_equal(new[0].astype(numpy.float32), old[0].astype(numpy.float32))
+@pytest.mark.parametrize("lean", ["0", "1"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["documents", "late_rows"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_mask_lean(monkeypatch, lean, d, mask, causal):
+    """A block mask's short lists take the short batch offsets only (the loop is the block
+    mask's own): packed documents, and rows 0..255 that see no key (empty lists), over a batch
+    of two dims that do not merge (3 x 5: divisions where b reaches 5)."""
+    if mask == "documents":
+        mm = lambda b, h, q, kv: ((q // 128) == (kv // 128)) & (q >= kv)   # noqa: E731
+    else:
+        mm = lambda b, h, q, kv: (q >= 256) & (kv <= q) & (q - kv < 300)   # noqa: E731
+    kw = {"block_mask": cuflash.block_mask(mm, (1, 1), 512, 512)}
+    q, k, v = _inputs((3, 5), 512, 512, d, d + causal)
+    o, lse = _run(monkeypatch, lean, q, k, v, causal, kw, layout="bshd")
+    naive.check_result(q, k, v, causal, kw, o, lse)
 
 
 def test_the_window_plan_is_lean(monkeypatch):
@@ -96,7 +104,7 @@ def test_the_window_plan_is_lean(monkeypatch):
     tests above exercise with "1"), session 10's with "0"; plain attention never."""
     from cuflash import _api, _families
     from cuflash._variant import Variant
-    monkeypatch.delenv("CUFLASH_FWD90_WINDOW_LEAN", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
     _api.clear_plans()
     dev = _families.device_info(0)
 
@@ -108,5 +116,5 @@ def test_the_window_plan_is_lean(monkeypatch):
         pytest.skip("not a Hopper GPU: the window runs on another family")
     assert choice().traits["lean"] == 1 and choice().expr.endswith(", 0, 1>")
     assert choice(window=False).traits["lean"] == 0
-    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", "0")
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "0")
     assert choice().traits["lean"] == 0

@@ -1,7 +1,7 @@
-"""fwd_sm90's lean window build (session 11, ``CUFLASH_FWD90_WINDOW_LEAN``; bench/NOTES.md "the
-window's instructions per visible pair"): which Variants the dispatcher gives it, how it is
-spelled (a trailing template argument after PERSIST, so every other build keeps its name), and
-the switch. No GPU: the dispatcher on the H200 profile."""
+"""fwd_sm90's lean builds (session 11, ``CUFLASH_FWD90_LEAN``; bench/NOTES.md "the window's
+instructions per visible pair"): which Variants the dispatcher gives it (the analytic window,
+block masks), how it is spelled (a trailing template argument after PERSIST, so every other
+build keeps its name), and the switch. No GPU: the dispatcher on the H200 profile."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ def choice(d=64, L=4096, **v):
 
 
 def test_the_window_is_lean_by_default(monkeypatch):
-    monkeypatch.delenv("CUFLASH_FWD90_WINDOW_LEAN", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
     for d in (64, 128, 256):
         for L in (4096, 4000):          # the EVEN build and the predicated one
@@ -34,17 +34,29 @@ def test_the_window_is_lean_by_default(monkeypatch):
     assert choice(causal=True, window=True, mask=True).traits["lean"] == 0
 
 
+def bmask(d=64, causal=True):
+    v = Variant(causal=causal, mask_mod="cuflash::user::documents", block_mask=True)
+    return _families.choose("fwd", Shape("bfloat16", 32, 4096, 4096, d, d, v, False, 320), H200)
+
+
 def test_the_switch(monkeypatch):
-    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", "0")
+    monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
+    assert bmask().traits["lean"] == bmask(128, False).traits["lean"] == 1   # (short offsets)
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "window")
+    assert choice(causal=True, window=True).traits["lean"] == 1 and bmask().traits["lean"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "bmask")
+    assert choice(causal=True, window=True).traits["lean"] == 0 and bmask().traits["lean"] == 1
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "0")
     c = choice(causal=True, window=True)
     assert c.traits["lean"] == 0 and c.expr.endswith("false, false>, true>")   # session 10's name
-    monkeypatch.setenv("CUFLASH_FWD90_WINDOW_LEAN", "yes")
-    with pytest.raises(ValueError, match="CUFLASH_FWD90_WINDOW_LEAN"):
+    assert bmask().traits["lean"] == 0
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_LEAN"):
         choice(causal=True, window=True)
 
 
 def test_lean_with_the_persistent_schedule_and_tile_overrides(monkeypatch):
-    monkeypatch.delenv("CUFLASH_FWD90_WINDOW_LEAN", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "window")
     c = _families.choose("fwd", Shape("bfloat16", 128, 4096, 4096, 64, 64,
                                       Variant(causal=True, window=True)), H200)
