@@ -69,18 +69,21 @@ def fwd_sm90_grid(t, items: int, dev) -> int:
 
 def window_lean(t, variant, why: list | None = None):
     """fwd_sm90's traits ``t`` with ``lean`` (session 11, bench/NOTES.md "the window's
-    instructions per visible pair") where ``variant`` is the analytic window (causal or not, with
-    or without the score transforms) without a block mask or an element mask (its blocks see ~17
-    key tiles, so a block's and a tile's fixed instructions are a large share of them: the short
-    batch offsets and the loop's cuts), or has a block mask (the short batch offsets only: packed
-    documents at 4k visit 1-8 key tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1"
+    instructions per visible pair") where ``variant`` is the analytic window alone (causal or
+    not; its blocks see ~17 key tiles, so a block's and a tile's fixed instructions are a large
+    share of them: the short batch offsets and the loop's cuts), or a block mask's mask_mod
+    alone (causal or not; the short batch offsets only: packed documents at 4k visit 1-8 key
+    tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1"
     (default: both), "window", "bmask" (one of them) or "0" (session 10's builds)."""
     value = os.environ.get("CUFLASH_FWD90_LEAN", "").strip() or "1"
     if value not in ("0", "1", "window", "bmask"):
         raise ValueError(f"CUFLASH_FWD90_LEAN={value!r}: expected 1, window, bmask or 0")
-    window = (variant.window and not variant.block_mask and not variant.mask
-              and variant.mask_mod is None)
-    if not ((window and value in ("1", "window")) or (variant.block_mask and value in ("1", "bmask"))):
+    # (the window alone or with causal, a block mask's mask_mod alone or with causal: with a
+    # score transform beside the window, d = 64's EVEN builds at min_blocks 1 went from <= 128
+    # registers, 2 blocks an SM, to 132-145, one: not given it)
+    window = variant.window and variant.features <= _traits.FWD_SM90_PERSIST_FEATURES
+    bmask = variant.block_mask and variant.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
+    if not ((window and value in ("1", "window")) or (bmask and value in ("1", "bmask"))):
         return t
     if why is not None:
         why.append("lean: " + ("the window's fixed costs a block and a tile cut (short batch offsets, "
