@@ -151,13 +151,14 @@ __device__ __forceinline__ BatchOffsets batch_offsets(const Params& p, int b) {
   return off;
 }
 
-// The same offsets with fewer instructions where the batch is short (fwd_sm90's lean window,
-// session 11): b is decomposed from the innermost dim outwards, a dim divides only where the
+// The same offsets with fewer instructions (fwd_sm90's LEAN builds, session 11: the window, a
+// block mask's short lists, whose query tiles see few key tiles): b is decomposed from the innermost dim outwards, a dim divides only where the
 // rest of b reaches its extent (else the index is the rest itself), and the walk stops once
 // the rest is 0 (the outer dims' indices are 0: they add nothing). The launcher merges what it
 // can, so the usual (B, H) batch is one dim of B H: one compare, no division, where
-// batch_offsets pays four signed divisions and modulos (~100 instructions a warp, the dims of
-// extent 1 included). b >= 0 and extents >= 1, so unsigned arithmetic gives the same indices.
+// batch_offsets pays four signed divisions and modulos and sixteen 64-bit products (~150
+// instructions a warp, the dims of extent 1 included). b >= 0 and extents >= 1, so unsigned
+// arithmetic gives the same indices.
 __device__ __forceinline__ BatchOffsets batch_offsets_short(const Params& p, int b) {
   BatchOffsets off{0, 0, 0, 0, 0};
   unsigned rest = static_cast<unsigned>(b);
