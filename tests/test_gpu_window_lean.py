@@ -105,6 +105,7 @@ def test_the_window_plan_is_lean(monkeypatch):
     from cuflash import _api, _families
     from cuflash._variant import Variant
     monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
     _api.clear_plans()
     dev = _families.device_info(0)
 

@@ -19,8 +19,9 @@ Arms (plan-time switches; the plan cache is cleared around each):
 - ``new``: the default (the lean builds for the window and the block masks; plain attention's
   kernels are the same machine code in both arms, so its rows in both are a noise check);
 - with ``--arms`` also ``wg2``: new with fwd_sm90's d 128 bucket at 2 warpgroups
-  (``CUFLASH_TILES=fwd_sm90:128=64:2:1``; a 128-row block loads 18 key tiles for a warpgroup's 17
-  against 19 at 192 rows; plain d 128 changes too there).
+  (``CUFLASH_TILES=fwd_sm90:128=64:2:1``; a 128-row window block loads 18 key tiles for a
+  warpgroup's 17 against 19 at 192 rows, and a documents block spans fewer documents; plain
+  d 128 changes too there, so wg2/plain is over the new arm's 3-warpgroup plain).
 
 Before timing, each masked point's forward of new and old are compared on the timed inputs (the
 lean builds mask the same pairs with the same arithmetic: o and lse should match bitwise;
