@@ -78,7 +78,8 @@ struct Sm90Traits {
 // documents at 4k) 1-8, so what a block or a tile pays besides the products is a larger share
 // of it (bench/NOTES.md, "the window's instructions per visible pair (session 11)"). Any
 // Variant the dispatcher gives it (the window, block masks; never plain attention): the batch
-// item's offsets without dividing by batch dims of extent 1 (batch_offsets_short). Under a
+// item's offsets without dividing by batch dims of extent 1 (batch_offsets_short) and O's
+// copies to HBM with addresses advanced by constants (store_o_rows). Under a
 // window without a block mask or pair mask (kLean below) also: the K/V source pointers
 // advanced a tile at a time instead of recomputed from the tile index, which key tiles need
 // which bound's mask decided once a warp (two tile indices) instead of a tile, and each masked
@@ -410,7 +411,13 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   __syncthreads();
   stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
   __syncthreads();
-  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
+  // (LEAN: the copies' addresses advanced by constants, where the geometry allows)
+  constexpr int kOChunks = Tr::OTile::kChunks;
+  if constexpr (LEAN != 0 && kThreads % kOChunks == 0 && (kThreads / kOChunks) % 8 == 0 &&
+                kBlockM % (kThreads / kOChunks) == 0 && kOChunks % 8 == 0)
+    store_o_rows<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
+  else
+    store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
   if constexpr (!kLoop) {
     break;
   } else {   // the next item: its Q and first K/V were loaded if this one had a key tile
