@@ -286,6 +286,21 @@ __device__ __forceinline__ void store_dk_dv(const Params& p, int b, int key0, in
   }
 }
 
+// -- dQ_i += tau dS_ij K_j for one accumulator row (h: rows g, g + 8 of the wgmma fragment)
+// where d is the build's HEAD_DIM (bwd_sm90's block-mask builds; session 11): every column
+// pair t (col0 + 8 t, + 1; col0 even) lies inside the row and is 8-byte aligned, so each is one
+// 8-byte vector red from the row's one base address -- red_add2's tests of n and of both
+// columns, a branch region per pair that ptxas keeps apart with the address recomputed in
+// each, are not needed (a predicate per pair instead spilled 20-40 bytes at d = 128).
+template <int NT>
+__device__ __forceinline__ void red_row_pairs(float* row, int col0, const float (&acc)[NT][4], int h,
+                                              float scale) {
+  float2* const dst = reinterpret_cast<float2*>(row + col0);
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    atomicAdd(dst + 4 * t, make_float2(scale * acc[t][2 * h], scale * acc[t][2 * h + 1]));
+}
+
 // -- dQ's finishing in the main kernel (Params::out_flags & kBwdDqOut; the launcher sets it for
 // the families whose record says fuses_dq_finish, where dq is the result itself, C-contiguous
 // batch x Lq x d): instead of a third launch (bwd_finish_dq, bwd_prep.cu: host time per call),

@@ -522,6 +522,13 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       const int r = 64 * dq_rg + 16 * warp + g + 8 * h;
       if (bwd_io::row_live(sL2, m0, r, p.Lq)) {
         float* const dst = reinterpret_cast<float*>(p.dq_acc) + ((long long)b * p.Lq + m0 + r) * p.d;
+#ifndef CUFLASH_BWD90_DQ_BOUNDS
+        // (a block mask where d = HEAD_DIM: the launcher defines the macro otherwise)
+        if constexpr (Var::kBlockMask) {
+          bwd_io::red_row_pairs(dst, dq_c0 + 2 * t4, acc_dq, h, scale);
+          continue;
+        }
+#endif
 #pragma unroll
         for (int t = 0; t < Tr::kNTilesDq; ++t)
           red_add2(dst, dq_c0 + 8 * t + 2 * t4, p.d, scale * acc_dq[t][2 * h], scale * acc_dq[t][2 * h + 1]);

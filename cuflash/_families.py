@@ -26,7 +26,7 @@ from ._traits import Traits
 from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
                        modifier_tiles)
 from . import _spills  # (and below, names other modules take from here)
-from ._fwd_schedule import bmask_long_keys, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401
+from ._fwd_schedule import bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
 from ._overrides import fuse_dq_finish, fuse_dq_wanted, tile_override  # noqa: F401
 from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
@@ -215,6 +215,7 @@ def _fwd_sm90_select(fam, shape, dev):
         why.append(f"{blocks(t)} blocks would leave SMs idle with more warpgroups: "
                    f"{t['warpgroups']} a block")
     t = modifier_tiles(fam.name, t, shape.variant, why)
+    t = bmask_short_tiles(t, shape, why)
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why.append(f"EVEN={_bool(even)}: whole key tiles and no padded columns" if even else
                "EVEN=false: the last key tile or the head dim is partial (predicated loads)")

@@ -67,6 +67,36 @@ def fwd_sm90_grid(t, items: int, dev) -> int:
     return -(-items // int(value))
 
 
+def bmask_short_warpgroups() -> int:
+    """``CUFLASH_FWD90_BMASK_SHORT_WG`` (plan time; session 11): the most warpgroups (64 query
+    rows each) of a fwd_sm90 block for a block mask's mask_mod whose query blocks visit few keys
+    (fewer than ``bmask_long_keys()``); "" or "table" (0): the table's. Why fewer may pay: a
+    block of 3 warpgroups is 192 rows, which no power-of-two document or prefix boundary lines
+    up with, so its lists take the partial tiles of two documents: for the mods suite's 8 causal
+    documents at 4k the tiles a 192-row block computes hold 0.61 visible pairs each, 0.80 at
+    128 rows and 0.89 at 64 (``bench/NOTES.md``, session 11); and the shorter a block's list,
+    the more its fixed cost (Q in, O out) weighs, which more, smaller blocks an SM overlap."""
+    value = os.environ.get("CUFLASH_FWD90_BMASK_SHORT_WG", "").strip()
+    if value in ("", "table"):
+        return 0
+    if value not in ("1", "2"):
+        raise ValueError(f"CUFLASH_FWD90_BMASK_SHORT_WG={value!r}: expected table, 1 or 2")
+    return int(value)
+
+
+def bmask_short_tiles(t, shape, why: list):
+    """fwd_sm90's traits ``t`` for ``shape`` with :func:`bmask_short_warpgroups` applied: a block
+    mask's mask_mod (the score path) whose lists are short. Appends the reason to ``why``."""
+    wg = bmask_short_warpgroups()
+    v = shape.variant
+    if not (0 < wg < t["warpgroups"] and v.block_mask and v.score_path
+            and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)):
+        return t
+    why.append(f"{wg} warpgroups a block: the block mask's lists are short ({shape.bmask_keys} "
+               "keys a query block on average; CUFLASH_FWD90_BMASK_SHORT_WG)")
+    return t.replace(warpgroups=wg)
+
+
 def window_lean(t, variant, why: list | None = None):
     """fwd_sm90's traits ``t`` with ``lean`` (session 11, bench/NOTES.md "the window's
     instructions per visible pair") where ``variant`` is the analytic window alone (causal or

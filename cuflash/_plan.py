@@ -29,17 +29,23 @@ CAUSAL_GRID_ORDER = 1
 AUX_THREADS, DOT_ROWS_PER_BLOCK, DOT_BLOCKS_PER_SM = 256, 8, 8
 
 
-def grid_order(choice, causal: bool) -> int:
+def grid_order(choice, causal: bool, block_mask: bool = False) -> int:
     """Tile-major under a causal mask for the tensor-core families (whose ordering is written
-    for it), else batch-major. ``CUFLASH_GRID_ORDER`` overrides it for A/B runs."""
+    for it), and for a block mask without causal where ``_variant.bmask_tile_major`` says so
+    (by default: prefix-LM's heaviest tiles are the ones numbered 0), else batch-major.
+    ``CUFLASH_GRID_ORDER`` overrides it for A/B runs."""
     import os
+    from ._variant import bmask_tile_major
     fam = choice.family
     if fam.name in ("fwd_simt", "bwd_simt", "bwd_sm80"):   # batch-major by construction
         return 0
     env = os.environ.get("CUFLASH_GRID_ORDER")
     if env is not None:
         return int(env)
-    return CAUSAL_GRID_ORDER if causal else 0
+    if causal:
+        return CAUSAL_GRID_ORDER
+    kind = "bwd" if fam.name.startswith("bwd") else "fwd"
+    return 1 if block_mask and bmask_tile_major(kind) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +121,7 @@ class ForwardPlan:
         self.num_m_blocks = -(-prob.Lq // t.block_m)
         self.lse_row = prob.Lq * lse.itemsize
         self._vp = variant_params(prob)
-        self._order = grid_order(self.choice, prob.causal)
+        self._order = grid_order(self.choice, prob.causal, shape.variant.block_mask)
         self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
                                       shape.variant.prelude)
         self.dims = Dims.of(prob)
@@ -252,7 +258,7 @@ class BackwardPlan:
         self.lse_itemsize = 8 if prob.dtype == numpy.float64 else 4
         self.lse_contiguous = lse_contiguous
         self._vp = variant_params(prob)
-        self._order = grid_order(self.choice, prob.causal)
+        self._order = grid_order(self.choice, prob.causal, shape.variant.block_mask)
         self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
                                     shape.variant.prelude)
         dot = FAMILIES["bwd_dot"]

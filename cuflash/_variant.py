@@ -178,7 +178,29 @@ def variant_of(prob, mods=None) -> Variant:
                    score_mod=None if score is None else _trace_cuda.qualified_name(score),
                    mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
                    block_mask=mods.block_mask is not None,
-                   prelude="".join(t.source for t in (score, mask) if t is not None))
+                   prelude=_dq_bounds(prob, mods) + "".join(t.source for t in (score, mask)
+                                                             if t is not None))
+
+
+#: bwd_sm90's block-mask builds add dQ_i's rows with bwd_io::red_row_pairs (session 11); this
+#: macro, defined before their source, gives them red_add2's bounded additions back
+DQ_BOUNDS = "#define CUFLASH_BWD90_DQ_BOUNDS 1\n"
+
+
+def _dq_bounds(prob, mods) -> str:
+    """``DQ_BOUNDS`` where a block mask's backward must bound dQ's columns: d is not the head-dim
+    bucket bwd_sm90 compiles (HEAD_DIM = max(d, dv) rounded up to 64: the row pairs need every
+    column pair of a HEAD_DIM-column slice inside the row), or ``CUFLASH_BWD90_DQ_ROWS=0``
+    (read at plan time; "1", the default: the row pairs where d = HEAD_DIM) for an A/B in one
+    process; else "". (In the Variant's prelude: the forward's builds compile it unused.)"""
+    import os
+    value = os.environ.get("CUFLASH_BWD90_DQ_ROWS", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BWD90_DQ_ROWS={value!r}: expected 0 or 1")
+    if mods.block_mask is None:
+        return ""
+    bucket = max(32, -(-max(prob.d, prob.dv) // 64) * 64)
+    return DQ_BOUNDS if value == "0" or prob.d != bucket else ""
 
 
 def softcap_offset(softcap: float, Lk: int) -> float | None:
@@ -313,6 +335,22 @@ def bwd90_block_mask() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"CUFLASH_BWD90_BLOCK_MASK={value!r}: expected 0 or 1")
     return value != "0"
+
+
+def bmask_tile_major(kind: str) -> bool:
+    """``CUFLASH_BMASK_TILE_MAJOR`` (read at plan time; session 11): which launches of a block
+    mask WITHOUT causal run in tile-major grid order (``_plan.grid_order``; a causal call is
+    tile-major already). "both" (the default): the backward's, whose key tile 0 of every batch
+    item then starts first -- prefix-LM's long blocks (the prefix's keys, seen by every query)
+    in the first waves, not the last batch item's ending the kernel alone (bench/NOTES.md,
+    session 11: that tail was 0.15 ms at 4k, d = 128) -- and the forward's (its last query
+    tile, prefix-LM's heaviest, of every batch item first); "bwd": the backward's only;
+    "none": batch-major, as in session 10. ``kind``: "fwd" or "bwd"."""
+    import os
+    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "both"
+    if value not in ("bwd", "both", "none"):
+        raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected both, bwd or none")
+    return value == "both" or value == kind
 
 
 def _bwd90_bmask_rows(variant: Variant) -> bool:

@@ -343,13 +343,14 @@ def sm80_ready(x: numpy.ndarray) -> numpy.ndarray:
 
 def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
              deterministic=False, tiles: Traits | None = None, expr: str | None = None,
-             eager=False, **modifiers):
+             eager=False, grid_order=0, **modifiers):
     """dq, dk, dv of bwd_sm80 (run in the emulation) for NumPy inputs, summed over broadcast
     dimensions and rounded to the inputs' dtype, as ``cuflash.attention_backward`` returns
     them (then dbias, dsink with those modifiers, as the GPU plan finishes them). ``o`` and
     ``lse`` are the forward's (any source); ``expr`` / ``tiles`` the specialisation (the
     registry's choice on an A100 by default). ``eager``: cp.async copies land when issued;
-    ``lib.watched_copies`` counts the copies of Q's data the kernel made."""
+    ``lib.watched_copies`` counts the copies of Q's data the kernel made. ``grid_order``:
+    Params.grid_order (common.cuh grid_tile; the GPU plan passes bwd_sm80 0)."""
     prob = _problem.make_problem(q, k, v, scale=scale, causal=causal)
     mods = modifiers_of(prob, **modifiers)
     shapes = (q.shape, k.shape, v.shape)
@@ -388,6 +389,7 @@ def bwd_sm80(lib: Library, do, q, k, v, o, lse, *, scale=None, causal=False,
                        list_tiles=(tiles.block_m, tiles.block_n, tiles.block_m, _causal_of(prob)))
     if dbias_acc is not None:
         p["mod"]["dbias"] = dbias_acc.ctypes.data
+    p["grid_order"] = grid_order
     lib.launch("bwd", expr, p, nbatch * num_n_blocks, tiles.threads, tiles.smem_bytes,
                readable=(q, k, v, do), watch=q, eager=eager)
     if deterministic:   # each query tile's counter: one increment per key tile visiting it
@@ -441,12 +443,13 @@ def modifiers_of(prob, **modifiers):
 
 
 def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, smem_bytes: int,
-             causal=False, eager=False, block_n: int | None = None, **modifiers):
+             causal=False, eager=False, block_n: int | None = None, grid_order=0,
+             **modifiers):
     """o, lse of one fwd_sm80 specialisation for C-contiguous NumPy inputs (d % 8 == 0), with
     any built-in modifier keywords (``expr`` must be compiled for them; ``block_n``, its key
     tile, with a block mask). ``eager``: cp.async
     copies land when issued; ``lib.watched_copies`` counts the copies of K's data the kernel
-    made."""
+    made. ``grid_order``: Params.grid_order (common.cuh grid_tile)."""
     prob = _problem.make_problem(q, k, v, scale=None, causal=causal)
     o = numpy.full(prob.batch_shape + (prob.Lq, prob.dv), numpy.nan, prob.dtype)
     lse = numpy.full(prob.batch_shape + (prob.Lq,), numpy.nan, numpy.float32)
@@ -454,6 +457,7 @@ def fwd_sm80(lib: Library, expr: str, q, k, v, *, block_m: int, threads: int, sm
     p, nbatch = pack_params(prob, {"q": prob.q, "k": prob.k, "v": prob.v, "o": o},
                             num_m_blocks=num_m_blocks, lse=lse, mods=modifiers_of(prob, **modifiers),
                             list_tiles=(block_m, block_n, block_m // (threads // 32), _causal_of(prob)))
+    p["grid_order"] = grid_order
     lib.launch("fwd", expr, p, nbatch * num_m_blocks, threads, smem_bytes,
                readable=(prob.q, prob.k, prob.v), watch=prob.k, eager=eager)
     return o, lse

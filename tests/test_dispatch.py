@@ -280,7 +280,6 @@ def test_traits_smem_match_the_kernel(name):
     if name == "fwd_sm90":   # the persistent builds' second Q buffer (session 10)
         entries |= {t.replace(persist=1) for t in entries
                     if t.head_dim <= _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM}
-        entries |= {t.replace(lean=1) for t in entries}   # (LEAN spelled after PERSIST: session 11)
     checks = [f'static_assert({fam.smem_check(t)} == {t.smem_bytes}, "{t.describe()}");'
               for t in entries]
     src = (_jit.load_source(fam.source) + "\nnamespace cuflash_probe {\n" + "\n".join(checks)
@@ -473,3 +472,31 @@ def test_long_list_rule_keeps_two_blocks_where_its_build_is_heavier(monkeypatch)
     assert _families.kept_blocks_spilled(c, shape, 0)
     again = _families.choose("fwd", shape, H200)
     assert again.traits.min_blocks == 2 and not _families.kept_blocks_spilled(again, shape, 0)
+
+
+def test_fwd_sm90_block_mask_short_lists_in_fewer_warpgroups(monkeypatch):
+    """Session 11: ``CUFLASH_FWD90_BMASK_SHORT_WG`` caps fwd_sm90's warpgroups a block for a
+    block mask's mask_mod whose lists are short (below ``CUFLASH_FWD90_BMASK_LONG``'s bound):
+    the 3-warpgroup (192-row) d = 128 blocks of the causal documents become 2 or 1; long lists
+    (prefix-LM at 4k) and the table's default keep the table's; anything else is a ValueError."""
+    from cuflash import _trace, _trace_cuda
+    monkeypatch.delenv("CUFLASH_FWD90_BMASK_LONG", raising=False)
+    docs = lambda b, h, q, kv: ((q // 512) == (kv // 512)) & (q >= kv)  # noqa: E731
+    tr = _trace.trace_mask_mod(docs)
+
+    def warpgroups(d, keys):
+        v = Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
+                    prelude=tr.source)
+        return _families.choose("fwd", Shape(BF16, 64, 4096, 4096, d, d, v, False, keys),
+                                H200).traits["warpgroups"]
+
+    for value in ("", "table"):
+        monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", value)
+        assert (warpgroups(128, 320), warpgroups(64, 320)) == (3, 2)
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", "2")
+    assert (warpgroups(128, 320), warpgroups(64, 320), warpgroups(128, 2224)) == (2, 2, 3)
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", "1")
+    assert (warpgroups(128, 320), warpgroups(64, 1088), warpgroups(64, 2224)) == (1, 1, 2)
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", "3")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_SHORT_WG"):
+        warpgroups(128, 320)

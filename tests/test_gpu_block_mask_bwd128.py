@@ -132,3 +132,44 @@ def test_d64_block_mask_backward_in_128_row_tiles(monkeypatch, name, causal, row
     _check(MASKS[name], causal, seed=4, d=64)
     monkeypatch.delenv("CUFLASH_BWD90_BMASK_ROWS")
     _api.clear_plans()
+
+
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("order", ["", "bwd", "none"])
+def test_prefix_lm_in_tile_major_grid_order(monkeypatch, order, d):
+    """Session 11: a block mask without causal runs tile-major by default, forward and
+    backward (key tile 0 / the last query tile of each of the 4 heads first;
+    ``_plan.grid_order``); "bwd" the backward only, "none" both batch-major as in session 10
+    (``CUFLASH_BMASK_TILE_MAJOR``, plan time): bwd_sm90 with no local memory, o, lse, dq, dk,
+    dv right in each order."""
+    from cuflash import _api, _plan
+    if order:
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", order)
+    else:
+        monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR", raising=False)
+    monkeypatch.delenv("CUFLASH_GRID_ORDER", raising=False)
+    _api.clear_plans()
+    choice, local = _choice(MASKS["prefix100"], False, d=d)
+    assert choice.family.name == "bwd_sm90" and local == 0, choice.expr
+    assert _plan.grid_order(choice, False, True) == (0 if order == "none" else 1)
+    _check(MASKS["prefix100"], False, seed=5, d=d)
+    monkeypatch.delenv("CUFLASH_BMASK_TILE_MAJOR", raising=False)
+    _api.clear_plans()
+
+
+@pytest.mark.parametrize("rows, d, causal", [("", 128, False), ("0", 128, False), ("", 64, True),
+                                             ("0", 64, True), ("", 96, False)])
+def test_dq_additions_in_rows_and_bounded(monkeypatch, rows, d, causal):
+    """Session 11: where d is the head-dim bucket, bwd_sm90's block-mask builds add dQ's rows
+    with bwd_io::red_row_pairs (no bounds); ``CUFLASH_BWD90_DQ_ROWS=0`` (plan time) and a d
+    below the bucket (96: HEAD_DIM 128) define ``CUFLASH_BWD90_DQ_BOUNDS`` and add them as
+    before (red_add2). o, lse, dq, dk, dv right each way."""
+    from cuflash import _api
+    if rows:
+        monkeypatch.setenv("CUFLASH_BWD90_DQ_ROWS", rows)
+    else:
+        monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
+    _api.clear_plans()
+    _check(MASKS["prefix100"] if not causal else MASKS["documents96"], causal, seed=6, d=d)
+    monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
+    _api.clear_plans()

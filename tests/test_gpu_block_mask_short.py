@@ -82,3 +82,34 @@ def test_a_mask_mod_that_spills_at_two_blocks_runs_at_one():
         choice = _families.choose("fwd", shape, _families.device_info(0))
     kernel = _jit.get_kernel(choice.family.source, choice.expr, 0, tr.source)
     assert kernel.local_size_bytes == 0, choice.expr
+
+
+@pytest.mark.parametrize("wg", ["1", "2"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", ["documents", "window"])
+def test_short_lists_in_blocks_of_fewer_warpgroups(monkeypatch, mask, d, wg):
+    """``CUFLASH_FWD90_BMASK_SHORT_WG`` (session 11): fwd_sm90 blocks of at most 1 or 2
+    warpgroups for a block mask with short lists. Documents of 320 rows (a boundary inside 64-,
+    128- and 192-row blocks alike) and a window of 200 keys, causal, forward and gradients by
+    the kit's rule, and the dispatcher really picked that many warpgroups."""
+    from cuflash import _api, _families, _trace, _trace_cuda
+    from cuflash._variant import Variant
+    monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", wg)
+    _api.clear_plans()
+    L = 1024
+    mm = _documents(320) if mask == "documents" else (lambda b, h, q, kv: (q >= kv) & (q - kv <= 200))
+    rng = numpy.random.default_rng(d + int(wg))
+    q, k, v = (rng.standard_normal((2, 8, L, d)).astype(BF16) for _ in range(3))
+    bm = cuflash.block_mask(mm, (1, 1), L, L)
+    kw = {"block_mask": bm}
+    o, lse, do, grads = _run(q, k, v, True, bm)
+    naive.check_result(q, k, v, True, kw, o, lse)
+    naive.check_gradients(grads, q, k, v, o, lse, do, True, kw)
+    tr = _trace.trace_mask_mod(mm)
+    shape = _families.Shape("bfloat16", 16, L, L, d, d,
+                            Variant(causal=True, mask_mod=_trace_cuda.qualified_name(tr),
+                                    block_mask=True, prelude=tr.source), False,
+                            bm.mean_row_keys())
+    choice = _families.choose("fwd", shape, _families.device_info(0))
+    assert choice.family.name == "fwd_sm90" and choice.traits["warpgroups"] <= int(wg)
+    _api.clear_plans()

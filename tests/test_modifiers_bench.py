@@ -49,3 +49,18 @@ def test_points_and_rows():
     assert row["tflops"] == pytest.approx(2.0) and row["suite"] == "mods"
     assert set(row) >= {"impl", "suite", "mode", "dtype", "d", "L", "causal", "isolated",
                         "tflops", "ms", "mod"}
+
+
+def test_warm_jobs_cover_every_timed_point_but_the_dense_bias():
+    """The suite compiles each timed point's kernels first (suite_mods.warm_jobs): one job a
+    (d, L, modifier, mode), the modifiers the run was narrowed to, never the dense bias."""
+    jobs = suite.warm_jobs((64, 128), (4096,), ("fwd", "fwd_bwd"), None)
+    points = {(j.args[0].name, j.args[1], j.args[2], j.args[3]) for j in jobs}
+    names = set(suite.mods_for(4096, 16)) - {"bias"}
+    assert len(jobs) == len(points) == len(names) * 2 * 2
+    assert {p[0] for p in points} == names
+    assert {(p[1], p[2]) for p in points} == {("fwd", 64), ("fwd_bwd", 64), ("fwd", 128),
+                                              ("fwd_bwd", 128)}
+    narrowed = suite.warm_jobs((64,), (4096, 16384), ("fwd",), ("window", "bias"))
+    assert [(j.args[0].name, j.args[3]) for j in narrowed] == [("window", 4096),
+                                                                 ("window", 16384)]

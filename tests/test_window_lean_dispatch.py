@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import _families
-from cuflash._families import PROFILES, Shape
+from cuflash import _families, _jit, _traits
+from cuflash._families import FAMILIES, PROFILES, Shape
 from cuflash._variant import Variant
 
 H200 = PROFILES["h200"]
@@ -72,3 +72,21 @@ def test_lean_with_the_persistent_schedule_and_tile_overrides(monkeypatch):
            "cuflash::NoMaskMod, false, false>, true, 0, 1>")
     monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90:128=64:2:1:0")
     assert choice(128, causal=True, window=True).traits["lean"] == 1
+
+
+def test_lean_traits_smem_match_the_kernel():
+    """LEAN spelled after PERSIST (also with it) names the same Sm90Traits figure as without:
+    Traits.smem_bytes against the kernel's own, through NVRTC static_asserts (no GPU)."""
+    fam = FAMILIES["fwd_sm90"]
+    try:
+        nvrtc = _jit._nvrtc_for("sm_90a")
+    except _jit.KernelCompileError as exc:
+        pytest.skip(str(exc))
+    entries = {t.replace(lean=1) for t in _traits.TABLES["fwd_sm90"].values()}
+    entries |= {t.replace(persist=1) for t in entries if t.head_dim <= _traits.FWD_SM90_PERSIST_MAX_HEAD_DIM}
+    assert all(", 1>" in fam.smem_check(t) for t in entries)
+    checks = [f'static_assert({fam.smem_check(t)} == {t.smem_bytes}, "{t.describe()}");' for t in entries]
+    src = (_jit.load_source(fam.source) + "\nnamespace cuflash_probe {\n" + "\n".join(checks)
+           + "\n__global__ void probe() {}\n}\n")
+    log, lowered, _ = nvrtc.compile(src, "probe.cu", ["cuflash_probe::probe"], _jit._options("sm_90a"))
+    assert lowered is not None, log

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kit", action="store_true",
                     help="the testing kit's mask_mods (cuflash._testing_modifiers.MASK_MODS) "
                          "instead of the suite's")
+    ap.add_argument("--mods", default="window,document,prefix",
+                    help="the suite's mask_mods to compile (default: all three)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     import cuflash
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
             from cuflash import _testing_modifiers
             mods = dict(_testing_modifiers.MASK_MODS)
         else:
-            mods = {n: suite_mods.mods_for(a.L, 16)[n].mask_mod for n in ("window", "document", "prefix")}
+            mods = {n: suite_mods.mods_for(a.L, 16)[n].mask_mod for n in a.mods.split(",")}
         for name, mask_mod in mods.items():
             tr = _trace.trace_mask_mod(mask_mod)
             # the keys its query blocks visit (session 10: fwd_sm90's blocks an SM and schedule)

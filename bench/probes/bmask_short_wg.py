@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Question (session 11, issue 10): does a block mask with short lists run faster in fwd_sm90
+blocks of fewer warpgroups (``CUFLASH_FWD90_BMASK_SHORT_WG``)? The mods suite's 8 causal
+documents at 4k ran at 0.64x FlexAttention at d 128 and 0.80x at d 64 (session 11, calls 2-3):
+at d 128 a block is 3 warpgroups, 192 query rows, which no document boundary lines up with, so
+its tiles hold 0.61 visible pairs each against 0.80 for 128-row blocks and 0.89 for 64-row ones;
+and every block's list is short, so its fixed cost weighs (bench/NOTES.md, session 11).
+
+    PYTHONPATH=. python bench/probes/bmask_short_wg.py [--json out.json] [--no-flex]
+        [--points document,window,prefix] [--d 64,128] [--L 4096,16384]
+
+One process, the mods suite's shapes (bf16, B = 16384 / L, H = 2048 / d), forward only (the
+switch changes nothing else): the suite's causal documents and its window 1024 as a block mask
+(both ``causal=True``) and prefix-LM (its lists are long; L 4k only), arms ``table`` (the
+table's warpgroups), ``wg2`` and ``wg1`` (at most 2 / 1 warpgroups a block for lists shorter
+than ``CUFLASH_FWD90_BMASK_LONG``'s 2048 keys), the first two also with session 10's persistent schedule (``persist``, ``wg2p``:
+``CUFLASH_FWD90_PERSIST=auto``, where a block is alone on its SM: d 128; elsewhere the same
+build as without; not with 1 warpgroup, whose persistent grid of one block an SM would leave
+the SM 4 warps), ``pall`` (``CUFLASH_FWD90_PERSIST=all``: persistent for any Variant,
+prefix-LM's long lists too), and
+``torch.compile``d FlexAttention as suite_mods times it. Every arm's output is checked against
+the table arm's (the kit's rule needs the float64 reference, too slow here: max |difference|
+is printed and stored, and must be of bfloat16's rounding). Prints ms / TFLOP/s on visible
+pairs per arm and the best arm / Flex; writes ``{"meta", "rows"}`` to --json after each point.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "bench" / "probes")]
+
+ARMS = {"table": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "0"},
+        "wg2": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "0"},
+        "wg1": {"CUFLASH_FWD90_BMASK_SHORT_WG": "1", "CUFLASH_FWD90_PERSIST": "0"},
+        # session 10's persistent schedule (opt-in "auto": short lists at 1 block an SM, so d
+        # 128 only), never measured on the suite's documents, with each warpgroup count
+        "persist": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "auto"},
+        "wg2p": {"CUFLASH_FWD90_BMASK_SHORT_WG": "2", "CUFLASH_FWD90_PERSIST": "auto"},
+        # ... and for any Variant ("all"): prefix-LM's long lists too, whose d 64 forward at 4k
+        # ran at 0.93x Flex (1 block an SM there: nothing overlaps a block's start and end)
+        "pall": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIST": "all"}}
+
+
+def dump(path, rows, complete: bool) -> None:
+    if path:
+        pathlib.Path(path).write_text(json.dumps(
+            {"meta": {"probe": "bmask_short_wg", "dtype": "bfloat16", "arms": ARMS,
+                      "complete": complete}, "rows": rows}, indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--L", default="4096,16384")
+    ap.add_argument("--points", default="document,window,prefix")
+    ap.add_argument("--no-flex", action="store_true")
+    a = ap.parse_args(argv)
+    import cupy
+    import ml_dtypes
+    import numpy
+    import cuflash
+    import bench_attention
+    import suite_mods
+    from bmask_short import _spec
+    from window_short import _fwd_choice
+    from suite_common import bf16_zeros, compile_flex, median_event_ms, warm_arms
+    torch = compiled = cbm = None
+    if not a.no_flex:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask as cbm
+        compiled = compile_flex(torch)
+    points = [(n, int(d), int(L)) for n in a.points.split(",") for d in a.d.split(",")
+              for L in a.L.split(",") if n != "prefix" or int(L) == 4096]
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    rows, t0 = [], time.perf_counter()
+
+    def one(name, d, L):             # a call on zeros: this point's compiles
+        H = suite_mods.WIDTH // d
+        q = bf16_zeros((max(1, suite_mods.TOKENS // L), H, L, d))
+        cuflash.attention(q, q, q, **_spec(name, L, H)[1])
+
+    warm_arms(list(ARMS), ARMS, [functools.partial(one, *p) for p in points])
+    print(f"# kernels compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for name, d, L in points:
+        H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
+        rng = numpy.random.default_rng(L + d)
+        q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+        mod, kw, flex_mask = _spec(name, L, H)
+        flops = 4 * B * H * d * suite_mods.visible_pairs(mod, L)
+        tf, first = {}, None
+        for arm, env in ARMS.items():
+            with bench_attention.env(**env):
+                o = cuflash.attention(q, k, v, **kw)
+                first = o if first is None else first
+                diff = float(cupy.abs(o.astype(cupy.float32) - first.astype(cupy.float32)).max())
+                ms = median_event_ms(lambda i: cuflash.attention(q, k, v, **kw), 1, 20, 3)
+                kernel, grid = _fwd_choice(kw, B * H, L, d)
+            tf[arm] = flops / ms / 1e9
+            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode="fwd", ms=ms, tflops=tf[arm],
+                             max_abs_diff_vs_table=diff, fwd_kernel=kernel, fwd_grid=grid))
+            del o
+        if compiled is not None:
+            (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, "fwd", d, L, B, H,
+                                            [(q, k, v)], None, flops)
+            tf["flex"] = row["tflops"]
+            rows.append(dict(impl="flex", mask=name, d=d, L=L, mode="fwd", ms=row["ms"],
+                             tflops=row["tflops"]))
+        best = max((x for x in ARMS), key=lambda x: tf[x])
+        print(f"{name:9} d={d:3} L={L:6} " + " ".join(f"{x} {t:6.1f}" for x, t in tf.items() if t)
+              + f"  best {best}" + (f" / flex {tf[best] / tf['flex']:.3f}" if tf.get("flex") else "")
+              + "  max|o - table's| " + " ".join(f"{r['max_abs_diff_vs_table']:.2e}"
+                                                  for r in rows if r.get("mask") == name
+                                                  and r["d"] == d and r["L"] == L and "max_abs_diff_vs_table" in r),
+              flush=True)
+        dump(a.json, rows, complete=False)
+        del q, k, v, first
+        cupy.get_default_memory_pool().free_all_blocks()
+    dump(a.json, rows, complete=True)
+    print(f"# {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
