@@ -27,7 +27,8 @@ namespace sm90 {
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
 // FWD_SM90 in cuflash/_traits.py.
-template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int PERSIST = 0>
+template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, int PERSIST = 0,
+          int LEAN = 0>   // (LEAN: the kernel's, below; no tile size depends on it)
 struct Sm90Traits {
   static constexpr int kThreads = 128 * WARPGROUPS;
   static constexpr int kBlockM = 64 * WARPGROUPS;   // 64 rows a warpgroup (the wgmma M)
@@ -72,8 +73,19 @@ struct Sm90Traits {
 // (min_blocks 1: at d = 64's 128-register cap of 2 blocks an SM, the outer loop alone made the
 // suite's causal builds spill 16-64 bytes). Not for varlen builds (a block's work item is its
 // sequence's): they compile as PERSIST = 0.
+// LEAN (short query tiles' fixed costs, session 11; CUFLASH_FWD90_LEAN): a window block sees
+// ~17 key tiles, not ~64 as causal attention's at 16k, and a block mask's short lists (packed
+// documents at 4k) 1-8, so what a block or a tile pays besides the products is a larger share
+// of it (bench/NOTES.md, "the window's instructions per visible pair (session 11)"). Any
+// Variant the dispatcher gives it (the window, block masks; never plain attention): the batch
+// item's offsets without dividing by batch dims of extent 1 (batch_offsets_short) and O's
+// copies to HBM with addresses advanced by constants (store_o_rows). Under a
+// window without a block mask or pair mask (kLean below) also: the K/V source pointers
+// advanced a tile at a time instead of recomputed from the tile index, which key tiles need
+// which bound's mask decided once a warp (two tile indices) instead of a tile, and each masked
+// tile tests the one bound that crosses it (the far edge: first; the diagonal: last), not both.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN,
-          int PERSIST = 0>
+          int PERSIST = 0, int LEAN = 0>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
@@ -109,7 +121,8 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const BlockTile tile = block_tile(p, bid);
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
-  const BatchOffsets off = batch_offsets(p, b);
+  constexpr bool kLean = LEAN != 0 && Var::kKeyLo && !Var::kBlockMask && !Var::kPairMask;
+  const BatchOffsets off = LEAN != 0 ? batch_offsets_short(p, b) : batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
   // (c log2(e) where the scores are in units of the softcap c: Var::kCapUnits; tau log2(e)
@@ -206,10 +219,23 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
   };
 
+  // kLean: the next K and V tile's first rows (the tiles load in order, j0, j0 + 1, ...: one
+  // 64-bit add a tensor and tile, where j * BLOCK_N * stride cost ~7 instructions a copy;
+  // PERSIST: j0 + 1 where the previous item loaded tile j0)
+  [[maybe_unused]] const int kv_row0 = (j0 + (kLoop && prefetched ? 1 : 0)) * BLOCK_N;
+  [[maybe_unused]] const T* kv_k = kLean ? gmem.k + static_cast<long long>(kv_row0) * p.k_row_stride : nullptr;
+  [[maybe_unused]] const T* kv_v = kLean ? gmem.v + static_cast<long long>(kv_row0) * p.v_row_stride : nullptr;
   auto load_kv = [&](int j, int slot) {   // K_j and V_j into stage slot % Tr::kStages
     const unsigned sK = sKV + (slot % Tr::kStages) * Tr::kStageBytes;
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
-    load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
+    if constexpr (kLean) {
+      load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, kv_k, p.k_row_stride, 0, p.Lk - j * BLOCK_N, p.d);
+      load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, kv_v, p.v_row_stride, 0, p.Lk - j * BLOCK_N, p.dv);
+      kv_k += BLOCK_N * p.k_row_stride;
+      kv_v += BLOCK_N * p.v_row_stride;
+    } else {
+      load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d);
+      load_tile<KVTile, BLOCK_N, kThreads, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv);
+    }
   };
 
   // Descriptors of stage 0 at k-step 0 (this warpgroup's 64 rows of Q); a k-step or a stage
@@ -239,6 +265,18 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   const int row0 = wg_row_first + 16 * warp + lane / 4;   // this thread's rows: row0, row0 + 8
   const int col_in_tile = 2 * (lane % 4);
+  // kLean: the key tiles where this warp's 16 rows need a bound's mask, decided once: from
+  // j_hi_w on, the tile's last key is past its first row's last visible key (the diagonal,
+  // the end of the keys); before j_lo_w, its first key is before its last row's first visible
+  // key (the window's far edge). The same tiles as needs_bound_mask's test (and, !EVEN, the
+  // tile crossing Lk: key_last is clipped to Lk - 1).
+  [[maybe_unused]] int j_hi_w = 0, j_lo_w = 0;
+  if constexpr (kLean) {
+    const int warp_row_first = wg_row_first + 16 * warp, warp_row_last = warp_row_first + 15;
+    j_hi_w = max(Var::key_last(p.var, p.mod, warp_row_first, p.Lk) + 1, 0) / BLOCK_N;
+    const int kf = Var::key_first(p.var, p.mod, warp_row_last);
+    j_lo_w = kf > 0 ? (kf + BLOCK_N - 1) / BLOCK_N : 0;
+  }
   // -- the Variant's score transform (identity today); mask S_ij (keys past Lk, and the pairs
   //    the Variant masks, causal: keys j > i + causal_offset; only tiles that cross the end of
   //    the keys or this warp's mask boundary pay for it), then the online softmax up to, not
@@ -246,25 +284,42 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   auto softmax = [&](float (&s)[Tr::kNTilesS][4], int j, float (&m_i)[2], float (&l_i)[2], float (&alpha)[2], bool pair_tile) {
     const int n0 = j * BLOCK_N;
     Var::transform_tile(p.var, s);
-    const int warp_row_first = wg_row_first + 16 * warp;
-    // (a block mask: the bounds' mask where they cross the tile, the pair masks where its kind
-    // is not full; in the predicated build every tile masks, as before: the branch on the
-    // bounds spilled 16 bytes at the 168-register cap of 3 warpgroups with causal)
-    const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
-                           (Var::kBlockMask && EVEN ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
-                                            : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
-    // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
-    if constexpr (Var::kNatural || Var::kPairMask)
-      modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk,
-                             Var::kBlockMask && EVEN ? pair_tile : need_mask && pair_tile);
-    if (need_mask) {
-      int first[2], last[2];
+    if constexpr (kLean) {   // (no pair mask: the modifiers' transforms only)
+      if constexpr (Var::kNatural)
+        modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, false);
+      if (j >= j_hi_w) {   // the diagonal (or the end of the keys): keys past last[r]
+        int last[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
-        first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
+        for (int r = 0; r < 2; ++r) last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+        mask_scores<false>(s, last, last);
       }
-      mask_scores<Var::kKeyLo>(s, first, last);
+      if (j < j_lo_w) {    // the window's far edge: keys before first[r]
+        int first[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
+        mask_scores_before(s, first);
+      }
+    } else {
+      const int warp_row_first = wg_row_first + 16 * warp;
+      // (a block mask: the bounds' mask where they cross the tile, the pair masks where its kind
+      // is not full; in the predicated build every tile masks, as before: the branch on the
+      // bounds spilled 16 bytes at the 168-register cap of 3 warpgroups with causal)
+      const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
+                             (Var::kBlockMask && EVEN ? Var::needs_bound_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N)
+                                              : Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N));
+      // the modifiers (steps 2-5 of the score pipeline; a bool mask / mask_mod pair by pair)
+      if constexpr (Var::kNatural || Var::kPairMask)
+        modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk,
+                               Var::kBlockMask && EVEN ? pair_tile : need_mask && pair_tile);
+      if (need_mask) {
+        int first[2], last[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          last[r] = Var::key_last(p.var, p.mod, row0 + 8 * r, p.Lk) - (n0 + col_in_tile);
+          first[r] = Var::key_first(p.var, p.mod, row0 + 8 * r) - (n0 + col_in_tile);
+        }
+        mask_scores<Var::kKeyLo>(s, first, last);
+      }
     }
     if constexpr (Var::kFixedOffset)
       fixed_offset_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, l_i, sl2, mo);
@@ -356,7 +411,13 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   __syncthreads();
   stage_o_slice<typename Tr::OTile, T>(sQ, 64 * wg + 16 * warp, o, inv_l);
   __syncthreads();
-  store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
+  // (LEAN: the copies' addresses advanced by constants, where the geometry allows)
+  constexpr int kOChunks = Tr::OTile::kChunks;
+  if constexpr (LEAN != 0 && kThreads % kOChunks == 0 && (kThreads / kOChunks) % 8 == 0 &&
+                kBlockM % (kThreads / kOChunks) == 0 && kOChunks % 8 == 0)
+    store_o_rows<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
+  else
+    store_o_tile<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
   if constexpr (!kLoop) {
     break;
   } else {   // the next item: its Q and first K/V were loaded if this one had a key tile

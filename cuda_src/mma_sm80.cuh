@@ -200,4 +200,48 @@ __device__ __forceinline__ void store_o_tile(const unsigned char* stile, T* __re
   }
 }
 
+// store_o_tile with the addresses advanced by constants (fwd_sm90's LEAN builds, session 11:
+// the window's and short block-mask lists' query tiles, whose epilogue is a large share of
+// them): where THREADS is a multiple of a row's chunks and the rows between a thread's copies
+// (THREADS / kChunks) a multiple of the swizzle's 8, a thread copies the same chunk column c of
+// rows r0, r0 + kStep, ...: the shared offset and the global address of its next copy are the
+// last one's plus a constant, where store_o_tile recomputes the row, the swizzle and the 64-bit
+// row offset of every copy (~45 instructions a copy at d = 128 against ~7). The same copies:
+// rows >= Lq and columns >= dv are not written; strides that forbid 16-byte stores go to
+// store_o_tile.
+template <typename Tile, int ROWS, int THREADS, typename T>
+__device__ __forceinline__ void store_o_rows(const unsigned char* stile, T* __restrict__ out,
+                                             const Params& p, long long off_o, int m0) {
+  constexpr int kChunks = Tile::kChunks;
+  constexpr int kStep = THREADS / kChunks;
+  static_assert(THREADS % kChunks == 0 && kStep % 8 == 0 && ROWS % kStep == 0 && kChunks % 8 == 0,
+                "a thread's copies one chunk column, rows kStep apart, the swizzle repeating");
+  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off_o % 8 == 0 &&
+                   p.o % 16 == 0 && p.dv % 8 == 0;
+  if (!vec) {
+    store_o_tile<Tile, ROWS, THREADS>(stile, out, p, off_o, m0);
+    return;
+  }
+  const int c = threadIdx.x % kChunks, r0 = threadIdx.x / kChunks;
+  if (c * 8 >= p.dv) return;
+  const unsigned char* src = stile + 16 * Tile::chunk_offset(r0, c);
+  // the global address of this thread's copy it (row m0 + r0 + it kStep), a byte step apart
+  unsigned long long addr = static_cast<unsigned long long>(
+      __cvta_generic_to_global(out + static_cast<long long>(m0 + r0) * p.o_row_stride + c * 8));
+  const unsigned long long step = static_cast<unsigned long long>(kStep * p.o_row_stride) * sizeof(T);
+  const int rows_left = p.Lq - m0 - r0;   // copy it is written while it kStep < rows_left
+#pragma unroll
+  for (int it = 0; it < ROWS / kStep; ++it) {
+    if (it * kStep < rows_left) {
+      const uint4 x = *reinterpret_cast<const uint4*>(src + 16 * it * kStep * kChunks);
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "r"(x.x), "r"(x.y), "r"(x.z),
+                   "r"(x.w) : "memory");
+    }
+    addr += step;
+    // (an opaque step: without it the compiler folds the address back into (m0 + r0 + it kStep)
+    // stride, a 64-bit product a copy again)
+    asm volatile("" : "+l"(addr));
+  }
+}
+
 }  // namespace cuflash

@@ -30,6 +30,20 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const int (&first
     }
 }
 
+// -- the lower bound alone: columns before first[r] get -inf (fwd_sm90's lean window masks its
+//    far-edge tiles so: one compare a score, where mask_scores<true> makes two)
+template <int NT>
+__device__ __forceinline__ void mask_scores_before(float (&s)[NT][4], const int (&first)[2]) {
+  const float kNegInf = -__int_as_float(0x7f800000);
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t * 8 < first[r]) s[t][2 * r] = kNegInf;
+      if (t * 8 + 1 < first[r]) s[t][2 * r + 1] = kNegInf;
+    }
+}
+
 // One step of the online softmax for a new score tile S_ij of NT 8-column tiles, in two
 // parts so that a caller can rescale O later (fwd_sm90 does, once the wgmma still writing O
 // has finished):

@@ -26,7 +26,7 @@ from ._traits import Traits
 from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
                        modifier_tiles)
 from . import _spills  # (and below, names other modules take from here)
-from ._fwd_schedule import bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted  # noqa: F401,E501
+from ._fwd_schedule import bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
 from ._overrides import fuse_dq_finish, fuse_dq_wanted, tile_override  # noqa: F401
 from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
@@ -50,10 +50,11 @@ def _bool(x: bool) -> str:
 
 
 def _spelled(args: dict) -> dict:
-    """Tile arguments as a template spells them: fwd_sm90's ``persist`` is a trailing default
-    argument (PERSIST = 0), written only when set, so the builds without it keep their names."""
+    """Tile arguments as a template spells them: fwd_sm90's ``persist`` and ``lean`` are trailing
+    default arguments (0), written only when set (both as ``{persist}``): other builds keep their names."""
     if "persist" in args:
-        args["persist"] = f", {args['persist']}" if args["persist"] else ""
+        persist, lean = args["persist"], args.pop("lean", 0)
+        args["persist"] = f", {persist}, {lean}" if lean else (f", {persist}" if persist else "")
     return args
 
 
@@ -240,7 +241,7 @@ def _fwd_sm90_select(fam, shape, dev):
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
                    "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
-    return t, {"even": even}, why
+    return window_lean(t, shape.variant, why), {"even": even}, why
 
 
 def _fwd_sm90_instances(fam, arch):

@@ -1,7 +1,8 @@
 """fwd_sm90's schedule choices that read a problem beyond its tiles (session 10): how many
 blocks run the grid (a persistent build's resident grid), when a block takes query tiles in
 turn (``persist_wanted``), and the block-mask list length from which its build keeps one block
-an SM's registers (``bmask_long_keys``). Read by the dispatcher (``_families._fwd_sm90_select``)
+an SM's registers (``bmask_long_keys``), and whether the analytic window takes its lean build
+(``window_lean``, session 11). Read by the dispatcher (``_families._fwd_sm90_select``)
 and the forward plan's launch (``_plan.ForwardPlan``); the reasons are in ``_traits``
 (``FWD_SM90_PERSIST_FEATURES``, ``FWD_SM90_BMASK_LONG_KEYS``) and bench/NOTES.md ("The window
 and block masks at short lists, forward (session 10)")."""
@@ -94,3 +95,29 @@ def bmask_short_tiles(t, shape, why: list):
     why.append(f"{wg} warpgroups a block: the block mask's lists are short ({shape.bmask_keys} "
                "keys a query block on average; CUFLASH_FWD90_BMASK_SHORT_WG)")
     return t.replace(warpgroups=wg)
+
+
+def window_lean(t, variant, why: list | None = None):
+    """fwd_sm90's traits ``t`` with ``lean`` (session 11, bench/NOTES.md "the window's
+    instructions per visible pair") where ``variant`` is the analytic window alone (causal or
+    not; its blocks see ~17 key tiles, so a block's and a tile's fixed instructions are a large
+    share of them: the short batch offsets and the loop's cuts), or a block mask's mask_mod
+    alone (causal or not; the short batch offsets only: packed documents at 4k visit 1-8 key
+    tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1"
+    (default: both), "window", "bmask" (one of them) or "0" (session 10's builds)."""
+    value = os.environ.get("CUFLASH_FWD90_LEAN", "").strip() or "1"
+    if value not in ("0", "1", "window", "bmask"):
+        raise ValueError(f"CUFLASH_FWD90_LEAN={value!r}: expected 1, window, bmask or 0")
+    # (the window alone or with causal, a block mask's mask_mod alone or with causal: with a
+    # score transform beside the window, d = 64's EVEN builds at min_blocks 1 went from <= 128
+    # registers, 2 blocks an SM, to 132-145, one: not given it)
+    window = variant.window and variant.features <= _traits.FWD_SM90_PERSIST_FEATURES
+    bmask = variant.block_mask and variant.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
+    if not ((window and value in ("1", "window")) or (bmask and value in ("1", "bmask"))):
+        return t
+    if why is not None:
+        why.append("lean: " + ("the window's fixed costs a block and a tile cut (short batch offsets, "
+                               "K/V pointers advanced a tile, one bound's mask a tile" if window else
+                               "the short batch offsets of a block-mask query tile")
+                   + ": CUFLASH_FWD90_LEAN)")
+    return t.replace(lean=1)

@@ -44,8 +44,9 @@ class Traits:
     def with_values(self, values: tuple[int, ...]) -> "Traits":
         """Replace the arguments after ``head_dim`` by ``values``, in order (CUFLASH_TILES)."""
         names = [n for n, _ in self.args if n != "head_dim"]
-        if self.family == "fwd_sm90" and len(values) == len(names) - 1:
-            values = (*values, self["persist"])   # (persist: a schedule, not a tile; kept)
+        if self.family == "fwd_sm90" and len(values) in (len(names) - 2, len(names) - 1):
+            # (persist, lean: a schedule, not tiles; kept where left out)
+            values = (*values, *(self["persist"], self["lean"])[len(values) - len(names) + 2:])
         if len(values) != len(names):
             raise ValueError(f"CUFLASH_TILES for {self.family} needs {len(names)} values "
                              f"({':'.join(names)}), got {values}")
@@ -65,12 +66,14 @@ def _traits(family: str, names: tuple[str, ...], values: dict, **derived) -> Tra
 # Constructors: one per family, deriving what the kernel's traits struct derives
 # ---------------------------------------------------------------------------------------------
 
-def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, reason=""):
+def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, lean=0, reason=""):
     """Sm90Traits: 64 query rows a warpgroup; Q + two stages of K, V, + 1 KB to align;
     ``persist`` (session 10): a block runs several query tiles in turn, with a second Q buffer
-    (the next tile's Q lands during this one's last key tile; ``FWD_SM90_PERSIST``)."""
+    (the next tile's Q lands during this one's last key tile; ``FWD_SM90_PERSIST``);
+    ``lean`` (session 11): the analytic window's fixed costs cut (``_fwd_schedule.window_lean``;
+    no tile or memory changes)."""
     bm = 64 * warpgroups
-    return _traits("fwd_sm90", ("head_dim", "block_n", "warpgroups", "min_blocks", "persist"),
+    return _traits("fwd_sm90", ("head_dim", "block_n", "warpgroups", "min_blocks", "persist", "lean"),
                    locals(), head_dim=head_dim, block_m=bm, block_n=block_n,
                    threads=128 * warpgroups,
                    smem_bytes=(bm * (2 if persist else 1) + 4 * block_n) * head_dim * 2 + 1024,

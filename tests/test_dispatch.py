@@ -361,13 +361,13 @@ def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
 
     c = choice()
     assert c.traits["persist"] == 1 and c.traits.min_blocks == 2
-    assert c.expr.endswith(", true, 1>")
+    assert c.expr.endswith(", true, 1, 1>")   # (PERSIST, and LEAN: the window's default, session 11)
     assert c.traits.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 1024
     assert _families.fwd_sm90_grid(c.traits, 128 * 32, H200) == 2 * 132
     assert choice(d=128).traits["persist"] == 1 and choice(d=128).traits.smem_bytes <= H200.smem_optin
     assert choice(causal=False).traits["persist"] == 1
     for other in (choice(window=False), choice(d=256), choice(L=4000), choice(nbatch=1, L=1024)):
-        assert other.traits["persist"] == 0 and not other.expr.endswith(", 1>")
+        assert other.traits["persist"] == 0 and not other.expr.endswith((", true, 1>", ", false, 1>", ", 1, 1>"))
     assert choice(window=False).expr == "cuflash::sm90::fwd_sm90<__nv_bfloat16, 64, 64, 2, 2, cuflash::Variant<true>, true>"
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "2")
     assert _families.fwd_sm90_grid(c.traits, 4096, H200) == 2048

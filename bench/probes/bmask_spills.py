@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                                     spill_bytes=res.get("spill_stores", 0) + res.get("spill_loads", 0),
                                     stack=res.get("stack", 0))
                     print(f"{key} {choice.expr.split(', cuflash::Variant')[0].split('<')[1]}"
-                          f"{' persist' if choice.expr.endswith(', 1>') else ''}: {res.get('registers')} registers, "
+                          f"{''.join(f' {k}' for k in ('persist', 'lean') if dict(choice.traits.args).get(k))}: {res.get('registers')} registers, "
                           f"{out[key]['spill_bytes']} spill bytes, {out[key]['stack']} stack, "
                           f"sha {fp.get('sha', '')[:12]}",
                           flush=True)
