@@ -14,6 +14,7 @@ B 8 32/8 8k / 64k / 128k, B 8 32/32 8k, B 64 32/8 8k, B 1 32/8 128k):
                  range differs), and the arrival by atomicInc (ARRIVE_WRAP: no atomicExch for
                  the last block's acquire fence to wait on);
   cuflash_early  CUFLASH_DECODE_ARRIVE=fence: the early copies alone;
+  cuflash_one    CUFLASH_DECODE_EARLY=one: the early copies where the grid has one split only;
   cuflash_deep   CUFLASH_DECODE_STAGES=long on the default: the 5-stage ring where the grid is
                  at most one block an SM and a block reads >= 512 key iterations (B 8 32/8
                  64k / 128k at 2 splits; session 9 measured the deep ring there +0.2 / +0.65%,
@@ -81,6 +82,9 @@ POINTS_S11 = [(8, 32, 8, 8192, 0), (8, 32, 8, 65536, 0), (8, 32, 8, 131072, 0),
 MODES_S11 = (("cuflash_old", {"CUFLASH_DECODE_EARLY": "0", "CUFLASH_DECODE_ARRIVE": "fence"}),
              ("cuflash", {}),
              ("cuflash_early", {"CUFLASH_DECODE_ARRIVE": "fence"}),
+             # early copies only where the grid has one split (no serving-cache cost: the
+             # lead's question, whether "all" buys enough over it to be the default)
+             ("cuflash_one", {"CUFLASH_DECODE_EARLY": "one"}),
              ("cuflash_deep", {"CUFLASH_DECODE_STAGES": "long"}))
 #: the modes run at the paged points
 PAGED_MODES = MODES[:2]
