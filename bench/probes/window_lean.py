@@ -16,8 +16,9 @@ the lean one), CUDA-event medians.
 Arms (plan-time switches; the plan cache is cleared around each):
 
 - ``old``: ``CUFLASH_FWD90_LEAN=0`` (session 10's builds; main 20120b4);
-- ``new``: the default (the lean builds for the window and the block masks; plain attention's
-  kernels are the same machine code in both arms, so its rows in both are a noise check);
+- ``new``: ``CUFLASH_FWD90_LEAN=1`` (off by default until this probe has run): the lean
+  builds for the window and the block masks; plain attention's kernels are the same machine
+  code in both arms, so its rows in both are a noise check;
 - with ``--arms`` also ``wg2``: new with fwd_sm90's d 128 bucket at 2 warpgroups
   (``CUFLASH_TILES=fwd_sm90:128=64:2:1``; a 128-row window block loads 18 key tiles for a
   warpgroup's 17 against 19 at 192 rows, and a documents block spans fewer documents; plain
@@ -44,8 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "bench" / "probes")]
 
 ARMS = {
     "old": {"CUFLASH_FWD90_LEAN": "0", "CUFLASH_TILES": None},
-    "new": {"CUFLASH_FWD90_LEAN": None, "CUFLASH_TILES": None},
-    "wg2": {"CUFLASH_FWD90_LEAN": None, "CUFLASH_TILES": "fwd_sm90:128=64:2:1"},
+    "new": {"CUFLASH_FWD90_LEAN": "1", "CUFLASH_TILES": None},
+    "wg2": {"CUFLASH_FWD90_LEAN": "1", "CUFLASH_TILES": "fwd_sm90:128=64:2:1"},
 }
 
 
