@@ -523,7 +523,8 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
       if (bwd_io::row_live(sL2, m0, r, p.Lq)) {
         float* const dst = reinterpret_cast<float*>(p.dq_acc) + ((long long)b * p.Lq + m0 + r) * p.d;
 #ifndef CUFLASH_BWD90_DQ_BOUNDS
-        // (a block mask where d = HEAD_DIM: the launcher defines the macro otherwise)
+        // (a block mask where d = HEAD_DIM, with CUFLASH_BWD90_DQ_ROWS=1: the launcher defines
+        // the macro otherwise, and by default until these additions have run on a GPU)
         if constexpr (Var::kBlockMask) {
           bwd_io::red_row_pairs(dst, dq_c0 + 2 * t4, acc_dq, h, scale);
           continue;

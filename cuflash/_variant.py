@@ -191,8 +191,10 @@ def _dq_bounds(prob, mods) -> str:
     """``DQ_BOUNDS`` where a block mask's backward must bound dQ's columns: d is not the head-dim
     bucket bwd_sm90 compiles (HEAD_DIM = max(d, dv) rounded up to 64: the row pairs need every
     column pair of a HEAD_DIM-column slice inside the row), or ``CUFLASH_BWD90_DQ_ROWS=0``
-    (read at plan time; "1", the default: the row pairs where d = HEAD_DIM) for an A/B in one
-    process; else "". (In the Variant's prelude: the forward's builds compile it unused.)"""
+    (read at plan time; the default: session 10's bounded additions) -- "1" gives the row pairs
+    where d = HEAD_DIM, off by default until the H200 has run them (session 11 compiled them
+    with 0 spills but had no GPU); else "". (In the Variant's prelude: the forward's builds
+    compile it unused.)"""
     import os
     value = os.environ.get("CUFLASH_BWD90_DQ_ROWS", "").strip()
     if value not in ("", "0", "1"):
@@ -200,7 +202,7 @@ def _dq_bounds(prob, mods) -> str:
     if mods.block_mask is None:
         return ""
     bucket = max(32, -(-max(prob.d, prob.dv) // 64) * 64)
-    return DQ_BOUNDS if value == "0" or prob.d != bucket else ""
+    return DQ_BOUNDS if value != "1" or prob.d != bucket else ""
 
 
 def softcap_offset(softcap: float, Lk: int) -> float | None:
@@ -340,14 +342,15 @@ def bwd90_block_mask() -> bool:
 def bmask_tile_major(kind: str) -> bool:
     """``CUFLASH_BMASK_TILE_MAJOR`` (read at plan time; session 11): which launches of a block
     mask WITHOUT causal run in tile-major grid order (``_plan.grid_order``; a causal call is
-    tile-major already). "both" (the default): the backward's, whose key tile 0 of every batch
+    tile-major already). "both": the backward's, whose key tile 0 of every batch
     item then starts first -- prefix-LM's long blocks (the prefix's keys, seen by every query)
     in the first waves, not the last batch item's ending the kernel alone (bench/NOTES.md,
     session 11: that tail was 0.15 ms at 4k, d = 128) -- and the forward's (its last query
     tile, prefix-LM's heaviest, of every batch item first); "bwd": the backward's only;
-    "none": batch-major, as in session 10. ``kind``: "fwd" or "bwd"."""
+    "none" (the default until the H200 has checked the outputs of these orders, which session
+    11 could not): batch-major, as in session 10. ``kind``: "fwd" or "bwd"."""
     import os
-    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "both"
+    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "none"
     if value not in ("bwd", "both", "none"):
         raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected both, bwd or none")
     return value == "both" or value == kind

@@ -35,13 +35,18 @@ def _choose(kind, causal, block_mask, d=128, det=False):
 
 
 def test_a_block_mask_without_causal_runs_tile_major(monkeypatch):
+    """``CUFLASH_BMASK_TILE_MAJOR=both`` (session 11; the default "none" until the H200 has
+    checked these orders' outputs): tile-major for a block mask without causal."""
     for name in ("CUFLASH_BMASK_TILE_MAJOR", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(name, raising=False)
     for d in (64, 128):
         bwd, fwd = _choose("bwd", False, True, d), _choose("fwd", False, True, d)
         assert bwd.family.name == "bwd_sm90" and fwd.family.name == "fwd_sm90"
         for c in (fwd, bwd):
-            assert _plan.grid_order(c, False, True) == 1          # the new default
+            assert _plan.grid_order(c, False, True) == 0          # the default: session 10's
+        monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "both")
+        for c in (fwd, bwd):
+            assert _plan.grid_order(c, False, True) == 1          # the switch
             assert _plan.grid_order(c, False, False) == 0         # plain: unchanged
             assert _plan.grid_order(c, True, True) == 1           # causal: as before
             assert _plan.grid_order(c, True, False) == 1
@@ -198,8 +203,9 @@ def test_red_row_pairs_adds_what_red_add2_adds(tmp_path):
 
 def test_the_row_pairs_only_where_d_is_the_head_dim_bucket(monkeypatch):
     """The backward's Variant carries ``_variant.DQ_BOUNDS`` (red_add2's bounded additions)
-    where a block mask's d is not the bucket bwd_sm90 compiles, or with
-    ``CUFLASH_BWD90_DQ_ROWS=0``; never without a block mask."""
+    where a block mask's d is not the bucket bwd_sm90 compiles, and by default (the row
+    pairs are ``CUFLASH_BWD90_DQ_ROWS=1``'s until the H200 has run them); never without a
+    block mask."""
     import types
     from cuflash import _variant
     monkeypatch.delenv("CUFLASH_BWD90_DQ_ROWS", raising=False)
@@ -207,6 +213,9 @@ def test_the_row_pairs_only_where_d_is_the_head_dim_bucket(monkeypatch):
 
     def prob(d, dv):
         return types.SimpleNamespace(d=d, dv=dv)
+    assert _variant._dq_bounds(prob(128, 128), bm) == _variant.DQ_BOUNDS  # the default
+    assert _variant._dq_bounds(prob(128, 128), none) == ""
+    monkeypatch.setenv("CUFLASH_BWD90_DQ_ROWS", "1")
     assert _variant._dq_bounds(prob(128, 128), bm) == ""
     assert _variant._dq_bounds(prob(64, 64), bm) == ""
     assert _variant._dq_bounds(prob(128, 64), bm) == ""                 # bucket of max(d, dv)

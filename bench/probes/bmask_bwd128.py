@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Question (session 11, issue 10): do the tile-major grid order (the new default for a block
-mask without causal, forward and backward: ``CUFLASH_BMASK_TILE_MAJOR``) and dQ's additions in
-rows (bwd_sm90's block-mask builds: ``CUFLASH_BWD90_DQ_ROWS``) bring prefix-LM at L 4k to
+"""Question (session 11, issue 10): do the tile-major grid order (for a block mask without
+causal, forward and backward: ``CUFLASH_BMASK_TILE_MAJOR=both``) and dQ's additions in rows
+(bwd_sm90's block-mask builds: ``CUFLASH_BWD90_DQ_ROWS=1``) -- both session 11's, both off by
+default until this probe has run on an H200 -- bring prefix-LM at L 4k to
 FlexAttention, forward and fwd+bwd, d 64 and 128? (Session 10 asked whether bwd_sm90 with the
 mask as bits beat bwd_sm80; bench/NOTES.md "The prefix-LM block mask at 4k: tile-major order
 and dQ in rows (session 11)".)
@@ -19,13 +20,13 @@ masks of --L16 at 16k too (only prefix-LM's order changed: documents are causal,
 already). Each point times, CUDA-event medians:
 
 - ``fwd`` / ``fwd_tm``: the forward alone, batch-major (session 10's order,
-  ``CUFLASH_BMASK_TILE_MAJOR=none``) / tile-major (the default now: the heaviest query tile of
+  ``CUFLASH_BMASK_TILE_MAJOR=none``) / tile-major (``both``: the heaviest query tile of
   every batch item first);
-- ``old``: fwd+bwd as session 10 ran it (``CUFLASH_BMASK_TILE_MAJOR=none``, both batch-major;
+- ``old``: fwd+bwd as session 10 ran it, the default (``CUFLASH_BMASK_TILE_MAJOR=none``, both batch-major;
   ``CUFLASH_BWD90_DQ_ROWS=0``, dQ added through red_add2: machine code identical to 20120b4's);
-- ``tm``: both tile-major (the default; what session 10's ``new_tm`` arm measured with
+- ``tm``: both tile-major (what session 10's ``new_tm`` arm measured with
   ``CUFLASH_GRID_ORDER=1``), dQ as in ``old``;
-- ``new``: the defaults: ``tm`` with dQ's rows added by bwd_io::red_row_pairs (one base
+- ``new``: ``tm`` with dQ's rows added by bwd_io::red_row_pairs (one base
   address a row, 8 unconditional vector reds: no per-pair branch regions);
 - ``flex`` / ``flex_fwd``: ``torch.compile``d FlexAttention fwd+bwd / forward with its own
   block mask, as suite_mods times it (at the lengths of --flex-L; the forward for the masks of
@@ -62,10 +63,10 @@ _BASE = {"CUFLASH_BWD90_BLOCK_MASK": None, "CUFLASH_BWD90_BMASK_ROWS": None,
 #: fwd+bwd arms (read at plan time; the grid order is a launch parameter, dQ's rows a build)
 ARMS = {"old": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="none",      # session 10's code exactly
                     CUFLASH_BWD90_DQ_ROWS="0"),
-        "tm": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None,         # + tile-major (s10's new_tm)
+        "tm": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="both",       # + tile-major (s10's new_tm)
                    CUFLASH_BWD90_DQ_ROWS="0"),
-        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR=None,        # + dQ's rows: the defaults
-                    CUFLASH_BWD90_DQ_ROWS=None)}
+        "new": dict(_BASE, CUFLASH_BMASK_TILE_MAJOR="both",      # + dQ's rows (session 11's
+                    CUFLASH_BWD90_DQ_ROWS="1")}                  # two, off by default)
 #: forward-alone arms, and the one in each fwd+bwd arm's order (its ``bwd alone``)
 FWD_ARMS = {"fwd": ARMS["old"], "fwd_tm": ARMS["new"]}
 FWD_OF = {"old": "fwd", "tm": "fwd_tm", "new": "fwd_tm"}
