@@ -5,9 +5,10 @@ resident slot and a block's share is long), the deep cp.async ring of grids of a
 block an SM (decode_mma.cu's STAGES; opt-in), the L2 hints of its K/V copies, the split count
 (balanced_splits by default; session 9's, or every resident slot: CUFLASH_DECODE_SPLITS) and
 the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9),
-the first K/V copies before the rows' lengths arrive (decode_mma.cu's EARLY_KV by default;
-CUFLASH_DECODE_EARLY=0 / one) and the fused merge's arrival (one atomicInc by default;
-CUFLASH_DECODE_ARRIVE=fence / release)."""
+the first K/V copies before the rows' lengths arrive (decode_mma.cu's EARLY_KV:
+CUFLASH_DECODE_EARLY=all / one, off by default) and the fused merge's arrival (one atomicInc:
+CUFLASH_DECODE_ARRIVE=wrap, off by default; release): session 11's two cuts, off until they
+have run on a GPU."""
 
 from __future__ import annotations
 
@@ -118,16 +119,17 @@ def merge_prefetch_wanted() -> bool:
 
 def arrival_mode() -> str:
     """CUFLASH_DECODE_ARRIVE: decode_mma's fused-merge arrival (decode_params.cuh's
-    merge_splits_if_last). Unset or "wrap" (the default, session 11): every thread's fence.sc,
-    the block barrier, then one atomicInc that arrives and, at the last arrival, wraps the
-    count to 0 (decode_mma.cu's CUFLASH_DECODE_ARRIVE_WRAP); "fence" (sessions 7-10, A/B runs):
-    the same arrival by atomicAdd, then the last block's reset by atomicExch, which its acquire
-    fence waits for (an L2 round trip more); "release" (A/B runs): one thread's acq_rel fence
-    after the block barrier (CUTLASS's barrier)."""
+    merge_splits_if_last). "wrap" (session 11): every thread's fence.sc, the block barrier,
+    then one atomicInc that arrives and, at the last arrival, wraps the count to 0
+    (decode_mma.cu's CUFLASH_DECODE_ARRIVE_WRAP); unset or "fence" (sessions 7-10, the default
+    until "wrap" has run on a GPU: session 11 tested it in the g++ emulation only): the same
+    arrival by atomicAdd, then the last block's reset by atomicExch, which its acquire fence
+    waits for (an L2 round trip more); "release" (A/B runs): one thread's acq_rel fence after
+    the block barrier (CUTLASS's barrier)."""
     value = os.environ.get("CUFLASH_DECODE_ARRIVE", "").strip().lower()
     if value not in ("", "wrap", "fence", "release"):
         raise ValueError(f"CUFLASH_DECODE_ARRIVE={value!r}: expected wrap, fence or release")
-    return value or "wrap"
+    return value or "fence"
 
 
 def release_arrival_wanted() -> bool:
@@ -149,20 +151,22 @@ def page_walk_wanted() -> bool:
 def early_mode() -> str:
     """CUFLASH_DECODE_EARLY: decode_mma's first K/V copies issued before cache_seqlens arrives
     (decode_mma.cu's CUFLASH_DECODE_EARLY_KV: the prologue's copies of a full row's range, n =
-    capacity, issued again where the real range differs). Unset or "all" (the default): every
-    even-split build of a dense cache; "one": only grids of one split (their first copies
-    start at key 0 whatever n; with several splits a row shorter than the capacity moves every
-    split but the first, whose early copies, ~64 KB a block, are then wasted and waited for);
-    "0": none (session 10's machine code, A/B runs)."""
+    capacity, issued again where the real range differs). "all": every even-split build of a
+    dense cache; "one": only grids of one split (their first copies start at key 0 whatever n;
+    with several splits a row shorter than the capacity moves every split but the first, whose
+    early copies, ~64 KB a block, are then wasted and waited for); unset or "0": none (session
+    10's machine code: the default until the early copies have run on a GPU, which session 11,
+    which wrote them and tested them in the g++ emulation, could not do)."""
     value = os.environ.get("CUFLASH_DECODE_EARLY", "").strip().lower()
     if value not in ("", "all", "one", "0"):
         raise ValueError(f"CUFLASH_DECODE_EARLY={value!r}: expected all, one or 0")
-    return value or "all"
+    return value or "0"
 
 
 def prelude(fused: bool = True, splits: int = 1) -> str:
-    """The defines put before decode_mma.cu for this process's A/B switches ("" by default:
-    the builds the compile gate checks); those of the fused merge only for a ``fused`` build
+    """The defines put before decode_mma.cu for this process's A/B switches (by default those
+    of session 10's machine code: CUFLASH_DECODE_EARLY=0 and CUFLASH_DECODE_ARRIVE=fence; ""
+    compiles session 11's, the builds the compile gate checks); those of the fused merge only for a ``fused`` build
     (the others would compile the same machine code again); the early copies' (early_mode) for
     a grid of ``splits`` even splits (0: the stream grid, whose build issues none either way:
     "0" compiles its machine code of session 10)."""

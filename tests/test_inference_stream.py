@@ -114,13 +114,13 @@ def test_deep_ring_choices(monkeypatch):
                                  {"CUFLASH_DECODE_L2": "evict_first"},
                                  {"CUFLASH_DECODE_ARRIVE": "release"},
                                  {"CUFLASH_DECODE_PAGES": "s9"},
-                                 {"CUFLASH_DECODE_EARLY": "0", "CUFLASH_DECODE_ARRIVE": "fence"},
+                                 {"CUFLASH_DECODE_EARLY": "all", "CUFLASH_DECODE_ARRIVE": "wrap"},
                                  {"CUFLASH_DECODE_EARLY": "one"}],
                          ids=lambda e: "-".join(f"{k[15:]}={v}" for k, v in e.items()))
 def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
     """decode_sm80's A/B builds (prelude defines: the merge without its prefetch, the L2 hints,
-    the release arrival, session 10's prologue and arrival, the early copies only for one
-    split) compute the same operations in the same order as the default build:
+    the release arrival, session 11's early copies and one-atomic arrival, the early copies only
+    for one split; the default is session 10's prologue and arrival) compute the same operations in the same order as the default build:
     bitwise its output and lse, with 1 split (no merge), 7 and 19 (the fused merge, 19 past its
     16 prefetched partials), call after call (the counters left at 0), batch row 0 empty."""
     import cupy
@@ -161,11 +161,17 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
 
 
 def test_ab_switches_make_the_prelude(monkeypatch):
-    """The A/B switches' defines (none by default: the gate's builds); the fused merge's only
-    for fused builds; a bad value names the variable."""
+    """The A/B switches' defines (by default session 10's prologue and arrival, whose machine
+    code session 11's two cuts keep off until they have run on a GPU; none with both on: the
+    gate's builds); the fused merge's only for fused builds; a bad value names the variable."""
     for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE",
               "CUFLASH_DECODE_PAGES", "CUFLASH_DECODE_EARLY"):
         monkeypatch.delenv(k, raising=False)
+    early = "#define CUFLASH_DECODE_EARLY_KV 0\n"
+    assert _inference_grid.prelude(False) == early
+    assert _inference_grid.prelude(True) == early + "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n"
+    monkeypatch.setenv("CUFLASH_DECODE_EARLY", "all")
+    monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "wrap")
     assert _inference_grid.prelude(True) == _inference_grid.prelude(False) == ""
     monkeypatch.setenv("CUFLASH_DECODE_PAGES", "window")
     assert _inference_grid.prelude(True) == ""

@@ -7,18 +7,20 @@ s10: session 10's question, its points and arms, below.)
 --set s11 (the default), in one process, plans forgotten (``cuflash._api.clear_plans()``)
 between the variants, at issue 11's open points (bf16, d 128, one query token, dense caches:
 B 8 32/8 8k / 64k / 128k, B 8 32/32 8k, B 64 32/8 8k, B 1 32/8 128k):
-  cuflash_old    CUFLASH_DECODE_EARLY=0 CUFLASH_DECODE_ARRIVE=fence: session 10's default
-                 (its machine code exactly: the defines 0);
-  cuflash        the default: the prologue's K/V copies for a full row issued before the
+  cuflash_old    CUFLASH_DECODE_EARLY=0 CUFLASH_DECODE_ARRIVE=fence: session 10's code and
+                 still the default (its machine code exactly: the defines 0);
+  cuflash        CUFLASH_DECODE_EARLY=all CUFLASH_DECODE_ARRIVE=wrap, session 11's two cuts
+                 (off by default until this probe has run): the prologue's K/V copies for a full row issued before the
                  row's length arrives (decode_mma.cu's EARLY_KV; re-issued where the real
                  range differs), and the arrival by atomicInc (ARRIVE_WRAP: no atomicExch for
                  the last block's acquire fence to wait on);
-  cuflash_early  CUFLASH_DECODE_ARRIVE=fence: the early copies alone;
-  cuflash_one    CUFLASH_DECODE_EARLY=one: the early copies where the grid has one split only;
-  cuflash_deep   CUFLASH_DECODE_STAGES=long on the default: the 5-stage ring where the grid is
+  cuflash_early  cuflash with CUFLASH_DECODE_ARRIVE=fence: the early copies alone;
+  cuflash_one    cuflash with CUFLASH_DECODE_EARLY=one: the early copies where the grid has one
+                 split only;
+  cuflash_deep   cuflash with CUFLASH_DECODE_STAGES=long: the 5-stage ring where the grid is
                  at most one block an SM and a block reads >= 512 key iterations (B 8 32/8
                  64k / 128k at 2 splits; session 9 measured the deep ring there +0.2 / +0.65%,
-                 and -4% at B 1's short shares, which keep 3 stages); elsewhere the default;
+                 and -4% at B 1's short shares, which keep 3 stages); elsewhere as cuflash;
 then SDPA cuDNN and SDPA flash (skipped without torch). The last lines print, per point, each
 cuflash row's ratio to the better peer (back to back / one call at a time) and its time saved
 against cuflash_old (us, back to back).
@@ -79,13 +81,14 @@ MODES = (("cuflash_old", {"CUFLASH_DECODE_SPLITS": "s9", "CUFLASH_DECODE_PAGES":
 #: session 11's points (dense) and arms (--set s11)
 POINTS_S11 = [(8, 32, 8, 8192, 0), (8, 32, 8, 65536, 0), (8, 32, 8, 131072, 0),
               (8, 32, 32, 8192, 0), (64, 32, 8, 8192, 0), (1, 32, 8, 131072, 0)]
+_S11 = {"CUFLASH_DECODE_EARLY": "all", "CUFLASH_DECODE_ARRIVE": "wrap"}   # (off by default)
 MODES_S11 = (("cuflash_old", {"CUFLASH_DECODE_EARLY": "0", "CUFLASH_DECODE_ARRIVE": "fence"}),
-             ("cuflash", {}),
-             ("cuflash_early", {"CUFLASH_DECODE_ARRIVE": "fence"}),
+             ("cuflash", _S11),
+             ("cuflash_early", {**_S11, "CUFLASH_DECODE_ARRIVE": "fence"}),
              # early copies only where the grid has one split (no serving-cache cost: the
              # lead's question, whether "all" buys enough over it to be the default)
-             ("cuflash_one", {"CUFLASH_DECODE_EARLY": "one"}),
-             ("cuflash_deep", {"CUFLASH_DECODE_STAGES": "long"}))
+             ("cuflash_one", {**_S11, "CUFLASH_DECODE_EARLY": "one"}),
+             ("cuflash_deep", {**_S11, "CUFLASH_DECODE_STAGES": "long"}))
 #: the modes run at the paged points
 PAGED_MODES = MODES[:2]
 SWITCHES = ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_STREAM", "CUFLASH_DECODE_L2",
