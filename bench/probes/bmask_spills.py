@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     import cuflash
     import sass_identity
     import suite_mods
-    from cuflash import _families, _jit, _trace, _trace_cuda
+    import types
+    from cuflash import _families, _jit, _trace, _trace_cuda, _variant
     from cuflash._variant import Variant
     out = {}
     for fam_name in a.families.split(","):
@@ -63,8 +64,12 @@ def main(argv=None) -> int:
             keys = cuflash.block_mask(mask_mod, (1, 1), a.L, a.L).mean_row_keys()
             for causal in (False, True):
                 for det in ((False, True) if direction == "bwd" else (False,)):
+                    # the prelude a plan gives it: dQ's bounded additions (session 11's
+                    # CUFLASH_BWD90_DQ_ROWS, off by default) before the traced source
+                    bounds = _variant._dq_bounds(types.SimpleNamespace(d=a.d, dv=a.d),
+                                                 types.SimpleNamespace(block_mask=True))
                     v = Variant(causal=causal, mask_mod=_trace_cuda.qualified_name(tr),
-                                block_mask=True, prelude=tr.source)
+                                block_mask=True, prelude=bounds + tr.source)
                     shape = _families.Shape("bfloat16", 64, a.L, a.L, a.d, a.d, v, det, keys)
                     choice = _families.choose(direction, shape, dev)
                     key = f"{arch} {fam_name} d={a.d} {name} causal={causal} deterministic={det}"
