@@ -32,6 +32,8 @@
 #             in ~8 min (part_correctness says how)  -> tests.log fuzz.json fuzz.log sanitize/
 #   fuzz      the fuzz campaign alone (part_fuzz: FUZZ_SHARDS, FUZZ_EXAMPLES, FUZZ_SECONDS,
 #             FUZZ_SEED0)                            -> fuzz.json fuzz.log fuzz_shards.tar.gz
+#   pending   the A/B probes of the switches still off for want of a GPU run (session 11's)
+#             -> decode_ab_s11.json window_lean.json bmask_s11.json bmask_short_wg.json pending.log
 #
 # Suggested device calls (each under 10 minutes; the device tool returns at most 8 files):
 #   bash bench/gpu_run.sh gate tests
@@ -161,6 +163,23 @@ part_fuzz() {
   fuzz_campaign "${FUZZ_SECONDS:-500}" "${FUZZ_SHARDS:-15}" "${FUZZ_EXAMPLES:-10008}" "${FUZZ_SEED0:-1}"
 }
 
+part_pending() {
+  # the A/B probes of the switches that are off until they have run on a GPU (bench/NOTES.md,
+  # "Session 11: what landed without a GPU"): each arm named in its probe, old = the default;
+  # ~5 min on a fresh H200, most of it compiling. Decide from the JSON files, then flip defaults.
+  local log="$OUT/pending.log" p
+  env_lines > "$log"
+  for p in "decode_ab.py --json $OUT/decode_ab_s11.json" \
+           "window_lean.py --modes fwd --json $OUT/window_lean.json" \
+           "bmask_bwd128.py --json $OUT/bmask_s11.json" \
+           "bmask_short_wg.py --L 4096 --json $OUT/bmask_short_wg.json"; do
+    echo "== $p ($(date +%T))" >> "$log"
+    # shellcheck disable=SC2086
+    timeout 120 "$PY" bench/probes/$p >> "$log" 2>&1
+    note "pending ${p%% *}: exit $?"
+  done
+}
+
 part_sanitize() {
   # bench/sanitize.sh: memcheck, racecheck, synccheck over bench/sanitize_tests.txt, one JSON
   # summary per tool under $OUT/sanitize/ (its header says the budgets: ~9.5 min in all)
@@ -171,8 +190,8 @@ part_sanitize() {
 [ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for part in "$@"; do
   case $part in
-    tests|gate|bench|isolated|overhead|sanitize|correctness|fuzz) "part_$part" ;;
-    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize, correctness, fuzz)" >&2
+    tests|gate|bench|isolated|overhead|sanitize|correctness|fuzz|pending) "part_$part" ;;
+    *) echo "unknown part '$part' (tests, gate, bench, isolated, overhead, sanitize, correctness, fuzz, pending)" >&2
        exit 2 ;;
   esac
 done

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -511,8 +512,13 @@ def test_gpu_run_script_parts(tmp_path):
     script = ROOT / "bench" / "gpu_run.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    for part in ("tests", "gate", "bench", "isolated", "overhead", "sanitize", "correctness"):
+    for part in ("tests", "gate", "bench", "isolated", "overhead", "sanitize", "correctness",
+                 "pending"):
         assert f"part_{part}()" in text
+    # the pending part's probes exist (their names: the first word of each quoted entry)
+    pending = text[text.index("part_pending()"):text.index("part_sanitize()")]
+    probes = re.findall(r'"(\w+\.py) ', pending)
+    assert len(probes) == 4 and all((ROOT / "bench" / "probes" / p).is_file() for p in probes)
     assert "HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}" in text and "bench/sanitize.sh" in text
     assert "bench/fuzz_merge.py" in text
     assert "-m cuflash check" in text
