@@ -166,7 +166,8 @@ part_fuzz() {
 part_pending() {
   # the A/B probes of the switches that are off until they have run on a GPU (bench/NOTES.md,
   # "Session 11: what landed without a GPU"): each arm named in its probe, old = the default;
-  # ~5 min on a fresh H200, most of it compiling. Decide from the JSON files, then flip defaults.
+  # ~5 min on a fresh H200, most of it compiling. Then `python bench/pending_decide.py $OUT`
+  # says which to turn on (export lines for the suites' call), and the defaults are flipped.
   local log="$OUT/pending.log" p
   env_lines > "$log"
   for p in "decode_ab.py --json $OUT/decode_ab_s11.json" \

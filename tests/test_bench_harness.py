@@ -567,3 +567,56 @@ def test_warm_arms_runs_every_job_under_each_arms_environment_and_reports_failur
     out = capsys.readouterr().out
     assert out.count("warm-up (old): RuntimeError: no build") == 1
     assert out.count("warm-up (new): RuntimeError: no build") == 1
+
+
+def test_pending_decide_turns_on_what_won_and_nothing_without_data(tmp_path, capsys):
+    """bench/pending_decide.py (the decisions after `gpu_run.sh pending`): on synthetic probe
+    files, each switch's rule; with no files, nothing is turned on."""
+    pd = _load("pending_decide")
+    assert pd.decide(tmp_path)[0] == {}
+
+    def dump(name, rows):
+        (tmp_path / name).write_text(json.dumps({"meta": {}, "rows": rows}))
+    # LEAN: the window gains 6% at every point, the block masks lose 2% at one
+    lean = []
+    for d in (64, 128):
+        for L in (4096, 16384):
+            lean += [dict(impl="old", mask="awindow", d=d, L=L, mode="fwd", tflops=300.0),
+                     dict(impl="new", mask="awindow", d=d, L=L, mode="fwd", tflops=318.0)]
+    for m, d, new in (("document", 64, 130.0), ("document", 128, 98.0), ("prefix", 64, 101.0)):
+        lean += [dict(impl="old", mask=m, d=d, L=4096, mode="fwd", tflops=100.0),
+                 dict(impl="new", mask=m, d=d, L=4096, mode="fwd", tflops=new)]
+    dump("window_lean.json", lean)
+    # tile-major +5% fwd+bwd, the forward unchanged, dQ's rows +1%
+    pre = []
+    for d in (64, 128):
+        pre += [dict(impl="old", mask="prefix", d=d, L=4096, mode="fwd_bwd", tflops=300.0),
+                dict(impl="tm", mask="prefix", d=d, L=4096, mode="fwd_bwd", tflops=315.0),
+                dict(impl="new", mask="prefix", d=d, L=4096, mode="fwd_bwd", tflops=318.2),
+                dict(impl="fwd", mask="prefix", d=d, L=4096, mode="fwd", tflops=350.0),
+                dict(impl="fwd_tm", mask="prefix", d=d, L=4096, mode="fwd", tflops=350.0)]
+    dump("bmask_s11.json", pre)
+    # wg1 +10% at documents, -5% at the window: not taken; wg2 +4% everywhere: taken
+    wg = []
+    for m in ("document", "window"):
+        for d in (64, 128):
+            wg += [dict(impl="table", mask=m, d=d, L=4096, mode="fwd", tflops=100.0),
+                   dict(impl="wg2", mask=m, d=d, L=4096, mode="fwd", tflops=104.0),
+                   dict(impl="wg1", mask=m, d=d, L=4096, mode="fwd",
+                        tflops=110.0 if m == "document" else 95.0)]
+    dump("bmask_short_wg.json", wg)
+    # decode: the cuts save 0.5%, "all" no better than "one", the arrival 0.1% (below the bar)
+    dec = []
+    for B, h, L in ((8, 8, 8192), (8, 8, 65536), (8, 8, 131072), (8, 32, 8192), (64, 8, 8192),
+                    (1, 8, 131072)):
+        p = dict(B=B, Hq=32, Hkv=h, Lk=L)
+        dec += [dict(p, impl="cuflash_old", ms=100.5), dict(p, impl="cuflash", ms=100.0),
+                dict(p, impl="cuflash_one", ms=100.0), dict(p, impl="cuflash_early", ms=100.1)]
+    dump("decode_ab_s11.json", dec)
+    env, why = pd.decide(tmp_path)
+    assert env == {"CUFLASH_FWD90_LEAN": "window", "CUFLASH_BMASK_TILE_MAJOR": "both",
+                   "CUFLASH_BWD90_DQ_ROWS": "1", "CUFLASH_FWD90_BMASK_SHORT_WG": "2",
+                   "CUFLASH_DECODE_EARLY": "one"}
+    assert any(line.startswith("LEAN window new/old: 1.060") for line in why)
+    assert pd.main([str(tmp_path)]) == 0
+    assert "export CUFLASH_DECODE_EARLY=one" in capsys.readouterr().out
