@@ -92,3 +92,40 @@ def warm_arms(arms, envs: dict, jobs: list, flex_warm: Callable[[], object] | No
                 for f in futures:
                     _warm_report(arm, f.result)
         cupy.cuda.Device().synchronize()
+
+
+def attention_call(mode: str, q, k, v, do, kw: dict) -> Callable[[int], object]:
+    """The call a probe times at one point: ``cuflash.attention`` (``mode`` "fwd") or its
+    forward and pullback (``attention_vjp`` then the pullback of ``do``: "fwd_bwd")."""
+    import cuflash
+    if mode == "fwd":
+        return lambda i: cuflash.attention(q, k, v, **kw)
+    return lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)
+
+
+def time_arm(arm: str, env: dict, fn: Callable[[int], object], flops: float, row: dict,
+             describe: Callable[[], dict] | None = None, iters: int = 10,
+             warmup: int = 2) -> tuple[float | None, dict]:
+    """One arm of a probe's point: ``fn`` timed (``median_event_ms``, one input set) under the
+    arm's switches (``bench_attention.env``: plans cleared around it). Returns (ms, the row:
+    ``row`` with impl, ms, tflops and what ``describe()`` adds, under the same switches, e.g.
+    the kernel the dispatcher picked); a failing arm is (None, a row with its note), not the end
+    of the run."""
+    import bench_attention
+    try:
+        with bench_attention.env(**env):
+            ms = median_event_ms(fn, 1, iters, warmup)
+            more = describe() if describe else {}
+        return ms, dict(row, impl=arm, ms=ms, tflops=flops / ms / 1e9, **more)
+    except Exception as exc:
+        return None, dict(row, impl=arm, ms=None, tflops=None,
+                          note=f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
+def dump_probe(path: str | None, probe: str, arms: dict, rows: list, complete: bool) -> None:
+    """A probe's --json file, rewritten after every point: a run cut by the device's time limit
+    keeps the points it finished (``meta.complete`` false until the end)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": {"probe": probe, "dtype": "bfloat16", "arms": arms,
+                                "complete": complete}, "rows": rows}, f, indent=1)

@@ -118,6 +118,19 @@ def mods_for(L: int, H: int, torch=None) -> dict[str, Mod]:
     }
 
 
+def point_qkv(d: int, L: int):
+    """(B, H, q, k, v) of the suite's point at head dim d and length L as the probes time it:
+    B x L = 16k tokens, H x d = 2048, bfloat16 CuPy arrays of standard normals seeded L + d."""
+    import cupy
+    import ml_dtypes
+    import numpy
+    H, B = WIDTH // d, max(1, TOKENS // L)
+    rng = numpy.random.default_rng(L + d)
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+    return B, H, q, k, v
+
+
 def visible_pairs(mod: Mod, L: int) -> int:
     """Query/key pairs the modifier leaves visible (the FLOP count's pairs), per (b, h)."""
     import numpy

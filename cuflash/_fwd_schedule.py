@@ -26,6 +26,13 @@ def bmask_long_keys() -> int:
     return int(value)
 
 
+def short_lists(shape) -> bool:
+    """Whether ``shape``'s block mask has short lists: its query blocks visit fewer keys on
+    average than ``bmask_long_keys()`` (its table value where the switch turns the long-list
+    rule off)."""
+    return 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
+
+
 def persist_wanted(shape, t, dev) -> bool:
     """Whether fwd_sm90 runs ``shape`` persistent (``_traits.FWD_SM90_PERSIST_FEATURES``).
     ``CUFLASH_FWD90_PERSIST`` (plan time): "0" (default: session 10's call 2 measured the d 128
@@ -43,7 +50,7 @@ def persist_wanted(shape, t, dev) -> bool:
         return False
     window = v.window and v.features <= _traits.FWD_SM90_PERSIST_FEATURES
     short = (v.block_mask and v.features <= _traits.FWD_SM90_PERSIST_BLOCK_MASK
-             and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)
+             and short_lists(shape)
              and t.min_blocks == 1)   # (at 2 blocks an SM, d = 64, its builds spill)
     alone = t.min_blocks == 1
     if not (value == "all" or (value == "window" and window) or (alone and (window or short))):
@@ -90,7 +97,7 @@ def bmask_short_tiles(t, shape, why: list):
     wg = bmask_short_warpgroups()
     v = shape.variant
     if not (0 < wg < t["warpgroups"] and v.block_mask and v.score_path
-            and 0 < shape.bmask_keys < (bmask_long_keys() or _traits.FWD_SM90_BMASK_LONG_KEYS)):
+            and short_lists(shape)):
         return t
     why.append(f"{wg} warpgroups a block: the block mask's lists are short ({shape.bmask_keys} "
                "keys a query block on average; CUFLASH_FWD90_BMASK_SHORT_WG)")

@@ -620,3 +620,33 @@ def test_pending_decide_turns_on_what_won_and_nothing_without_data(tmp_path, cap
     assert any(line.startswith("LEAN window new/old: 1.060") for line in why)
     assert pd.main([str(tmp_path)]) == 0
     assert "export CUFLASH_DECODE_EARLY=one" in capsys.readouterr().out
+
+
+def test_time_arm_rows_and_dump_probe(monkeypatch, tmp_path):
+    """suite_common.time_arm (one arm of a probe's point): the row under the arm's switches,
+    with TFLOP/s from the median and what ``describe`` adds; a failure is a row with its note,
+    not an exception. dump_probe writes the probe's file with its meta."""
+    sc = _load("suite_common")
+    seen = []
+    monkeypatch.setattr(sc, "median_event_ms", lambda fn, n, iters, warmup: 2.0)
+    monkeypatch.delenv("CUFLASH_PROBE_TEST", raising=False)
+
+    def describe():
+        seen.append(os.environ.get("CUFLASH_PROBE_TEST"))
+        return {"fwd_kernel": "k"}
+    ms, row = sc.time_arm("new", {"CUFLASH_PROBE_TEST": "1"}, lambda i: None, 4e9,
+                          {"mask": "m", "d": 64}, describe)
+    assert ms == 2.0 and seen == ["1"] and "CUFLASH_PROBE_TEST" not in os.environ
+    assert row == {"mask": "m", "d": 64, "impl": "new", "ms": 2.0, "tflops": 2.0,
+                   "fwd_kernel": "k"}
+
+    def fails():
+        raise RuntimeError("no kernel\nsecond line")
+    ms, row = sc.time_arm("old", {}, lambda i: None, 4e9, {"mask": "m"}, fails)
+    assert ms is None and row["tflops"] is None and row["note"].startswith("RuntimeError: no kernel")
+    path = tmp_path / "p.json"
+    sc.dump_probe(str(path), "probe_x", {"old": {}}, [row], complete=False)
+    got = json.loads(path.read_text())
+    assert got["meta"] == {"probe": "probe_x", "dtype": "bfloat16", "arms": {"old": {}},
+                           "complete": False} and got["rows"] == [row]
+    sc.dump_probe(None, "probe_x", {}, [], True)       # no --json: nothing written

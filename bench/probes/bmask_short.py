@@ -34,7 +34,6 @@ if a first run passes 90 s, a second one is the timed one (``--no-flex`` skips F
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -131,10 +130,8 @@ def main(argv=None) -> int:
     import cupy
     import ml_dtypes
     import numpy
-    import cuflash
-    import bench_attention
     import suite_mods
-    from suite_common import compile_flex, median_event_ms
+    from suite_common import attention_call, compile_flex, time_arm
     torch = compiled = cbm = None
     if not a.no_flex:
         import torch
@@ -185,21 +182,14 @@ def main(argv=None) -> int:
                 for mode in modes:
                     flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
                     got = {}
+                    fn = attention_call(mode, q, k, v, do, kw)
                     for arm in arms:
-                        try:
-                            with bench_attention.env(**ARMS[arm]):
-                                if mode == "fwd":
-                                    fn = lambda i: cuflash.attention(q, k, v, **kw)   # noqa: E731
-                                else:
-                                    fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
-                                ms = median_event_ms(fn, 1, 10, 2)
-                                fwd_kernel = _fwd_kernel(kw, B * H, L, d)
+                        ms, row = time_arm(arm, ARMS[arm], fn, flops,
+                                           dict(mask=name, d=d, L=L, mode=mode),
+                                           lambda: {"fwd_kernel": _fwd_kernel(kw, B * H, L, d)})
+                        rows.append(row)
+                        if ms:
                             got[arm] = ms
-                            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=ms,
-                                             tflops=flops / ms / 1e9, fwd_kernel=fwd_kernel))
-                        except Exception as exc:   # a failing arm is a row, not the end of the run
-                            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None,
-                                             tflops=None, note=f"{type(exc).__name__}: {str(exc)[:300]}"))
                     if compiled is not None and flex_mask is not None:   # as suite_mods times it
                         (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, mode, d, L, B, H,
                                                         [(q, k, v)], None, flops)
@@ -223,13 +213,8 @@ def main(argv=None) -> int:
 
 
 def dump(path, arms, rows, complete: bool) -> None:
-    """--json's file, rewritten after every point: a run cut by the device's time limit keeps
-    the points it finished (``meta.complete`` false)."""
-    if path:
-        pathlib.Path(path).write_text(json.dumps({"meta": {"probe": "bmask_short", "dtype": "bfloat16",
-                                                           "arms": {k: ARMS[k] for k in arms},
-                                                           "complete": complete},
-                                                  "rows": rows}, indent=1))
+    from suite_common import dump_probe
+    dump_probe(path, "bmask_short", {k: ARMS[k] for k in arms}, rows, complete)
 
 
 if __name__ == "__main__":

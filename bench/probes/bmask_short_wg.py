@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -48,10 +47,8 @@ ARMS = {"table": {"CUFLASH_FWD90_BMASK_SHORT_WG": "table", "CUFLASH_FWD90_PERSIS
 
 
 def dump(path, rows, complete: bool) -> None:
-    if path:
-        pathlib.Path(path).write_text(json.dumps(
-            {"meta": {"probe": "bmask_short_wg", "dtype": "bfloat16", "arms": ARMS,
-                      "complete": complete}, "rows": rows}, indent=1))
+    from suite_common import dump_probe
+    dump_probe(path, "bmask_short_wg", ARMS, rows, complete)
 
 
 def main(argv=None) -> int:
@@ -63,14 +60,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flex", action="store_true")
     a = ap.parse_args(argv)
     import cupy
-    import ml_dtypes
-    import numpy
     import cuflash
-    import bench_attention
     import suite_mods
     from bmask_short import _spec
     from window_short import _fwd_choice
-    from suite_common import bf16_zeros, compile_flex, median_event_ms, warm_arms
+    from suite_common import attention_call, bf16_zeros, time_arm, compile_flex, warm_arms
     torch = compiled = cbm = None
     if not a.no_flex:
         import torch
@@ -78,7 +72,6 @@ def main(argv=None) -> int:
         compiled = compile_flex(torch)
     points = [(n, int(d), int(L)) for n in a.points.split(",") for d in a.d.split(",")
               for L in a.L.split(",") if n != "prefix" or int(L) == 4096]
-    bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t0 = [], time.perf_counter()
 
     def one(name, d, L):             # a call on zeros: this point's compiles
@@ -89,38 +82,38 @@ def main(argv=None) -> int:
     warm_arms(list(ARMS), ARMS, [functools.partial(one, *p) for p in points])
     print(f"# kernels compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name, d, L in points:
-        H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
-        rng = numpy.random.default_rng(L + d)
-        q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+        B, H, q, k, v = suite_mods.point_qkv(d, L)
         mod, kw, flex_mask = _spec(name, L, H)
         flops = 4 * B * H * d * suite_mods.visible_pairs(mod, L)
-        tf, first = {}, None
+        tf, outs = {}, {}
+
+        def describe():      # under the arm's switches, after its timing: its output and kernel
+            o = cuflash.attention(q, k, v, **kw).astype(cupy.float32)
+            first = outs.setdefault("table", o)          # (the first arm is the table's)
+            kernel, grid = _fwd_choice(kw, B * H, L, d)
+            return dict(max_abs_diff_vs_table=float(cupy.abs(o - first).max()),
+                        fwd_kernel=kernel, fwd_grid=grid)
+        fn = attention_call("fwd", q, k, v, None, kw)
         for arm, env in ARMS.items():
-            with bench_attention.env(**env):
-                o = cuflash.attention(q, k, v, **kw)
-                first = o if first is None else first
-                diff = float(cupy.abs(o.astype(cupy.float32) - first.astype(cupy.float32)).max())
-                ms = median_event_ms(lambda i: cuflash.attention(q, k, v, **kw), 1, 20, 3)
-                kernel, grid = _fwd_choice(kw, B * H, L, d)
-            tf[arm] = flops / ms / 1e9
-            rows.append(dict(impl=arm, mask=name, d=d, L=L, mode="fwd", ms=ms, tflops=tf[arm],
-                             max_abs_diff_vs_table=diff, fwd_kernel=kernel, fwd_grid=grid))
-            del o
+            ms, row = time_arm(arm, env, fn, flops, dict(mask=name, d=d, L=L, mode="fwd"),
+                               describe, iters=20, warmup=3)
+            rows.append(row)
+            tf[arm] = row["tflops"]
         if compiled is not None:
             (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, "fwd", d, L, B, H,
                                             [(q, k, v)], None, flops)
             tf["flex"] = row["tflops"]
             rows.append(dict(impl="flex", mask=name, d=d, L=L, mode="fwd", ms=row["ms"],
                              tflops=row["tflops"]))
-        best = max((x for x in ARMS), key=lambda x: tf[x])
+        best = max((x for x in ARMS), key=lambda x: tf[x] or 0.0)
         print(f"{name:9} d={d:3} L={L:6} " + " ".join(f"{x} {t:6.1f}" for x, t in tf.items() if t)
-              + f"  best {best}" + (f" / flex {tf[best] / tf['flex']:.3f}" if tf.get("flex") else "")
+              + f"  best {best}" + (f" / flex {tf[best] / tf['flex']:.3f}" if tf.get("flex") and tf[best] else "")
               + "  max|o - table's| " + " ".join(f"{r['max_abs_diff_vs_table']:.2e}"
                                                   for r in rows if r.get("mask") == name
                                                   and r["d"] == d and r["L"] == L and "max_abs_diff_vs_table" in r),
               flush=True)
         dump(a.json, rows, complete=False)
-        del q, k, v, first
+        del q, k, v, outs
         cupy.get_default_memory_pool().free_all_blocks()
     dump(a.json, rows, complete=True)
     print(f"# {time.perf_counter() - t0:.0f} s", flush=True)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -78,20 +77,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bmask", action="store_true", help="without the block-mask points")
     a = ap.parse_args(argv)
     import cupy
-    import ml_dtypes
-    import numpy
     import cuflash
     import bench_attention
     import suite_mods
     from bmask_short import _spec
-    from suite_common import bf16_zeros, median_event_ms, warm_arms
+    from suite_common import attention_call, bf16_zeros, time_arm, warm_arms
     arms = ["old", "new"] + (["wg2"] if a.arms else [])
     ds, lengths, modes = [int(x) for x in a.d.split(",")], [int(x) for x in a.L.split(",")], a.modes.split(",")
     points = [(n, d, L) for d in ds for L in lengths for n in ("plain", "awindow")]
     if not a.no_bmask:   # the block masks' short lists at 4k (the lead's FINDINGS, 19:30)
         points += [(n, d, 4096) for n, d in (("document", 64), ("document", 128), ("prefix", 64))
                    if d in ds]
-    bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t_start = [], time.perf_counter()
 
     def one(name, d, L, mode):       # a call on zeros: the compiles of this point
@@ -110,9 +106,7 @@ def main(argv=None) -> int:
           + "   (ms / TFLOP/s on visible pairs; /plain: the new arm's plain causal)", flush=True)
     plain = {}
     for name, d, L in points:
-        H, B = suite_mods.WIDTH // d, max(1, suite_mods.TOKENS // L)
-        rng = numpy.random.default_rng(L + d)
-        q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+        B, H, q, k, v = suite_mods.point_qkv(d, L)
         do = cupy.ones_like(q)
         mod, kw, _ = _spec(name, L, H)
         pairs = suite_mods.visible_pairs(mod, L)
@@ -132,21 +126,13 @@ def main(argv=None) -> int:
         for mode in modes:
             flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
             got = {}
+            fn = attention_call(mode, q, k, v, do, kw)
             for arm in arms:
-                try:
-                    with bench_attention.env(**ARMS[arm]):
-                        if mode == "fwd":
-                            fn = lambda i: cuflash.attention(q, k, v, **kw)   # noqa: E731
-                        else:
-                            fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
-                        ms = median_event_ms(fn, 1, 10, 2)
-                        kernel = _fwd_choice(kw, B * H, L, d)
+                ms, row = time_arm(arm, ARMS[arm], fn, flops, dict(mask=name, d=d, L=L, mode=mode),
+                                   lambda: {"fwd_kernel": _fwd_choice(kw, B * H, L, d)})
+                rows.append(row)
+                if ms:
                     got[arm] = ms
-                    rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=ms,
-                                     tflops=flops / ms / 1e9, fwd_kernel=kernel))
-                except Exception as exc:   # a failing arm is a row, not the end of the run
-                    rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None, tflops=None,
-                                     note=f"{type(exc).__name__}: {str(exc)[:300]}"))
             tf = {x: flops / ms / 1e9 for x, ms in got.items() if ms}
             if name == "plain" and "new" in tf:
                 plain[(d, L, mode)] = tf["new"]
@@ -167,12 +153,8 @@ def main(argv=None) -> int:
 
 
 def dump(path, arms, rows, complete: bool) -> None:
-    """--json's file, rewritten after every point (``meta.complete`` false until the end)."""
-    if path:
-        pathlib.Path(path).write_text(json.dumps({"meta": {"probe": "window_lean", "dtype": "bfloat16",
-                                                           "arms": {k: ARMS[k] for k in arms},
-                                                           "complete": complete},
-                                                  "rows": rows}, indent=1))
+    from suite_common import dump_probe
+    dump_probe(path, "window_lean", {k: ARMS[k] for k in arms}, rows, complete)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ compiles), the second is the timed one (``--no-flex`` skips Flex).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -98,14 +97,12 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", action="store_true", help="also two tiles a block, and plain persistent")
     a = ap.parse_args(argv)
     import cupy
-    import ml_dtypes
-    import numpy
     import cuflash
-    import bench_attention
     import suite_mods
     import functools
     from bmask_short import _spec
-    from suite_common import bf16_zeros as _bf16_zeros, compile_flex, median_event_ms, warm_arms
+    from suite_common import (attention_call, bf16_zeros as _bf16_zeros, compile_flex, time_arm,
+                              warm_arms)
     torch = compiled = cbm = None
     if not a.no_flex:
         import torch
@@ -113,7 +110,6 @@ def main(argv=None) -> int:
         compiled = compile_flex(torch)
     arms = ["old", "new", "pwin"] + (["two", "pall"] if a.arms else [])
     points, modes = _points(a), a.modes.split(",")
-    bf16 = numpy.dtype(ml_dtypes.bfloat16)
     rows, t_start = [], time.perf_counter()
 
     def one(name, d, L, mode):       # a call on zeros: the compiles of this point
@@ -151,31 +147,21 @@ def main(argv=None) -> int:
           + "  new/old new/flex new/plain   (ms / TFLOP/s on visible pairs)", flush=True)
     plain_new = {}
     for name, d, L in sorted(points, key=lambda p: (p[1], p[2], p[0] != "plain")):
-        H = suite_mods.WIDTH // d
-        B = max(1, suite_mods.TOKENS // L)
-        rng = numpy.random.default_rng(L + d)
-        q, k, v = (cupy.asarray(rng.standard_normal((B, H, L, d)).astype(bf16)) for _ in range(3))
+        B, H, q, k, v = suite_mods.point_qkv(d, L)
         do = cupy.ones_like(q)
         mod, kw, flex_mask = _spec(name, L, H)
         pairs = suite_mods.visible_pairs(mod, L)
         for mode in modes:
             flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
             got = {}
+            fn = attention_call(mode, q, k, v, do, kw)
             for arm in arms:
-                try:
-                    with bench_attention.env(**ARMS[arm]):
-                        if mode == "fwd":
-                            fn = lambda i: cuflash.attention(q, k, v, **kw)   # noqa: E731
-                        else:
-                            fn = lambda i: cuflash.attention_vjp(q, k, v, **kw)[1](do)   # noqa: E731
-                        ms = median_event_ms(fn, 1, 10, 2)
-                        kernel, grid = _fwd_choice(kw, B * H, L, d)
+                ms, row = time_arm(arm, ARMS[arm], fn, flops, dict(mask=name, d=d, L=L, mode=mode),
+                                   lambda: dict(zip(("fwd_kernel", "fwd_grid"),
+                                                    _fwd_choice(kw, B * H, L, d))))
+                rows.append(row)
+                if ms:
                     got[arm] = ms
-                    rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=ms,
-                                     tflops=flops / ms / 1e9, fwd_kernel=kernel, fwd_grid=grid))
-                except Exception as exc:   # a failing arm is a row, not the end of the run
-                    rows.append(dict(impl=arm, mask=name, d=d, L=L, mode=mode, ms=None, tflops=None,
-                                     note=f"{type(exc).__name__}: {str(exc)[:300]}"))
             if compiled is not None and flex_mask is not None:   # as suite_mods times it
                 (row,) = suite_mods._flex_point(torch, compiled, cbm, mod, mode, d, L, B, H,
                                                 [(q, k, v)], None, flops)
@@ -204,12 +190,8 @@ def main(argv=None) -> int:
 
 
 def dump(path, arms, rows, complete: bool) -> None:
-    """--json's file, rewritten after every point (``meta.complete`` false until the end)."""
-    if path:
-        pathlib.Path(path).write_text(json.dumps({"meta": {"probe": "window_short", "dtype": "bfloat16",
-                                                           "arms": {k: ARMS[k] for k in arms},
-                                                           "complete": complete},
-                                                  "rows": rows}, indent=1))
+    from suite_common import dump_probe
+    dump_probe(path, "window_short", {k: ARMS[k] for k in arms}, rows, complete)
 
 
 if __name__ == "__main__":
