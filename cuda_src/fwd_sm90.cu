@@ -84,6 +84,14 @@ struct Sm90Traits {
 // advanced a tile at a time instead of recomputed from the tile index, which key tiles need
 // which bound's mask decided once a warp (two tile indices) instead of a tile, and each masked
 // tile tests the one bound that crosses it (the far edge: first; the diagonal: last), not both.
+// A block mask's lean build (session 12) also reads the list entry two visits ahead at the top
+// of a key tile, right after its barrier, where session 11's read it after S's wgmma's were
+// issued: there ptxas scheduled the load inside the softmax and, around it, ran the
+// exponentials back to back with O's rescale and P's conversion after them (52 instructions
+// between the last MUFU and P V's first wgmma, 9 in plain causal's build); read at the top, the
+// softmax compiles to the analytic builds' interleaved schedule and the load has the whole tile
+// to land (bench/NOTES.md, "the block-mask forward's list read (session 12)"). LEAN = 3 (bit 1,
+// CUFLASH_FWD90_BMASK_EARLY=0) keeps session 11's read: the A/B's old arm.
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS, typename Var, bool EVEN,
           int PERSIST = 0, int LEAN = 0>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
@@ -121,8 +129,9 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   const BlockTile tile = block_tile(p, bid);
   const int b = tile.b;
   const int m0 = tile.m_block * kBlockM;
-  constexpr bool kLean = LEAN != 0 && Var::kKeyLo && !Var::kBlockMask && !Var::kPairMask;
-  const BatchOffsets off = LEAN != 0 ? batch_offsets_short(p, b) : batch_offsets(p, b);
+  constexpr bool kLean = (LEAN & 1) != 0 && Var::kKeyLo && !Var::kBlockMask && !Var::kPairMask;
+  constexpr bool kListTop = LEAN == 1 && Var::kBlockMask;   // (the list read early: above)
+  const BatchOffsets off = (LEAN & 1) != 0 ? batch_offsets_short(p, b) : batch_offsets(p, b);
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
   // softmax scale * log2(e); log2(e) where the Variant's modifiers give natural-unit scores
   // (c log2(e) where the scores are in units of the softcap c: Var::kCapUnits; tau log2(e)
@@ -158,9 +167,10 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   // list's first entry j0, then the next, and so on: after(j), the tile visited after j
   // (j_walk, from entry e_walk), is prefetched during j; the entry after that is
   // read during j as well (walk_ahead, once on every path through the body: after the S
-  // wgmma is issued, so that its load runs while the tensor cores compute S), so every list
-  // load has a whole tile to land. `visit` counts the visits and picks the K/V stage (slot %
-  // kStages), so the tile being loaded never shares the stage being computed on. Without a
+  // wgmma is issued, so that its load runs while the tensor cores compute S; kListTop: at the
+  // top of the tile, after its barrier), so every list load has a whole tile to land. `visit`
+  // counts the visits and picks the K/V stage (slot % kStages), so the tile being loaded
+  // never shares the stage being computed on. Without a
   // block mask the walk is j_first, j_first + 1, ... and the slot is j, spelled as they were
   // (through a lambda they changed the machine code).
   [[maybe_unused]] const int* list = nullptr;
@@ -206,7 +216,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     if constexpr (!Var::kBlockMask) prefetch_next_now();
   };
   auto walk_ahead = [&]() {   // (the current entry is dead by then: its register takes it)
-    if constexpr (Var::kBlockMask) e_cur = entry(visit + 2);
+    if constexpr (Var::kBlockMask && !kListTop) e_cur = entry(visit + 2);
   };
   auto after = [&](int j) { return Var::kBlockMask ? j_walk : j + 1; };
   auto advance = [&](int) {   // the tile just reached is j_walk; the entry after it, in e_cur
@@ -350,6 +360,13 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     cp_async_wait<0>();    // K_j and V_j (and at the first tile, Q_i) have landed ...
     fence_proxy_async();   // ... are visible to the tensor cores' (async proxy) reads ...
     __syncthreads();       // ... for every thread, and every warpgroup is done with the other stage
+    // kListTop: this warpgroup's kind of tile j taken from its entry, whose register then
+    // receives the entry two visits ahead (walk_ahead's read, here once on every path)
+    [[maybe_unused]] TileKind kind_j = kTileFull;
+    if constexpr (kListTop) {
+      kind_j = Var::Mod::entry_kind(e_cur, wg);
+      e_cur = entry(visit + 2);
+    }
     if ((Var::kBlockMask ? j_walk : j + 1) < n_blocks)
       load_kv(Var::kBlockMask ? j_walk : j + 1, Var::kBlockMask ? visit + 1 + slot_off : j + 1 + slot_off);
     else
@@ -364,7 +381,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     // evaluated. The kind is the list entry's, for this warpgroup's slice.
     bool pair_tile = true;
     if constexpr (Var::kBlockMask) {
-      const TileKind kind = Var::Mod::entry_kind(e_cur, wg);
+      const TileKind kind = kListTop ? kind_j : Var::Mod::entry_kind(e_cur, wg);
       if (kind == kTileEmpty) {
         walk_ahead();
         continue;
@@ -413,7 +430,7 @@ fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   __syncthreads();
   // (LEAN: the copies' addresses advanced by constants, where the geometry allows)
   constexpr int kOChunks = Tr::OTile::kChunks;
-  if constexpr (LEAN != 0 && kThreads % kOChunks == 0 && (kThreads / kOChunks) % 8 == 0 &&
+  if constexpr ((LEAN & 1) != 0 && kThreads % kOChunks == 0 && (kThreads / kOChunks) % 8 == 0 &&
                 kBlockM % (kThreads / kOChunks) == 0 && kOChunks % 8 == 0)
     store_o_rows<typename Tr::OTile, kBlockM, kThreads>(smem, gmem.o, p, off.o, m0);
   else

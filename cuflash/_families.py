@@ -26,7 +26,7 @@ from ._traits import Traits
 from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant, bwd90_block_mask,
                        modifier_tiles)
 from . import _spills  # (and below, names other modules take from here)
-from ._fwd_schedule import bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
+from ._fwd_schedule import bmask_list_read, bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
 from ._overrides import fuse_dq_finish, fuse_dq_wanted, tile_override  # noqa: F401
 from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
@@ -241,7 +241,7 @@ def _fwd_sm90_select(fam, shape, dev):
         why.append(f"persistent: {fwd_sm90_grid(t, shape.nbatch * -(-shape.Lq // t.block_m), dev)} "
                    "blocks run the query tiles in turn, each tile's Q and first K/V loaded "
                    "during the one before (short blocks alone on an SM: CUFLASH_FWD90_PERSIST)")
-    return window_lean(t, shape.variant, why), {"even": even}, why
+    return bmask_list_read(window_lean(t, shape.variant, why), shape.variant, why), {"even": even}, why
 
 
 def _fwd_sm90_instances(fam, arch):

@@ -2,7 +2,8 @@
 blocks run the grid (a persistent build's resident grid), when a block takes query tiles in
 turn (``persist_wanted``), and the block-mask list length from which its build keeps one block
 an SM's registers (``bmask_long_keys``), and whether the analytic window takes its lean build
-(``window_lean``, session 11). Read by the dispatcher (``_families._fwd_sm90_select``)
+(``window_lean``, session 11) and a lean block mask reads its list early (``bmask_list_read``,
+session 12). Read by the dispatcher (``_families._fwd_sm90_select``)
 and the forward plan's launch (``_plan.ForwardPlan``); the reasons are in ``_traits``
 (``FWD_SM90_PERSIST_FEATURES``, ``FWD_SM90_BMASK_LONG_KEYS``) and bench/NOTES.md ("The window
 and block masks at short lists, forward (session 10)")."""
@@ -130,3 +131,23 @@ def window_lean(t, variant, why: list | None = None):
                                "the short batch offsets of a block-mask query tile")
                    + ": CUFLASH_FWD90_LEAN)")
     return t.replace(lean=1)
+
+
+def bmask_list_read(t, variant, why: list | None = None):
+    """fwd_sm90's traits ``t`` with a block mask's lean build (``lean`` 1, :func:`window_lean`)
+    kept as session 11 compiled it (``lean`` 3) where ``CUFLASH_FWD90_BMASK_EARLY`` (plan time)
+    is "0"; "1" (the default): ``lean`` 1, whose loop reads the list entry two visits ahead at
+    the top of a key tile instead of after S's wgmma's are issued (session 12: there ptxas put
+    the load inside the softmax and scheduled the exponentials back to back, O's rescale and P's
+    conversion after them; prefix-LM at d 64 ran ~6% slower a key tile than plain causal's
+    build, bench/NOTES.md "the block-mask forward's list read (session 12)")."""
+    value = os.environ.get("CUFLASH_FWD90_BMASK_EARLY", "").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"CUFLASH_FWD90_BMASK_EARLY={value!r}: expected 1 or 0")
+    if not (variant.block_mask and t["lean"] == 1):
+        return t
+    if value == "0":
+        return t.replace(lean=3)
+    if why is not None:
+        why.append("the list entry read at the top of a key tile (CUFLASH_FWD90_BMASK_EARLY)")
+    return t
