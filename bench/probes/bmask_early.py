@@ -115,9 +115,12 @@ def main(argv=None) -> int:
             tf["flex"] = row["tflops"]
             rows.append(dict(impl="flex", mask=name, d=d, L=L, mode="fwd", ms=row["ms"],
                              tflops=row["tflops"]))
-        diff = [r["max_abs_diff_vs_old"] for r in rows[-3:] if r.get("mask") == name and
-                r["d"] == d and r["L"] == L and r.get("impl") == "new" and "max_abs_diff_vs_old" in r]
-        ratio = lambda x, y: f" {x}/{y} {tf[x] / tf[y]:.3f}" if tf.get(x) and tf.get(y) else ""  # noqa: E731
+        diff = [r["max_abs_diff_vs_old"] for r in rows[-3:] if r.get("mask") == name
+                and r["d"] == d and r["L"] == L and r.get("impl") == "new"
+                and "max_abs_diff_vs_old" in r]
+
+        def ratio(x, y):
+            return f" {x}/{y} {tf[x] / tf[y]:.3f}" if tf.get(x) and tf.get(y) else ""
         print(f"{name:9} d={d:3} L={L:6} " + " ".join(f"{x} {t:6.1f}" for x, t in tf.items() if t)
               + ratio("new", "old") + ratio("new", "flex") + ratio("old", "flex")
               + (f"  max|new - old| {diff[0]:.1e}" if diff and name != "plain" else ""), flush=True)
