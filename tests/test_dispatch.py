@@ -361,7 +361,7 @@ def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
 
     c = choice()
     assert c.traits["persist"] == 1 and c.traits.min_blocks == 2
-    assert c.expr.endswith(", true, 1>")   # (PERSIST; LEAN is off by default, session 11)
+    assert c.expr.endswith(", true, 1, 1>")   # (PERSIST, and LEAN: the default since session 12)
     assert c.traits.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 1024
     assert _families.fwd_sm90_grid(c.traits, 128 * 32, H200) == 2 * 132
     assert choice(d=128).traits["persist"] == 1 and choice(d=128).traits.smem_bytes <= H200.smem_optin
