@@ -17,7 +17,7 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
-from cuflash._fast import FastBackward, FastForward, layout as _layout
+from cuflash._fast import FastBackward, FastForward, backward_key, layout as _layout
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -304,11 +304,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
              and block_mask is None)
     if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False:
-        key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
-               scale, scale.__class__, causal, causal.__class__, deterministic)
         try:
-            fast = _BWD_PLANS.get(key)
-        except TypeError:
+            fast = _BWD_PLANS.get(backward_key(do, q, k, v, o, lse, scale, causal,
+                                               deterministic))
+        except (TypeError, AttributeError):   # unhashable, or not CuPy: validation says
             fast = None
         if fast is not None:
             if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
@@ -366,8 +365,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
-        bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
-                 _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),
+        bwd.put(backward_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
                 FastBackward(plan, dq, dk, dv))
 
 

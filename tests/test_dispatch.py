@@ -217,6 +217,34 @@ def test_dq_finishing_fused_in_one_wave_backwards(monkeypatch):
         bwd(d=128)
 
 
+def test_one_launch_backward_for_short_queries(monkeypatch):
+    """bwd_sm90's one_launch build (D and the re-zeroing of dQ's accumulator in the main
+    kernel: cuflash/_plan_one.py) for fuse_dq problems with at most ONE_LAUNCH_MAX_LQ query
+    rows, spelled as a trailing argument; CUFLASH_BWD_ONE_LAUNCH=0/1 forces it (1: wherever
+    fuse_dq), anything else is an error naming it."""
+    from cuflash._overrides import ONE_LAUNCH_MAX_LQ
+    for name in ("CUFLASH_BWD_ONE_LAUNCH", "CUFLASH_FUSE_DQ"):
+        monkeypatch.delenv(name, raising=False)
+    short = bwd(d=64, nbatch=1, Lq=64)
+    assert short.flag["one_launch"] and short.flag["fuse_dq"]
+    assert short.expr.endswith("cuflash::Variant<false>, true, true>")
+    assert "no bwd_dot_do_o launch" in "\n".join(short.reasons)
+    long = bwd(d=64, nbatch=1, Lq=ONE_LAUNCH_MAX_LQ + 1)
+    assert long.flag["fuse_dq"] and not long.flag["one_launch"]
+    assert long.expr.endswith("cuflash::Variant<false>, true>")
+    assert not bwd(d=64, nbatch=256, Lq=256).flag["one_launch"]       # not one wave
+    windowed = Shape(BF16, 1, 64, 64, 64, 64, Variant(False, window=True))
+    assert not _families.choose("bwd", windowed, H200).flag["one_launch"]
+    assert "one_launch" not in bwd(d=64, Lq=64, det=True).flag        # bwd_sm80
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "0")
+    assert not bwd(d=64, nbatch=1, Lq=64).flag["one_launch"]
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "1")
+    assert bwd(d=64, nbatch=1, Lq=4096).flag["one_launch"]
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_BWD_ONE_LAUNCH='yes': expected 0 or 1"):
+        bwd(d=64, nbatch=1, Lq=64)
+
+
 def test_grid_order_override(monkeypatch):
     monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")
     assert _plan.grid_order(fwd(causal=True), True) == 0

@@ -1,0 +1,88 @@
+"""The one-launch backward of small problems (issue 9: host time per ``attention_backward``).
+
+A backward plan normally launches bwd_dot_do_o (line 4 of Algorithm 2, D = rowsum(dO o O),
+which also zeroes the workspace's dQ accumulator and counters) and then the main kernel; each
+launch is ~5 us of host time, and for a problem of one wave the launches are the call's cost.
+Where :func:`usable` holds, the plan launches only bwd_sm90's ``one_launch`` build
+(``_overrides.one_launch_wanted``) with ``kBwdOwnD`` in ``Params::out_flags``: each block
+computes D for the query rows it visits itself (``bwd_io::block_row_dots``), and the block that
+rounds a query tile of dQ sets that tile's float32 accumulator and arrival counter back to 0
+(``bwd_io::finish_dq_body``'s REZERO). The workspace therefore needs no zeroing launch: it is
+kept per (plan, stream) by :class:`ZeroedWorkspaces`, zeroed once when made, and every launch
+leaves it as it found it.
+
+Why this is safe:
+- Stream order: the launches that use one workspace are all on its stream, so they run one
+  after the other (two threads calling one plan on one stream too). Two streams get two
+  workspaces. CuPy's per-thread default stream has one handle (2) for every thread but is a
+  stream a thread: keyed by the thread there.
+- Every counter of every batch item is completed once a launch (each block arrives at all of
+  its item's), so the rounding block of every tile runs and re-zeroes; rows no block adds into
+  stay 0.
+- A launch that raises (the driver refused it) ran nothing, but the workspace of that stream
+  is dropped anyway, so a later call starts from a fresh, zeroed one; a kernel that faults
+  leaves the context unusable (every later call fails), so no call can read a half-zeroed one.
+- Dropped workspaces (more than ``MAX_STREAMS`` streams, ``clear_plans``) go back to CuPy's
+  pool, which reuses memory on the stream it was allocated on only, after the launches there.
+- Memory: at most ``MAX_BYTES`` a workspace and ``MAX_STREAMS`` a plan (the plan cache is
+  bounded), else the plan keeps the two launches.
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: the largest workspace kept per (plan, stream), and the most streams kept per plan
+MAX_BYTES, MAX_STREAMS = 1 << 20, 4
+#: cudaStreamPerThread: one handle, one stream a thread
+_PER_THREAD_STREAM = 2
+
+
+def usable(plan, o, do) -> bool:
+    """Whether a backward plan runs as one launch: its kernel is a ``one_launch`` build that
+    rounds dQ itself, dq, dk, dv are written directly in one launch with no modifier, no input
+    is copied, the workspace is small, and o and dO have the rows block_row_dots reads (unit
+    column stride, 16-byte aligned rows, dv a multiple of 8: ``tensor_core_ready``)."""
+    from ._launch import tensor_core_ready
+    return bool(plan.choice.flag.get("one_launch") and plan.fused_dq and plan.direct
+                and plan.mods is None and not plan.copies and plan.workspace <= MAX_BYTES
+                and tensor_core_ready(o) and tensor_core_ready(do))
+
+
+class ZeroedWorkspaces:
+    """A plan's workspaces, one a stream, each zeroed when made and left zeroed by every launch
+    of the one-launch build (the module's docstring says why that holds)."""
+    __slots__ = ("nbytes", "by_stream", "_lock")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        #: stream (or (2, thread) for the per-thread default stream) -> workspace: a caller
+        #: may look a stream up here first (a dict lookup: host time), then call get()
+        self.by_stream: dict = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(stream: int):
+        return (stream, threading.get_ident()) if stream == _PER_THREAD_STREAM else stream
+
+    def get(self, stream: int):
+        """The zeroed workspace of ``stream`` (a CuPy MemoryPointer), made on first use."""
+        key = self.key(stream)
+        ws = self.by_stream.get(key)
+        if ws is not None:
+            return ws
+        import cupy
+        with self._lock:
+            ws = self.by_stream.get(key)
+            if ws is None:
+                ws = cupy.cuda.alloc(self.nbytes)
+                cupy.cuda.runtime.memsetAsync(ws.ptr, 0, self.nbytes, stream)
+                while len(self.by_stream) >= MAX_STREAMS:     # the oldest stream's goes back
+                    self.by_stream.pop(next(iter(self.by_stream)))
+                self.by_stream[key] = ws
+        return ws
+
+    def drop(self, stream: int) -> None:
+        """Forget ``stream``'s workspace (after a launch that raised)."""
+        with self._lock:
+            self.by_stream.pop(self.key(stream), None)
