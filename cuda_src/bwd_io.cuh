@@ -342,7 +342,7 @@ __device__ __forceinline__ void finish_dq_body(unsigned* count, float* acc, T* o
       if ((d & 3) == 0) {        // 16-byte loads of 4 floats (rows start 16-byte aligned)
         for (long long e = e0 + 4 * tid; e < e1; e += 4 * THREADS) {
           const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + e));
-          if constexpr (REZERO) __stcg(reinterpret_cast<float4*>(acc + e), make_float4(0.f, 0.f, 0.f, 0.f));
+          if constexpr (REZERO) __stcg(reinterpret_cast<float4*>(acc + e), float4{0.f, 0.f, 0.f, 0.f});
           out[e] = from_acc<T, float>(x.x);
           out[e + 1] = from_acc<T, float>(x.y);
           out[e + 2] = from_acc<T, float>(x.z);

@@ -49,10 +49,14 @@ class FastBackward:
     """A cached backward: the plan and the shapes of the gradients. Where the plan needs no
     broadcast sum (``plan.direct``) and lse is contiguous, dq, dk and dv share one allocation (256-byte aligned
     parts) whose arrays are made after the launches."""
-    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes", "shared")
+    __slots__ = ("plan", "shapes", "dtype", "device_id", "offsets", "nbytes", "shared", "_alloc",
+                 "_stream", "_ndarray")
 
     def __init__(self, plan, dq, dk, dv):
         self.plan, self.device_id = plan, plan.device_id
+        cupy = sys.modules["cupy"]   # (looked up once: host time per call)
+        self._alloc, self._stream, self._ndarray = (cupy.cuda.alloc, cupy.cuda.get_current_stream,
+                                                    cupy.ndarray)
         self.shared = plan.direct and plan.lse_contiguous
         self.shapes, self.dtype = (dq.shape, dk.shape, dv.shape), dq.dtype
         self.offsets, total = [], 0
@@ -62,17 +66,16 @@ class FastBackward:
         self.nbytes = max(total, 1)
 
     def __call__(self, do, q, k, v, o, lse):
-        cupy = sys.modules["cupy"]
-        sq, sk, sv = self.shapes
         if not self.shared:
+            cupy = sys.modules["cupy"]
             dq, dk, dv = (cupy.empty(s, self.dtype) for s in self.shapes)
             self.plan(do, q, k, v, o, lse, dq, dk, dv)
             return dq, dk, dv
-        mem = cupy.cuda.alloc(self.nbytes)
+        mem = self._alloc(self.nbytes)
         _, ok, ov = self.offsets
         base = mem.ptr
-        self.plan.run(cupy.cuda.get_current_stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr,
+        self.plan.run(self._stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr,
                       v.data.ptr, o.data.ptr, lse.data.ptr, base, base + ok, base + ov)
-        return (cupy.ndarray(sq, self.dtype, memptr=mem),
-                cupy.ndarray(sk, self.dtype, memptr=mem + ok),
-                cupy.ndarray(sv, self.dtype, memptr=mem + ov))
+        sq, sk, sv = self.shapes
+        nd, dt = self._ndarray, self.dtype
+        return nd(sq, dt, memptr=mem), nd(sk, dt, memptr=mem + ok), nd(sv, dt, memptr=mem + ov)

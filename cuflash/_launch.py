@@ -233,10 +233,14 @@ class Launch:
         launch = self._launch_kernel
         with self.lock:
             _patch(len(words)).pack_into(self._bytes, 0, *words)
-            for i, w in extra:
-                self.buf[i] = w
+            for i, w in extra:   # (a struct pack, not a NumPy item store: host time)
+                _WORD.pack_into(self._bytes, 8 * i, w)
             for fn, grid, block, smem in self.kernels:
                 launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+
+
+#: one little-endian 8-byte word (Launch's ``extra``)
+_WORD = struct.Struct("<Q")
 
 
 @functools.lru_cache(maxsize=None)
