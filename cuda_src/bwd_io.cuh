@@ -391,32 +391,45 @@ __device__ __forceinline__ void finish_dq_at_end(const Params& p, int b, int* sf
 //   The launcher's conditions (cuflash/_plan_one.py): o and dO rows of unit column stride
 // starting on 16 bytes, dv a multiple of 8. A group of G lanes (the power of two that covers
 // HEAD_DIM in 16-byte chunks) holds a row, one chunk a lane, reduced with shuffles, as
-// bwd_dot_do_o's vector path. A row past Lq is not written; a dead row (L_i = -inf) gets any
-// finite D, which stage_stats replaces by 0.
+// bwd_dot_do_o's vector path; kUnroll rows a group are loaded before any is reduced (the
+// loads of a block's rows in flight together: at 512 rows, 2-4 L2 round trips, not 16-32).
+// A row past r1 is not written (its lanes load nothing and add zeros); a dead row (L_i = -inf)
+// gets any finite D, which stage_stats replaces by 0.
 template <typename T, int HEAD_DIM, int THREADS>
 __device__ __forceinline__ void block_row_dots(const Params& p, int b, int r0, int r1) {
   constexpr int kVec = 16 / int(sizeof(T));
   constexpr int kChunks = (HEAD_DIM + kVec - 1) / kVec;
   constexpr int G = kChunks <= 1 ? 1 : kChunks <= 2 ? 2 : kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPass = THREADS / G, kUnroll = 8;
   static_assert(kChunks <= 32 && THREADS % 32 == 0, "a row in one warp");
   const BatchPtrs<T> gmem = batch_ptrs<T>(p, batch_offsets(p, b));
-  const int gl = int(threadIdx.x) % G;
+  const int gl = int(threadIdx.x) % G, row = int(threadIdx.x) / G;
+  const bool lane_cols = gl * kVec < p.dv;
   float* const dst = reinterpret_cast<float*>(p.dpsum) + (long long)b * p.Lq;
 #pragma unroll 1
-  for (int first = r0; first < r1; first += THREADS / G) {   // (uniform: the shuffles)
-    const int r = first + int(threadIdx.x) / G;
-    float sum = 0.f;
-    if (r < r1 && gl * kVec < p.dv) {
-      const uint4 x = __ldg(reinterpret_cast<const uint4*>(gmem.dout + r * p.dout_row_stride) + gl);
-      const uint4 y = __ldg(reinterpret_cast<const uint4*>(gmem.o + r * p.o_row_stride) + gl);
-      const T* const xv = reinterpret_cast<const T*>(&x);
-      const T* const yv = reinterpret_cast<const T*>(&y);
+  for (int first = r0; first < r1; first += kRowsPass * kUnroll) {   // (uniform: the shuffles)
+    uint4 x[kUnroll], y[kUnroll];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sum = fmaf(to_acc<float>(xv[e]), to_acc<float>(yv[e]), sum);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = first + u * kRowsPass + row;
+      x[u] = y[u] = uint4{0u, 0u, 0u, 0u};
+      if (r < r1 && lane_cols) {
+        x[u] = __ldg(reinterpret_cast<const uint4*>(gmem.dout + r * p.dout_row_stride) + gl);
+        y[u] = __ldg(reinterpret_cast<const uint4*>(gmem.o + r * p.o_row_stride) + gl);
+      }
     }
 #pragma unroll
-    for (int o = G / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (gl == 0 && r < r1) dst[r] = sum;
+    for (int u = 0; u < kUnroll; ++u) {
+      const T* const xv = reinterpret_cast<const T*>(&x[u]);
+      const T* const yv = reinterpret_cast<const T*>(&y[u]);
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum = fmaf(to_acc<float>(xv[e]), to_acc<float>(yv[e]), sum);
+#pragma unroll
+      for (int o = G / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const int r = first + u * kRowsPass + row;
+      if (gl == 0 && r < r1) dst[r] = sum;
+    }
   }
 }
 

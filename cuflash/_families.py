@@ -27,7 +27,7 @@ from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant,
                        modifier_tiles)
 from . import _spills  # (and below, names other modules take from here)
 from ._fwd_schedule import bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
-from ._overrides import fuse_dq_finish, fuse_dq_wanted, one_launch_wanted, tile_override  # noqa: F401,E501
+from ._overrides import BWD_SM90_FLAGS, fuse_dq_finish, fuse_dq_wanted, one_launch_wanted, tile_override  # noqa: F401,E501
 from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
@@ -130,8 +130,6 @@ class Family:
              **flags) -> str:
         """The NVRTC name expression of one specialisation."""
         values = _spelled(dict(traits.args)) if traits is not None else {}
-        # (bwd_sm90's one_launch: a trailing default argument, written only when set)
-        values["one_launch"] = ", true" if flags.pop("one_launch", False) else ""
         values.update({k: _bool(v) if isinstance(v, bool) else v for k, v in flags.items()})
         types = {"T": ctype(dtype), "Acc": acc_ctype(dtype)}
         values = {k: types.get(v, v) for k, v in values.items()}   # a flag may name a type
@@ -339,17 +337,13 @@ def _bwd_tc_select(fam, shape, dev):
         if flags["fuse_dq"]:
             why.append("one wave of blocks: dQ rounded by the main kernel (no bwd_finish_dq "
                        "launch: host time)")
-        flags["one_launch"] = one_launch_wanted(shape, flags["fuse_dq"])
-        if flags["one_launch"]:
-            why.append("short queries: D and the zeroing of dQ's accumulator in the main "
-                       "kernel (no bwd_dot_do_o launch where the layouts allow: host time)")
+        flags["one_launch"] = one_launch_wanted(shape, flags["fuse_dq"], why)   # ", true" or ""
     return t, flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
     for (bucket, causal), t in _traits.TABLES[fam.name].items():
-        for fuse, one in ((False, False), (True, False), (True, True)):
-            yield t, {"fuse_dq": fuse, "one_launch": one}, causal
+        yield from ((t, dict(flags), causal) for flags in BWD_SM90_FLAGS)
 
 
 def _bwd_sm80_instances(fam, arch):

@@ -363,10 +363,11 @@ class BackwardPlan:
         # (_run's steps for one launch and gradients written directly, with the workspace
         # offsets looked up once: host time per call)
         one = self.one_kernel
-        if one:
-            ws = self.zeroed_ws.by_stream.get(stream) or self.zeroed_ws.get(stream)
-        else:
+        ws = self.zeroed_ws.by_stream.get(stream) or self.zeroed_ws.get(stream) if one else None
+        if ws is None:   # (one kernel past _plan_one.BUDGET: a fresh workspace, zeroed here)
             ws = _cupy().cuda.alloc(self.workspace)
+            if one:
+                _cupy().cuda.runtime.memsetAsync(ws.ptr, 0, self.zeroed, stream)
         base = ws.ptr
         dpsum, dq_acc, dq_sem = self._ws_words
         words = (q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv, base + dq_sem)

@@ -24,18 +24,25 @@ Why this is safe:
   leaves the context unusable (every later call fails), so no call can read a half-zeroed one.
 - Dropped workspaces (more than ``MAX_STREAMS`` streams, ``clear_plans``) go back to CuPy's
   pool, which reuses memory on the stream it was allocated on only, after the launches there.
-- Memory: at most ``MAX_BYTES`` a workspace and ``MAX_STREAMS`` a plan (the plan cache is
-  bounded), else the plan keeps the two launches.
+- Memory: at most ``MAX_BYTES`` a workspace (else the plan keeps the two launches) and
+  ``MAX_STREAMS`` a plan, and ``BUDGET`` bytes kept by all plans together (the plan cache holds
+  up to 512 plans: a program with many short shapes would otherwise keep a workspace for each);
+  past the budget a call takes a fresh workspace and zeroes its accumulators with a memset (one
+  driver call instead of bwd_dot_do_o's launch).
 """
 
 from __future__ import annotations
 
 import threading
 
-#: the largest workspace kept per (plan, stream), and the most streams kept per plan
-MAX_BYTES, MAX_STREAMS = 1 << 20, 4
+#: the largest workspace kept per (plan, stream), the most streams kept per plan, and the most
+#: bytes kept by all plans together
+MAX_BYTES, MAX_STREAMS, BUDGET = 8 << 20, 4, 64 << 20
 #: cudaStreamPerThread: one handle, one stream a thread
 _PER_THREAD_STREAM = 2
+#: bytes kept now by every plan's ZeroedWorkspaces (re-entrant: a plan collected while another
+#: holds it gives its bytes back)
+_held, _held_lock = [0], threading.RLock()
 
 
 def usable(plan, o, do) -> bool:
@@ -66,7 +73,8 @@ class ZeroedWorkspaces:
         return (stream, threading.get_ident()) if stream == _PER_THREAD_STREAM else stream
 
     def get(self, stream: int):
-        """The zeroed workspace of ``stream`` (a CuPy MemoryPointer), made on first use."""
+        """The zeroed workspace of ``stream`` (a CuPy MemoryPointer), made on first use; None
+        where keeping one more would pass ``BUDGET`` (the caller zeroes a fresh one)."""
         key = self.key(stream)
         ws = self.by_stream.get(key)
         if ws is not None:
@@ -75,14 +83,30 @@ class ZeroedWorkspaces:
         with self._lock:
             ws = self.by_stream.get(key)
             if ws is None:
+                while len(self.by_stream) >= MAX_STREAMS:     # the oldest stream's goes back
+                    self._forget(next(iter(self.by_stream)))
+                with _held_lock:
+                    if _held[0] + self.nbytes > BUDGET:
+                        return None
+                    _held[0] += self.nbytes
                 ws = cupy.cuda.alloc(self.nbytes)
                 cupy.cuda.runtime.memsetAsync(ws.ptr, 0, self.nbytes, stream)
-                while len(self.by_stream) >= MAX_STREAMS:     # the oldest stream's goes back
-                    self.by_stream.pop(next(iter(self.by_stream)))
                 self.by_stream[key] = ws
         return ws
+
+    def _forget(self, key) -> None:
+        if self.by_stream.pop(key, None) is not None:
+            with _held_lock:
+                _held[0] -= self.nbytes
 
     def drop(self, stream: int) -> None:
         """Forget ``stream``'s workspace (after a launch that raised)."""
         with self._lock:
-            self.by_stream.pop(self.key(stream), None)
+            self._forget(self.key(stream))
+
+    def __del__(self):    # (the plan left the cache: its bytes leave the budget)
+        try:
+            with _held_lock:
+                _held[0] -= self.nbytes * len(self.by_stream)
+        except Exception:     # (interpreter shutdown: the module's globals may be gone)
+            pass

@@ -154,3 +154,20 @@ def test_dropped_workspace_and_unusable_layouts(one_launch):
     cupy.cuda.Device().synchronize()
     assert_attention_close(None, case, grads=grads, check_dtype=True)
     assert [p.one_kernel for p in _plans()] == [False]
+
+
+def test_past_the_budget_a_fresh_workspace_is_zeroed(one_launch, monkeypatch):
+    """With no bytes left in _plan_one.BUDGET, a one-launch plan takes a fresh workspace a call
+    and zeroes its accumulators with a memset: still one kernel, still right, call after call."""
+    import cupy
+    from cuflash import _plan_one
+    monkeypatch.setattr(_plan_one, "BUDGET", 0)
+    rng = numpy.random.default_rng(35)
+    case = _case(rng, (2, 3), 100, 150, 64, 64, True, BF16)
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True, **case.kwargs)
+    for _ in range(3):
+        grads = _backward(case, o, lse)
+        cupy.cuda.Device().synchronize()
+        assert_attention_close(None, case, grads=grads, check_dtype=True)
+    (plan,) = _plans()
+    assert plan.one_kernel and not plan.zeroed_ws.by_stream
