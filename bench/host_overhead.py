@@ -41,7 +41,10 @@ own cached plan, each alone (rows ``bwd_part_*``: the key of six layouts, the de
 stream, the patch and two launches, each raw launch, the three arrays of the result, and the
 plan's ``run``), the forward's raw launch (``fwd_part_launch``), and both fast paths copied
 step by step (``fwd_step1..4``, ``bwd_step1..4``: key and lookup; + allocation; + launches;
-+ result arrays), to say where the host time goes (issue 9: <= 15 / 25 us).
++ result arrays), to say where the host time goes (issue 9: <= 15 / 25 us); and the backward
+old vs new (session 12): ``bwd_old_two_launches`` (``CUFLASH_BWD_ONE_LAUNCH=0``: bwd_dot_do_o
+and the main kernel) against ``bwd_new_one_launch`` (the default: the main kernel alone), the
+same API steps on each plan, with each plan's launches raw (``bwd_part_launch_*``).
 """
 from __future__ import annotations
 
@@ -267,7 +270,7 @@ def build(q, k, v) -> dict[str, Callable[[], Any]]:
     return fns
 
 
-def _fast_backward(cp, cuflash, q, k, v, o, lse, do, one_launch: str):
+def _fast_backward(cuflash, q, k, v, o, lse, do, one_launch: str):
     """The cached fast-path entry and plan of one backward, built with
     ``CUFLASH_BWD_ONE_LAUNCH=one_launch`` ("" : the default rule), the caches cleared first."""
     import os
@@ -306,8 +309,8 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     do = cp.asarray(cp.random.RandomState(2).standard_normal(o.shape, dtype=cp.float32)
                     .astype(o.dtype))
-    old_fast = _fast_backward(cp, cuflash, q, k, v, o, lse, do, "0")
-    fast = _fast_backward(cp, cuflash, q, k, v, o, lse, do, "")
+    old_fast = _fast_backward(cuflash, q, k, v, o, lse, do, "0")
+    fast = _fast_backward(cuflash, q, k, v, o, lse, do, "")
     old, plan = old_fast.plan, fast.plan
     print(f"--parts: bwd_new_is_one_launch={plan.one_kernel} ({plan.choice.expr})",
           file=sys.stderr)
