@@ -342,7 +342,7 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
 
     def api_like(entry):
         """The API's fast path (key, lookup, device check) running ``entry``."""
-        key_of, cache, get_device = _fast.backward_key, _api._BWD_PLANS, cp.cuda.runtime.getDevice
+        key_of, cache, get_device = _api.bwd_key, _api._BWD_PLANS, cp.cuda.runtime.getDevice
 
         def call():
             cache.get(key_of(do, q, k, v, o, lse, None, False, False))
@@ -354,10 +354,11 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     parts = {
         "bwd_old_two_launches": api_like(old_fast),
         "bwd_new_one_launch": api_like(fast),
-        # the key: session 10's six nested layouts, and the flat tuple the API builds now
+        # the key: session 10's six nested layouts, and the one the API builds now (flat, a
+        # C-contiguous array's strides as True: _fast.backward_key)
         "bwd_part_key": lambda: (layout(do), layout(q), layout(k), layout(v), layout(o),
                                  layout(lse), None, type(None), False, bool, False),
-        "bwd_part_key_flat": lambda: _fast.backward_key(do, q, k, v, o, lse, None, False, False),
+        "bwd_part_key_new": lambda: _api.bwd_key(do, q, k, v, o, lse, None, False, False),
         "bwd_part_get_device": cp.cuda.runtime.getDevice,
         "bwd_part_stream": lambda: cp.cuda.get_current_stream().ptr,
         "bwd_part_patch_and_launches_old": lambda: old.launch(stream, old_words, extra=old_extra),
@@ -403,7 +404,7 @@ def cumulative_steps(q, k, v, do, o, lse, bwd, fwd) -> dict[str, Callable[[], An
     the difference between two rows is what a step costs where it runs, frees of the last
     call's objects included. Rows ``bwd_part_*`` time the pieces out of that context."""
     import cupy as cp
-    from cuflash import _api, _fast
+    from cuflash import _api
     layout = _api._layout
     fcache, bcache = _api._FWD_PLANS, _api._BWD_PLANS
 
@@ -427,7 +428,7 @@ def cumulative_steps(q, k, v, do, o, lse, bwd, fwd) -> dict[str, Callable[[], An
 
     def bwd_step(n):
         def call(scale=None, causal=False, det=False):
-            fast = bcache.get(_fast.backward_key(do, q, k, v, o, lse, scale, causal, det))
+            fast = bcache.get(_api.bwd_key(do, q, k, v, o, lse, scale, causal, det))
             if cp.cuda.runtime.getDevice() != fast.device_id or n == 1:
                 return None
             mem = cp.cuda.alloc(fast.nbytes)

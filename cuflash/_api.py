@@ -17,20 +17,25 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
-from cuflash._fast import FastBackward, FastForward, backward_key, layout as _layout
+from cuflash._fast import FastBackward, FastForward, layout as _layout
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
 #: cupy.ndarray once a CuPy call has been seen (the fast path tests ``type(x) is _CUPY``)
 _CUPY: Any = None
+#: the backward fast path's key function (_fast.backward_key where CuPy has the flag it reads)
+bwd_key: Any = None
 
 
 def _caches():
-    global _FWD_PLANS, _BWD_PLANS, _CUPY
+    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key
     if _FWD_PLANS is None:
+        from cuflash import _fast
         from cuflash._plan import PlanCache
         _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
-        _CUPY = sys.modules["cupy"].ndarray
+        nd = sys.modules["cupy"].ndarray
+        bwd_key = _fast.backward_key if hasattr(nd, "_c_contiguous") else _fast.backward_key_strides
+        _CUPY = nd   # (last: the fast paths test it first)
     return _FWD_PLANS, _BWD_PLANS
 
 
@@ -305,8 +310,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
     if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False:
         try:
-            fast = _BWD_PLANS.get(backward_key(do, q, k, v, o, lse, scale, causal,
-                                               deterministic))
+            fast = _BWD_PLANS.get(bwd_key(do, q, k, v, o, lse, scale, causal, deterministic))
         except (TypeError, AttributeError):   # unhashable, or not CuPy: validation says
             fast = None
         if fast is not None:
@@ -365,7 +369,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
-        bwd.put(backward_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
+        bwd.put(bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
                 FastBackward(plan, dq, dk, dv))
 
 

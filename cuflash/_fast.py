@@ -17,9 +17,27 @@ def layout(x) -> tuple:
 
 def backward_key(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
     """The fast path's key of a backward call: what :func:`layout` holds of each of the six
-    arrays, in one flat tuple (one call and one tuple instead of six: the key was the one part
-    of the backward's path 2.8 us above the forward's, session 10), then the keywords with
-    their types. AttributeError where an array is not a CuPy array (the caller then validates)."""
+    arrays, in one flat tuple (one call and one tuple instead of six), then the keywords with
+    their types; a C-contiguous array's strides as ``True`` (CuPy's ``_c_contiguous`` flag, a
+    tenth of the ``strides`` tuple's cost: the key was the one part of the backward's path
+    2.8 us above the forward's, session 10). Two C-contiguous arrays of one shape and dtype
+    differ at most in the strides of extent-1 dimensions, which no plan reads (the batch
+    layout drops those dimensions; a row or column stride of an extent-1 dimension multiplies
+    index 0 only; tensor_core_ready skips them). AttributeError where an array is not a CuPy
+    array (the caller then validates)."""
+    a, b, c, d, e, f = do.data, q.data, k.data, v.data, o.data, lse.data
+    return (do.shape, do._c_contiguous or do.strides, do.dtype, a.ptr & 15, a.device_id,
+            q.shape, q._c_contiguous or q.strides, q.dtype, b.ptr & 15, b.device_id,
+            k.shape, k._c_contiguous or k.strides, k.dtype, c.ptr & 15, c.device_id,
+            v.shape, v._c_contiguous or v.strides, v.dtype, d.ptr & 15, d.device_id,
+            o.shape, o._c_contiguous or o.strides, o.dtype, e.ptr & 15, e.device_id,
+            lse.shape, lse._c_contiguous or lse.strides, lse.dtype, f.ptr & 15, f.device_id,
+            scale, scale.__class__, causal, causal.__class__, deterministic)
+
+
+def backward_key_strides(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
+    """:func:`backward_key` for a CuPy without ``ndarray._c_contiguous`` (a private attribute):
+    every array's strides as they are (``_api.bwd_key`` picks one of the two once)."""
     a, b, c, d, e, f = do.data, q.data, k.data, v.data, o.data, lse.data
     return (do.shape, do.strides, do.dtype, a.ptr & 15, a.device_id,
             q.shape, q.strides, q.dtype, b.ptr & 15, b.device_id,

@@ -528,3 +528,30 @@ def test_fwd_sm90_block_mask_short_lists_in_fewer_warpgroups(monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", "3")
     with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_SHORT_WG"):
         warpgroups(128, 320)
+
+
+def test_backward_fast_key_of_contiguous_arrays_without_a_gpu():
+    """_fast.backward_key (no GPU: CuPy arrays on unowned memory): C-contiguous arrays of one
+    shape, dtype and alignment give one key whatever the strides of their extent-1 dimensions;
+    another layout, dtype or 16-byte alignment gives another; backward_key_strides keeps every
+    stride."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import memory
+    from cuflash import _fast
+    mem = memory.UnownedMemory(1 << 20, 1 << 20, None, device_id=0)
+
+    def arr(shape, off=0, strides=None, dtype=BF16):
+        return cupy.ndarray(shape, numpy.dtype(dtype), memptr=memory.MemoryPointer(mem, off),
+                            strides=strides)
+    a = arr((1, 1, 64, 64))
+    b = arr((1, 1, 64, 64), strides=(4 * 8192, 8192, 128, 2))      # a slice of a larger array
+    lse = arr((1, 1, 64), dtype=numpy.float32)
+
+    def key(x, fn=_fast.backward_key):
+        return fn(x, x, x, x, x, lse, None, False, False)
+    assert b.flags.c_contiguous and key(a) == key(b)
+    assert key(a, _fast.backward_key_strides) != key(b, _fast.backward_key_strides)
+    t = arr((1, 1, 64, 64), strides=(8192, 8192, 2, 128))           # transposed rows
+    assert key(t) != key(a)
+    assert key(arr((1, 1, 64, 64), off=8)) != key(a)                # 16-byte alignment
+    assert key(arr((1, 1, 64, 64), dtype=numpy.float16)) != key(a)

@@ -171,3 +171,28 @@ def test_past_the_budget_a_fresh_workspace_is_zeroed(one_launch, monkeypatch):
         assert_attention_close(None, case, grads=grads, check_dtype=True)
     (plan,) = _plans()
     assert plan.one_kernel and not plan.zeroed_ws.by_stream
+
+
+def test_fast_path_key_ignores_strides_of_extent_one_dims(one_launch):
+    """The backward's fast-path key (_fast.backward_key) holds a C-contiguous array's strides
+    as True: inputs whose extent-1 dimensions have other strides (slices of larger arrays) take
+    the plan that contiguous inputs cached, and their gradients are right."""
+    import cupy
+    rng = numpy.random.default_rng(36)
+    case = _case(rng, (1, 1), 64, 64, 64, 64, False, BF16)
+    o, lse = cuflash.attention(case.q, case.k, case.v, return_lse=True)
+    _backward(case, o, lse)                                      # plans and caches
+    big = [cupy.empty((2, 2, 64, 64), BF16) for _ in range(4)]
+    views = []
+    for b, x in zip(big, (case.q, case.k, case.v, case.do)):
+        b[:1, :1] = x
+        views.append(b[:1, :1])
+    assert all(x.flags.c_contiguous and x.strides != case.q.strides for x in views)
+    vq, vk, vv, vdo = views
+    cupy.cuda.Device().synchronize()
+    from cuflash import _api
+    hits = _api._BWD_PLANS.hits
+    grads = cuflash.attention_backward(vdo, vq, vk, vv, o, lse)
+    assert _api._BWD_PLANS.hits == hits + 1                       # the fast path's lookup
+    cupy.cuda.Device().synchronize()
+    assert_attention_close(None, case, grads=grads, check_dtype=True)
