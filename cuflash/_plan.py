@@ -375,7 +375,7 @@ class BackwardPlan:
             try:
                 self.launch(stream, words, extra=((_DQ_WORD, dq),))
             except BaseException:
-                self.zeroed_ws.drop(stream)
+                self.zeroed_ws.reset(stream)
                 raise
         elif self.fused_dq:
             self.launch(stream, words, extra=((_DQ_WORD, dq),))

@@ -20,15 +20,18 @@ Why this is safe:
   its item's), so the rounding block of every tile runs and re-zeroes; rows no block adds into
   stay 0.
 - A launch that raises (the driver refused it) ran nothing, but the workspace of that stream
-  is dropped anyway, so a later call starts from a fresh, zeroed one; a kernel that faults
-  leaves the context unusable (every later call fails), so no call can read a half-zeroed one.
-- Dropped workspaces (more than ``MAX_STREAMS`` streams, ``clear_plans``) go back to CuPy's
-  pool, which reuses memory on the stream it was allocated on only, after the launches there.
-- Memory: at most ``MAX_BYTES`` a workspace (else the plan keeps the two launches) and
-  ``MAX_STREAMS`` a plan, and ``BUDGET`` bytes kept by all plans together (the plan cache holds
-  up to 512 plans: a program with many short shapes would otherwise keep a workspace for each);
-  past the budget a call takes a fresh workspace and zeroes its accumulators with a memset (one
-  driver call instead of bwd_dot_do_o's launch).
+  is zeroed again anyway (a memset on the stream, in stream order: a thread that looked the
+  workspace up before launches after it), or forgotten if even that fails; a kernel that
+  faults leaves the context unusable (every later call fails), so no call can read a
+  half-zeroed one.
+- A workspace is never handed back while its plan lives (a thread may hold it between the
+  lookup and the launch): past ``MAX_STREAMS`` streams a plan, or past ``BUDGET`` bytes kept by
+  all plans together (the plan cache holds up to 512 plans: a program with many short shapes
+  would otherwise keep a workspace for each), a call takes a fresh workspace and zeroes its
+  accumulators with a memset (one driver call instead of bwd_dot_do_o's launch). A plan's
+  workspaces go back to CuPy's pool with the plan (``clear_plans``, the cache's bound): the
+  pool reuses memory on the stream it was allocated on only, after the launches there.
+- At most ``MAX_BYTES`` a workspace, else the plan keeps the two launches.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class ZeroedWorkspaces:
 
     def get(self, stream: int):
         """The zeroed workspace of ``stream`` (a CuPy MemoryPointer), made on first use; None
-        where keeping one more would pass ``BUDGET`` (the caller zeroes a fresh one)."""
+        where the plan keeps ``MAX_STREAMS`` already or one more would pass ``BUDGET`` (the
+        caller then zeroes a fresh one)."""
         key = self.key(stream)
         ws = self.by_stream.get(key)
         if ws is not None:
@@ -83,26 +87,37 @@ class ZeroedWorkspaces:
         with self._lock:
             ws = self.by_stream.get(key)
             if ws is None:
-                while len(self.by_stream) >= MAX_STREAMS:     # the oldest stream's goes back
-                    self._forget(next(iter(self.by_stream)))
+                if len(self.by_stream) >= MAX_STREAMS:
+                    return None
                 with _held_lock:
                     if _held[0] + self.nbytes > BUDGET:
                         return None
                     _held[0] += self.nbytes
-                ws = cupy.cuda.alloc(self.nbytes)
-                cupy.cuda.runtime.memsetAsync(ws.ptr, 0, self.nbytes, stream)
+                try:
+                    ws = cupy.cuda.alloc(self.nbytes)
+                    cupy.cuda.runtime.memsetAsync(ws.ptr, 0, self.nbytes, stream)
+                except BaseException:
+                    with _held_lock:
+                        _held[0] -= self.nbytes
+                    raise
                 self.by_stream[key] = ws
         return ws
 
-    def _forget(self, key) -> None:
-        if self.by_stream.pop(key, None) is not None:
-            with _held_lock:
-                _held[0] -= self.nbytes
-
-    def drop(self, stream: int) -> None:
-        """Forget ``stream``'s workspace (after a launch that raised)."""
+    def reset(self, stream: int) -> None:
+        """Zero ``stream``'s workspace again (after a launch that raised), in stream order;
+        forget it if even that fails."""
+        key = self.key(stream)
         with self._lock:
-            self._forget(self.key(stream))
+            ws = self.by_stream.get(key)
+            if ws is None:
+                return
+            try:
+                import cupy
+                cupy.cuda.runtime.memsetAsync(ws.ptr, 0, self.nbytes, stream)
+            except Exception:
+                del self.by_stream[key]
+                with _held_lock:
+                    _held[0] -= self.nbytes
 
     def __del__(self):    # (the plan left the cache: its bytes leave the budget)
         try:

@@ -112,6 +112,7 @@ def test_two_streams_and_threads(one_launch):
         assert_attention_close(None, case, grads=grads, check_dtype=True)
     (plan,) = _plans()
     assert plan.one_kernel and len(plan.zeroed_ws.by_stream) >= 2
+    # (past MAX_STREAMS workspaces, the threads' streams below take fresh ones and a memset)
 
     out, errors = {}, []
 
@@ -133,9 +134,9 @@ def test_two_streams_and_threads(one_launch):
         assert_attention_close(None, case, grads=grads, check_dtype=True)
 
 
-def test_dropped_workspace_and_unusable_layouts(one_launch):
-    """A stream's workspace dropped (what a launch that raises does) is made again, zeroed;
-    an o whose rows the kernel cannot read 16 bytes at a time keeps the two launches."""
+def test_reset_workspace_and_unusable_layouts(one_launch):
+    """A stream's workspace zeroed again (what a launch that raises does) between calls; an o
+    whose rows the kernel cannot read 16 bytes at a time keeps the two launches."""
     import cupy
     rng = numpy.random.default_rng(34)
     case = _case(rng, (1, 2), 64, 64, 64, 64, False, BF16)
@@ -143,7 +144,7 @@ def test_dropped_workspace_and_unusable_layouts(one_launch):
     for _ in range(2):
         grads = _backward(case, o, lse)
         (plan,) = _plans()
-        plan.zeroed_ws.drop(cupy.cuda.get_current_stream().ptr)
+        plan.zeroed_ws.reset(cupy.cuda.get_current_stream().ptr)
         cupy.cuda.Device().synchronize()
         assert_attention_close(None, case, grads=grads, check_dtype=True)
     from cuflash import _api
