@@ -24,16 +24,19 @@ _FWD_PLANS = _BWD_PLANS = None
 #: cupy.ndarray once a CuPy call has been seen (the fast path tests ``type(x) is _CUPY``)
 _CUPY: Any = None
 #: the backward fast path's key function (_fast.backward_key where CuPy has the flag it reads)
+#: and cupy.cuda.runtime.getDevice, looked up once
 bwd_key: Any = None
+_get_device: Any = None
 
 
 def _caches():
-    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key
+    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key, _get_device
     if _FWD_PLANS is None:
         from cuflash import _fast
         from cuflash._plan import PlanCache
         _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
         nd = sys.modules["cupy"].ndarray
+        _get_device = sys.modules["cupy"].cuda.runtime.getDevice
         bwd_key = _fast.backward_key if hasattr(nd, "_c_contiguous") else _fast.backward_key_strides
         _CUPY = nd   # (last: the fast paths test it first)
     return _FWD_PLANS, _BWD_PLANS
@@ -314,7 +317,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         except (TypeError, AttributeError):   # unhashable, or not CuPy: validation says
             fast = None
         if fast is not None:
-            if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
+            if _get_device() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
 
     call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
