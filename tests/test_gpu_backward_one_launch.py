@@ -89,6 +89,8 @@ def test_old_and_new_paths_in_one_process(monkeypatch):
             cupy.cuda.Device().synchronize()
             assert_attention_close(None, case, grads=grads, check_dtype=True)
         assert [p.one_kernel for p in _plans()] == [value == "1"]
+    from cuflash import _api
+    _api.clear_plans()     # (the plans built under the switch: not for the tests after)
 
 
 def test_two_streams_and_threads(one_launch):
