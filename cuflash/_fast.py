@@ -96,4 +96,6 @@ class FastBackward:
                       v.data.ptr, o.data.ptr, lse.data.ptr, base, base + ok, base + ov)
         sq, sk, sv = self.shapes
         nd, dt = self._ndarray, self.dtype
-        return nd(sq, dt, memptr=mem), nd(sk, dt, memptr=mem + ok), nd(sv, dt, memptr=mem + ov)
+        # (memptr passed by position, ndarray(shape, dtype, memptr): its keyword parsing cost
+        # ~0.3 us an array on this CPU, a fifth of the construction)
+        return nd(sq, dt, mem), nd(sk, dt, mem + ok), nd(sv, dt, mem + ov)
