@@ -41,7 +41,10 @@ own cached plan, each alone (rows ``bwd_part_*``: the key of six layouts, the de
 stream, the patch and two launches, each raw launch, the three arrays of the result, and the
 plan's ``run``), the forward's raw launch (``fwd_part_launch``), and both fast paths copied
 step by step (``fwd_step1..4``, ``bwd_step1..4``: key and lookup; + allocation; + launches;
-+ result arrays), to say where the host time goes (issue 9: <= 15 / 25 us).
++ result arrays), to say where the host time goes (issue 9: <= 15 / 25 us); and the backward
+old vs new (session 12): ``bwd_old_two_launches`` (``CUFLASH_BWD_ONE_LAUNCH=0``: bwd_dot_do_o
+and the main kernel) against ``bwd_new_one_launch`` (the default: the main kernel alone), the
+same API steps on each plan, with each plan's launches raw (``bwd_part_launch_*``).
 """
 from __future__ import annotations
 
@@ -267,11 +270,37 @@ def build(q, k, v) -> dict[str, Callable[[], Any]]:
     return fns
 
 
+def _fast_backward(cuflash, q, k, v, o, lse, do, one_launch: str):
+    """The cached fast-path entry and plan of one backward, built with
+    ``CUFLASH_BWD_ONE_LAUNCH=one_launch`` ("" : the default rule), the caches cleared first."""
+    import os
+    from cuflash import _api, _fast
+    old = os.environ.get("CUFLASH_BWD_ONE_LAUNCH")
+    if one_launch:
+        os.environ["CUFLASH_BWD_ONE_LAUNCH"] = one_launch
+    else:
+        os.environ.pop("CUFLASH_BWD_ONE_LAUNCH", None)
+    try:
+        _api.clear_plans()
+        cuflash.attention_backward(do, q, k, v, o, lse)
+    finally:
+        if old is None:
+            os.environ.pop("CUFLASH_BWD_ONE_LAUNCH", None)
+        else:
+            os.environ["CUFLASH_BWD_ONE_LAUNCH"] = old
+    return next(f for f in _api._BWD_PLANS._d.values() if isinstance(f, _fast.FastBackward))
+
+
 def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
-    """The pieces of ``attention_backward``'s fast path, each callable alone, on the plan that
+    """The pieces of ``attention_backward``'s fast path, each callable alone, on the plans that
     a first call caches (``--parts``). The launches get buffers held here, so each piece can
     run any number of times: the main kernel alone is safe (its dQ counters only count; no
-    block waits on them)."""
+    block waits on them; the one-launch build sets them back to 0 itself).
+    Old vs new in one process (issue 9): ``bwd_old_two_launches`` and ``bwd_new_one_launch``
+    run the same steps as the API's fast path (the key, the lookup, the device check, then the
+    cached entry) on the plan built with ``CUFLASH_BWD_ONE_LAUNCH=0`` (bwd_dot_do_o, then the
+    main kernel, a fresh workspace a call) and on the default plan (one launch, where the rule
+    takes it: ``bwd_new_is_one_launch`` in the header line printed)."""
     import cupy as cp
     import numpy
     import cuflash
@@ -280,36 +309,63 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     o, lse = cuflash.attention(q, k, v, return_lse=True)
     do = cp.asarray(cp.random.RandomState(2).standard_normal(o.shape, dtype=cp.float32)
                     .astype(o.dtype))
-    cuflash.attention_backward(do, q, k, v, o, lse)
-    fast = next(f for f in _api._BWD_PLANS._d.values() if isinstance(f, _fast.FastBackward))
-    plan = fast.plan
+    old_fast = _fast_backward(cuflash, q, k, v, o, lse, do, "0")
+    fast = _fast_backward(cuflash, q, k, v, o, lse, do, "")
+    old, plan = old_fast.plan, fast.plan
+    print(f"--parts: bwd_new_is_one_launch={plan.one_kernel} ({plan.choice.expr})",
+          file=sys.stderr)
+    cuflash.attention(q, k, v, return_lse=True)      # the forward's entry, after the clear
     fwd_fast = next(f for f in _api._FWD_PLANS._d.values() if isinstance(f, _fast.FastForward))
     fwd = fwd_fast.plan
     stream = cp.cuda.get_current_stream().ptr
     held = cp.cuda.alloc(fast.nbytes)
-    ws = cp.cuda.alloc(plan.workspace)
     base, (_, ok, ov) = held.ptr, fast.offsets
-    dpsum, dq_acc, dq_sem = plan._ws_words
-    words = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr,
-             ws.ptr + dpsum, ws.ptr + dq_acc, base + ok, base + ov, ws.ptr + dq_sem)
-    extra = ((_plan._DQ_WORD, base),) if plan.fused_dq else ()
-    plan.launch(stream, words, extra=extra)      # the block now holds these pointers
+
+    def patch(p, ws):
+        """Patch plan p's block with held pointers (workspace ws) once: the raw launches below
+        then reuse it."""
+        dpsum, dq_acc, dq_sem = p._ws_words
+        words = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr,
+                 ws.ptr + dpsum, ws.ptr + dq_acc, base + ok, base + ov, ws.ptr + dq_sem)
+        extra = ((_plan._DQ_WORD, base),) if p.fused_dq else ()
+        p.launch(stream, words, extra=extra)
+        return words, extra
+    old_ws = cp.cuda.alloc(old.workspace)
+    old_words, old_extra = patch(old, old_ws)
+    ws = plan.zeroed_ws.get(stream) if plan.one_kernel else cp.cuda.alloc(plan.workspace)
+    words, extra = patch(plan, ws)
     launch = driver.launchKernel
-    argv = plan.launch.argv_ptr
 
     def raw(kernel, argv_ptr):
         fn, grid, block, smem = kernel
         return lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, argv_ptr, 0)
+
+    def api_like(entry):
+        """The API's fast path (key, lookup, device check) running ``entry``."""
+        key_of, cache, get_device = _api.bwd_key, _api._BWD_PLANS, cp.cuda.runtime.getDevice
+
+        def call():
+            cache.get(key_of(do, q, k, v, o, lse, None, False, False))
+            if get_device() == entry.device_id:
+                return entry(do, q, k, v, o, lse)
+        return call
     layout = _fast.layout
     shapes, dt = fast.shapes, fast.dtype
     parts = {
+        "bwd_old_two_launches": api_like(old_fast),
+        "bwd_new_one_launch": api_like(fast),
+        # the key: session 10's six nested layouts, and the one the API builds now (flat, a
+        # C-contiguous array's strides as True: _fast.backward_key)
         "bwd_part_key": lambda: (layout(do), layout(q), layout(k), layout(v), layout(o),
                                  layout(lse), None, type(None), False, bool, False),
+        "bwd_part_key_new": lambda: _api.bwd_key(do, q, k, v, o, lse, None, False, False),
         "bwd_part_get_device": cp.cuda.runtime.getDevice,
         "bwd_part_stream": lambda: cp.cuda.get_current_stream().ptr,
-        "bwd_part_patch_and_launches": lambda: plan.launch(stream, words, extra=extra),
-        "bwd_part_launch_dot": raw(plan.launch.kernels[0], argv),
-        "bwd_part_launch_main": raw(plan.launch.kernels[-1], argv),
+        "bwd_part_patch_and_launches_old": lambda: old.launch(stream, old_words, extra=old_extra),
+        "bwd_part_patch_and_launch_new": lambda: plan.launch(stream, words, extra=extra),
+        "bwd_part_launch_dot": raw(old.launch.kernels[0], old.launch.argv_ptr),
+        "bwd_part_launch_main_old": raw(old.launch.kernels[-1], old.launch.argv_ptr),
+        "bwd_part_launch_main_new": raw(plan.launch.kernels[-1], plan.launch.argv_ptr),
         "fwd_part_launch": raw(fwd.launch.kernels[0], fwd.launch.argv_ptr),
         "bwd_part_three_arrays": lambda: (cp.ndarray(shapes[0], dt, memptr=held),
                                           cp.ndarray(shapes[1], dt, memptr=held + ok),
@@ -329,11 +385,13 @@ def backward_parts(q, k, v) -> dict[str, Callable[[], Any]]:
     none = numpy.zeros(1, numpy.uint64)
     parts["raw_launch_no_params"] = raw((empty.kernel.ptr, 1, 1, 0), none.ctypes.data)
     parts.update(cumulative_steps(q, k, v, do, o, lse, fast, fwd_fast))
-    if plan._one_launch:
-        parts["bwd_part_run"] = lambda: plan.run(stream, do.data.ptr, q.data.ptr, k.data.ptr,
-                                                 v.data.ptr, o.data.ptr, lse.data.ptr, base,
-                                                 base + ok, base + ov)
-    _KEEP.append((o, lse, do, held, ws, flat, empty, none))      # alive for the process: the launches use them
+    for name, p, entry in (("old", old, old_fast), ("new", plan, fast)):
+        if p._one_launch:
+            parts[f"bwd_part_run_{name}"] = (
+                lambda p=p: p.run(stream, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                                  o.data.ptr, lse.data.ptr, base, base + ok, base + ov))
+    # alive for the process: the launches use them
+    _KEEP.append((o, lse, do, held, old_ws, ws, flat, empty, none, old_fast, fast))
     return parts
 
 
@@ -370,9 +428,7 @@ def cumulative_steps(q, k, v, do, o, lse, bwd, fwd) -> dict[str, Callable[[], An
 
     def bwd_step(n):
         def call(scale=None, causal=False, det=False):
-            key = (layout(do), layout(q), layout(k), layout(v), layout(o), layout(lse), scale,
-                   scale.__class__, causal, causal.__class__, det)
-            fast = bcache.get(key)
+            fast = bcache.get(_api.bwd_key(do, q, k, v, o, lse, scale, causal, det))
             if cp.cuda.runtime.getDevice() != fast.device_id or n == 1:
                 return None
             mem = cp.cuda.alloc(fast.nbytes)

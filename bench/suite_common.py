@@ -2,22 +2,35 @@
 the CUDA-event timing of one call and the results file.
 
 Timing: ``median_event_ms(fn, n_sets)`` calls ``fn(i)`` with ``i`` cycling over ``n_sets``
-input sets (so that a call does not find the previous call's inputs in L2), ``warmup`` times,
-then ``iters`` times between two CUDA events each, back to back; the median of those
-``iters`` event intervals, in ms.
+input sets (so that a call does not find the previous call's inputs in L2), ``warmup`` times
+and for at least ``warm_ms`` ms of wall time, then ``iters`` times between two CUDA events
+each, back to back; the median of those ``iters`` event intervals, in ms.
 """
 from __future__ import annotations
 
 import json
+import time
 from typing import Callable
+
+#: the least wall time a timing warms the GPU up for. An idle H200 reads 345 MHz (nvidia-smi,
+#: session 12) and its clock rises while it works; 3 calls of a 0.16 ms kernel (the documents
+#: mask's forward at 4k) are 0.5 ms of work after seconds of idle (a compile, FlexAttention's
+#: torch.compile), and that point read 124-140 TFLOP/s in some processes and 191-214 in others
+#: on the same code (bench/NOTES.md, session 12). Calls synchronise one by one past ``warmup``.
+WARM_MS = 30.0
+#: ... and the most calls that warming may take (a call of ~30 us: ~1000 calls)
+WARM_CALLS = 1000
 
 
 def median_event_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 20,
-                    warmup: int = 3) -> float:
+                    warmup: int = 3, warm_ms: float = WARM_MS) -> float:
     import cupy
-    for i in range(warmup):
+    start, i = time.perf_counter(), 0
+    while i < warmup or (i < WARM_CALLS and (time.perf_counter() - start) * 1e3 < warm_ms):
         fn(i % n_sets)
-    cupy.cuda.Device().synchronize()
+        i += 1
+        if i >= warmup:
+            cupy.cuda.Device().synchronize()
     starts = [cupy.cuda.Event() for _ in range(iters)]
     ends = [cupy.cuda.Event() for _ in range(iters)]
     for i in range(iters):

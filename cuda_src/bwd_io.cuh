@@ -320,14 +320,19 @@ __device__ __forceinline__ void red_row_pairs(float* row, int col0, const float 
 //   `sflag`: THREADS ints of shared memory the block no longer needs.
 //   Not inlined, and with scalar arguments: the main kernel's register allocation (at the
 // 255 limit) then stays as it is without this epilogue; the call costs nothing at the end.
-template <typename T, int BLOCK_M, int THREADS>
-__device__ __noinline__ void finish_dq_tiles(unsigned* count, const float* acc, T* out, int* sflag,
-                                             int num_m_blocks, int num_n_blocks, int Lq, int d) {
+//   REZERO (bwd_sm90's ONE_LAUNCH builds, kBwdOwnD): the block that rounds a tile also sets its
+// dq_acc back to 0 (after reading it: each thread the elements it read) and its counter back
+// to 0, so the launcher's cached workspace is found zeroed by the next launch on its stream
+// (cuflash/_plan_one.py: no zeroing launch). Every counter of every item is completed once a
+// launch (each block arrives at all of its item's), so the whole of dq_acc and dq_sem is left 0.
+template <typename T, int BLOCK_M, int THREADS, bool REZERO>
+__device__ __forceinline__ void finish_dq_body(unsigned* count, float* acc, T* out, int* sflag,
+                                               int num_m_blocks, int num_n_blocks, int Lq, int d) {
   publish_block_writes();    // (last_block.cuh: the memory order below)
   const int tid = int(threadIdx.x);
   for (int m_base = 0; m_base < num_m_blocks; m_base += THREADS) {
     const int m = m_base + tid;
-    sflag[tid] = m < num_m_blocks && arrive_is_last(count + m, unsigned(num_n_blocks), false);
+    sflag[tid] = m < num_m_blocks && arrive_is_last(count + m, unsigned(num_n_blocks), REZERO);
     __syncthreads();
     const int n = min(THREADS, num_m_blocks - m_base);
     for (int t = 0; t < n; ++t) {
@@ -337,13 +342,17 @@ __device__ __noinline__ void finish_dq_tiles(unsigned* count, const float* acc, 
       if ((d & 3) == 0) {        // 16-byte loads of 4 floats (rows start 16-byte aligned)
         for (long long e = e0 + 4 * tid; e < e1; e += 4 * THREADS) {
           const float4 x = __ldcg(reinterpret_cast<const float4*>(acc + e));
+          if constexpr (REZERO) __stcg(reinterpret_cast<float4*>(acc + e), float4{0.f, 0.f, 0.f, 0.f});
           out[e] = from_acc<T, float>(x.x);
           out[e + 1] = from_acc<T, float>(x.y);
           out[e + 2] = from_acc<T, float>(x.z);
           out[e + 3] = from_acc<T, float>(x.w);
         }
       } else {
-        for (long long e = e0 + tid; e < e1; e += THREADS) out[e] = from_acc<T, float>(__ldcg(acc + e));
+        for (long long e = e0 + tid; e < e1; e += THREADS) {
+          out[e] = from_acc<T, float>(__ldcg(acc + e));
+          if constexpr (REZERO) __stcg(acc + e, 0.f);
+        }
       }
     }
     __syncthreads();   // sflag is written again
@@ -351,12 +360,77 @@ __device__ __noinline__ void finish_dq_tiles(unsigned* count, const float* acc, 
 }
 
 template <typename T, int BLOCK_M, int THREADS>
+__device__ __noinline__ void finish_dq_tiles(unsigned* count, const float* acc, T* out, int* sflag,
+                                             int num_m_blocks, int num_n_blocks, int Lq, int d) {
+  finish_dq_body<T, BLOCK_M, THREADS, false>(count, const_cast<float*>(acc), out, sflag, num_m_blocks, num_n_blocks, Lq, d);
+}
+
+template <typename T, int BLOCK_M, int THREADS>
+__device__ __noinline__ void finish_dq_tiles_rezero(unsigned* count, float* acc, T* out, int* sflag,
+                                                    int num_m_blocks, int num_n_blocks, int Lq, int d) {
+  finish_dq_body<T, BLOCK_M, THREADS, true>(count, acc, out, sflag, num_m_blocks, num_n_blocks, Lq, d);
+}
+
+template <typename T, int BLOCK_M, int THREADS, bool REZERO = false>
 __device__ __forceinline__ void finish_dq_at_end(const Params& p, int b, int* sflag) {
   const long long item = (long long)b * p.Lq * p.d;
-  finish_dq_tiles<T, BLOCK_M, THREADS>(reinterpret_cast<unsigned*>(p.dq_sem) + (long long)b * p.num_m_blocks,
-                                       reinterpret_cast<const float*>(p.dq_acc) + item,
-                                       reinterpret_cast<T*>(p.dq) + item, sflag, p.num_m_blocks,
-                                       p.num_n_blocks, p.Lq, p.d);
+  unsigned* const count = reinterpret_cast<unsigned*>(p.dq_sem) + (long long)b * p.num_m_blocks;
+  float* const acc = reinterpret_cast<float*>(p.dq_acc) + item;
+  T* const out = reinterpret_cast<T*>(p.dq) + item;
+  if constexpr (REZERO)
+    finish_dq_tiles_rezero<T, BLOCK_M, THREADS>(count, acc, out, sflag, p.num_m_blocks, p.num_n_blocks, p.Lq, p.d);
+  else
+    finish_dq_tiles<T, BLOCK_M, THREADS>(count, acc, out, sflag, p.num_m_blocks, p.num_n_blocks, p.Lq, p.d);
+}
+
+// Line 4 of Algorithm 2 inside the main kernel (bwd_sm90's ONE_LAUNCH builds, kBwdOwnD: no
+// bwd_dot_do_o launch): D_i = rowsum(dO_i o O_i) of rows [r0, r1) of batch item b into
+// p.dpsum, by the block's THREADS threads; the caller barriers before reading them back (plain
+// loads: the block's own writes). Every key tile of an item writes the D of the rows it visits,
+// the same bits (one order of additions), so the blocks' overlapping writes agree.
+//   The launcher's conditions (cuflash/_plan_one.py): o and dO rows of unit column stride
+// starting on 16 bytes, dv a multiple of 8. A group of G lanes (the power of two that covers
+// HEAD_DIM in 16-byte chunks) holds a row, one chunk a lane, reduced with shuffles, as
+// bwd_dot_do_o's vector path; kUnroll rows a group are loaded before any is reduced (the
+// loads of a block's rows in flight together: at 512 rows, 2-4 L2 round trips, not 16-32).
+// A row past r1 is not written (its lanes load nothing and add zeros); a dead row (L_i = -inf)
+// gets any finite D, which stage_stats replaces by 0.
+template <typename T, int HEAD_DIM, int THREADS>
+__device__ __forceinline__ void block_row_dots(const Params& p, int b, int r0, int r1) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kChunks = (HEAD_DIM + kVec - 1) / kVec;
+  constexpr int G = kChunks <= 1 ? 1 : kChunks <= 2 ? 2 : kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPass = THREADS / G, kUnroll = 8;
+  static_assert(kChunks <= 32 && THREADS % 32 == 0, "a row in one warp");
+  const BatchPtrs<T> gmem = batch_ptrs<T>(p, batch_offsets(p, b));
+  const int gl = int(threadIdx.x) % G, row = int(threadIdx.x) / G;
+  const bool lane_cols = gl * kVec < p.dv;
+  float* const dst = reinterpret_cast<float*>(p.dpsum) + (long long)b * p.Lq;
+#pragma unroll 1
+  for (int first = r0; first < r1; first += kRowsPass * kUnroll) {   // (uniform: the shuffles)
+    uint4 x[kUnroll], y[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = first + u * kRowsPass + row;
+      x[u] = y[u] = uint4{0u, 0u, 0u, 0u};
+      if (r < r1 && lane_cols) {
+        x[u] = __ldg(reinterpret_cast<const uint4*>(gmem.dout + r * p.dout_row_stride) + gl);
+        y[u] = __ldg(reinterpret_cast<const uint4*>(gmem.o + r * p.o_row_stride) + gl);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const T* const xv = reinterpret_cast<const T*>(&x[u]);
+      const T* const yv = reinterpret_cast<const T*>(&y[u]);
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum = fmaf(to_acc<float>(xv[e]), to_acc<float>(yv[e]), sum);
+#pragma unroll
+      for (int o = G / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      const int r = first + u * kRowsPass + row;
+      if (gl == 0 && r < r1) dst[r] = sum;
+    }
+  }
 }
 
 }  // namespace bwd_io

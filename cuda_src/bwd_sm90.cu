@@ -153,8 +153,12 @@ __device__ __forceinline__ void red_add2(float* row, int col, int n, float x, fl
 // kBwdDqOut; bwd_io::finish_dq_at_end): its fence makes ptxas track every dQ atomic (ATOMG for
 // REDG), so the launcher picks it only where a call is short (cuflash/_families.py,
 // fuse_dq_wanted) and the other build keeps the machine code it had.
+//   ONE_LAUNCH (with FUSE_DQ; where the launcher also sets kBwdOwnD): line 4 (D) computed by
+// the block itself for the query rows it visits, and dQ's accumulator and counters left zeroed
+// (bwd_io::block_row_dots, finish_dq_body's REZERO): the whole backward is this one launch, for
+// problems whose host time is the call's cost (cuflash/_plan_one.py, one_launch_wanted).
 template <typename T, int HEAD_DIM, int BLOCK_M, int WARPGROUPS, int MIN_BLOCKS, typename Var,
-          bool FUSE_DQ = false>
+          bool FUSE_DQ = false, bool ONE_LAUNCH = false>
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
@@ -251,9 +255,20 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
     if (tid < BLOCK_M && m0 + tid < p.Lq) {
       const long long row = (long long)b * p.Lq + m0 + tid;
       lse_next = __ldg(reinterpret_cast<const float*>(p.lse) + row);
-      d_next = __ldg(reinterpret_cast<const float*>(p.dpsum) + row);
+      if constexpr (ONE_LAUNCH)   // (written by this kernel: not through the read-only path)
+        d_next = reinterpret_cast<const float*>(p.dpsum)[row];
+      else
+        d_next = __ldg(reinterpret_cast<const float*>(p.dpsum) + row);
     }
   };
+  if constexpr (ONE_LAUNCH) {
+    // -- 4 for the rows of the query tiles this block visits (kBwdOwnD; else bwd_dot_do_o's)
+    if (p.out_flags & kBwdOwnD) {
+      const int m_stop = min(p.Lq, ((Var::kKeyLo ? m_end : p.Lq) + BLOCK_M - 1) / BLOCK_M * BLOCK_M);
+      bwd_io::block_row_dots<T, HEAD_DIM, kThreads>(p, b, m_start, m_stop);
+      __syncthreads();   // the block's D visible to load_q_tile's plain loads
+    }
+  }
   if (m_start < (Var::kKeyLo ? m_end : p.Lq)) load_q_tile(m_start, 0);
   cp_async_commit();
 
@@ -546,7 +561,7 @@ bwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   static_assert(Tr::kStages * Tr::kStatStage >= kThreads, "an int a thread in the statistics' shared memory");
   if constexpr (FUSE_DQ) {
     if (p.out_flags & kBwdDqOut)
-      bwd_io::finish_dq_at_end<T, BLOCK_M, kThreads>(p, b, reinterpret_cast<int*>(sStats));
+      bwd_io::finish_dq_at_end<T, BLOCK_M, kThreads, ONE_LAUNCH>(p, b, reinterpret_cast<int*>(sStats));
   }
 }
 

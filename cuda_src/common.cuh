@@ -62,7 +62,10 @@ struct Params {
   //    fields above it.
   unsigned long long dq;
 };
-constexpr int kBwdDkOut = 1, kBwdDvOut = 2, kBwdDqOut = 4;
+// kBwdOwnD (bwd_sm90's ONE_LAUNCH builds): the main kernel computes D = rowsum(dO o O) of its
+// query rows itself (bwd_io::block_row_dots) and leaves dq_acc and dq_sem zeroed: no
+// bwd_dot_do_o launch before it (cuflash/_plan_one.py)
+constexpr int kBwdDkOut = 1, kBwdDvOut = 2, kBwdDqOut = 4, kBwdOwnD = 8;
 
 // Block i of nbatch * ntiles as (batch item, tile index), for the forward (block_tile, below)
 // and the backward (bwd_block_tile):

@@ -23,14 +23,22 @@ from cuflash._fast import FastBackward, FastForward, layout as _layout
 _FWD_PLANS = _BWD_PLANS = None
 #: cupy.ndarray once a CuPy call has been seen (the fast path tests ``type(x) is _CUPY``)
 _CUPY: Any = None
+#: the backward fast path's key function (_fast.backward_key where CuPy has the flag it reads)
+#: and cupy.cuda.runtime.getDevice, looked up once
+bwd_key: Any = None
+_get_device: Any = None
 
 
 def _caches():
-    global _FWD_PLANS, _BWD_PLANS, _CUPY
+    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key, _get_device
     if _FWD_PLANS is None:
+        from cuflash import _fast
         from cuflash._plan import PlanCache
         _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
-        _CUPY = sys.modules["cupy"].ndarray
+        nd = sys.modules["cupy"].ndarray
+        _get_device = sys.modules["cupy"].cuda.runtime.getDevice
+        bwd_key = _fast.backward_key if hasattr(nd, "_c_contiguous") else _fast.backward_key_strides
+        _CUPY = nd   # (last: the fast paths test it first)
     return _FWD_PLANS, _BWD_PLANS
 
 
@@ -304,14 +312,12 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
              and block_mask is None)
     if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False:
-        key = (_layout(do), _layout(q), _layout(k), _layout(v), _layout(o), _layout(lse),
-               scale, scale.__class__, causal, causal.__class__, deterministic)
         try:
-            fast = _BWD_PLANS.get(key)
-        except TypeError:
+            fast = _BWD_PLANS.get(bwd_key(do, q, k, v, o, lse, scale, causal, deterministic))
+        except (TypeError, AttributeError):   # unhashable, or not CuPy: validation says
             fast = None
         if fast is not None:
-            if sys.modules["cupy"].cuda.runtime.getDevice() == fast.device_id:
+            if _get_device() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
 
     call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
@@ -366,8 +372,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
             and det.__class__ is bool:
-        bwd.put((_layout(rdo), _layout(rq), _layout(rk), _layout(rv), _layout(ro),
-                 _layout(rlse), scale, scale.__class__, causal, causal.__class__, det),
+        bwd.put(bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
                 FastBackward(plan, dq, dk, dv))
 
 

@@ -27,7 +27,7 @@ from ._variant import (ALL_VARIANTS, MODIFIER_FEATURES as FWD_FEATURES, Variant,
                        modifier_tiles)
 from . import _spills  # (and below, names other modules take from here)
 from ._fwd_schedule import bmask_list_read, bmask_long_keys, bmask_short_tiles, fwd_sm90_grid, persist_wanted, window_lean  # noqa: F401,E501
-from ._overrides import fuse_dq_finish, fuse_dq_wanted, tile_override  # noqa: F401
+from ._overrides import BWD_SM90_FLAGS, fuse_dq_finish, fuse_dq_wanted, one_launch_wanted, tile_override  # noqa: F401,E501
 from ._spills import block_mask_bwd_spilled, kept_blocks_spilled  # noqa: F401
 
 HALF = frozenset(("float16", "bfloat16"))
@@ -337,13 +337,13 @@ def _bwd_tc_select(fam, shape, dev):
         if flags["fuse_dq"]:
             why.append("one wave of blocks: dQ rounded by the main kernel (no bwd_finish_dq "
                        "launch: host time)")
+        flags["one_launch"] = one_launch_wanted(shape, flags["fuse_dq"], why)   # ", true" or ""
     return t, flags, why
 
 
 def _bwd_sm90_instances(fam, arch):
     for (bucket, causal), t in _traits.TABLES[fam.name].items():
-        for fuse in (False, True):
-            yield t, {"fuse_dq": fuse}, causal
+        yield from ((t, dict(flags), causal) for flags in BWD_SM90_FLAGS)
 
 
 def _bwd_sm80_instances(fam, arch):
@@ -386,7 +386,7 @@ REGISTRY: tuple[Family, ...] = (
     # -- backward, best first
     Family("bwd_sm90", "bwd", "bwd_sm90.cu",
            "cuflash::sm90::bwd_sm90<{T}, {head_dim}, {block_m}, {warpgroups}, {min_blocks}, "
-           "{variant}, {fuse_dq}>",
+           "{variant}, {fuse_dq}{one_launch}>",
            min_cc=90, max_cc=90, dtypes=HALF, head_dims=(33, 128), tensor_core_rows=True,
            # (per head-dim bucket: _traits.BWD_SM90_MODIFIERS, which select checks)
            features=frozenset({"causal"}).union(

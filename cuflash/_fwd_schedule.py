@@ -111,11 +111,12 @@ def window_lean(t, variant, why: list | None = None):
     not; its blocks see ~17 key tiles, so a block's and a tile's fixed instructions are a large
     share of them: the short batch offsets and the loop's cuts), or a block mask's mask_mod
     alone (causal or not; the short batch offsets only: packed documents at 4k visit 1-8 key
-    tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1" (both), "window", "bmask" (one
-    of them) or "0" (the default: session 10's builds). Off by default until the H200 has run
-    them: session 11 wrote and compiled them (0 spills, every other build's machine code
-    unchanged) but had no GPU to test or time them (bench/NOTES.md, session 11)."""
-    value = os.environ.get("CUFLASH_FWD90_LEAN", "").strip() or "0"
+    tiles a query block). ``CUFLASH_FWD90_LEAN`` (plan time): "1" (both: the default), "window",
+    "bmask" (one of them) or "0" (session 10's builds, for an A/B in one process). Session 11
+    wrote them without a GPU; session 12's H200 run (bench/probes/window_lean.py) timed them at
+    1.06-1.08x the old builds at the window's four forward points and 1.00-1.04x at the block
+    masks', and the GPU tests passed with them on (bench/NOTES.md, session 12)."""
+    value = os.environ.get("CUFLASH_FWD90_LEAN", "").strip() or "1"
     if value not in ("0", "1", "window", "bmask"):
         raise ValueError(f"CUFLASH_FWD90_LEAN={value!r}: expected 1, window, bmask or 0")
     # (the window alone or with causal, a block mask's mask_mod alone or with causal: with a

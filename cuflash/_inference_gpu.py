@@ -36,10 +36,11 @@ ring),
 fused merge of session 7, two or three L2 round trips instead of one), ``CUFLASH_DECODE_SPLITS``
 (above; "s9", "slots"), ``CUFLASH_DECODE_PAGES=s9`` (the page walk of sessions 7-9),
 ``CUFLASH_DECODE_EARLY`` (the first K/V copies issued before cache_seqlens arrives, for a full
-row: "all"; "one" only with one split; "0", the default, never), ``CUFLASH_DECODE_ARRIVE`` (the
-fused merge's arrival: "wrap" one atomicInc that also resets the counter; "fence", the default,
-session 10's atomicAdd then atomicExch; "release" CUTLASS's barrier). EARLY and ARRIVE=wrap are
-session 11's, off until they have run on a GPU.
+row: "all"; "one", the default since session 12's H200 run, only with one split; "0" never),
+``CUFLASH_DECODE_ARRIVE`` (the fused merge's arrival: "wrap" one atomicInc that also resets the
+counter; "fence", the default, session 10's atomicAdd then atomicExch; "release" CUTLASS's
+barrier). EARLY and ARRIVE=wrap are session 11's; session 12 timed ARRIVE=wrap no faster
+(bench/probes/decode_ab.py, mean 1.001), so it stays off.
 """
 
 from __future__ import annotations

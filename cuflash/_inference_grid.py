@@ -6,9 +6,9 @@ block an SM (decode_mma.cu's STAGES; opt-in), the L2 hints of its K/V copies, th
 (balanced_splits by default; session 9's, or every resident slot: CUFLASH_DECODE_SPLITS) and
 the paged caches' page walk (decode_mma.cu's PAGE_WALK by default; CUFLASH_DECODE_PAGES=s9),
 the first K/V copies before the rows' lengths arrive (decode_mma.cu's EARLY_KV:
-CUFLASH_DECODE_EARLY=all / one, off by default) and the fused merge's arrival (one atomicInc:
-CUFLASH_DECODE_ARRIVE=wrap, off by default; release): session 11's two cuts, off until they
-have run on a GPU."""
+CUFLASH_DECODE_EARLY=one by default since session 12's H200 run; all; 0) and the fused merge's
+arrival (one atomicInc: CUFLASH_DECODE_ARRIVE=wrap, off: session 12's run measured it no faster;
+release): session 11's two cuts."""
 
 from __future__ import annotations
 
@@ -154,13 +154,14 @@ def early_mode() -> str:
     capacity, issued again where the real range differs). "all": every even-split build of a
     dense cache; "one": only grids of one split (their first copies start at key 0 whatever n;
     with several splits a row shorter than the capacity moves every split but the first, whose
-    early copies, ~64 KB a block, are then wasted and waited for); unset or "0": none (session
-    10's machine code: the default until the early copies have run on a GPU, which session 11,
-    which wrote them and tested them in the g++ emulation, could not do)."""
+    early copies, ~64 KB a block, are then wasted and waited for): the default since session
+    12's H200 run (bench/probes/decode_ab.py: 1.000-1.010x session 10's time at the six dense
+    points, mean 1.005; "all" was no faster than "one", mean 1.001); "0": none (session 10's
+    machine code, for an A/B in one process)."""
     value = os.environ.get("CUFLASH_DECODE_EARLY", "").strip().lower()
     if value not in ("", "all", "one", "0"):
         raise ValueError(f"CUFLASH_DECODE_EARLY={value!r}: expected all, one or 0")
-    return value or "0"
+    return value or "one"
 
 
 def prelude(fused: bool = True, splits: int = 1) -> str:

@@ -112,6 +112,7 @@ def choose(prob, dev, choice=None):
         flags["even"] = False          # per-sequence bounds: never the EVEN build
     if "fuse_dq" in flags:
         flags["fuse_dq"] = False       # its counters are per batch item, not per sequence
+        flags["one_launch"] = ""       # (and it runs with bwd_dot_do_o: _plan_one.py)
     expr = choice.family.expr(prob.dtype.name, t, Shape.of(prob).variant, **flags)
     return choice.family, t, expr, tuple(reasons)
 

@@ -40,7 +40,8 @@ TENSORS = ("q", "k", "v", "o", "dout")
 POINTERS = ("q", "k", "v", "o", "lse", "dout", "dpsum", "dq_acc", "dk_acc", "dv_acc", "dq_sem")
 #: Params::out_flags (kBwdDkOut, kBwdDvOut): dk_acc / dv_acc is the gradient itself, in T;
 #: (kBwdDqOut) the main kernel rounds dQ into Params::dq itself (bwd_sm90's fuse_dq builds)
-DK_OUT, DV_OUT, DQ_OUT = 1, 2, 4
+#: (kBwdOwnD) it computes D itself and leaves dq_acc, dq_sem zeroed (bwd_sm90's one_launch)
+DK_OUT, DV_OUT, DQ_OUT, OWN_D = 1, 2, 4, 8
 
 _B = MAX_BATCH_DIMS
 #: ``cuflash::Params``, field for field (8-byte fields first, then the Variant's, then 4-byte,
@@ -232,10 +233,14 @@ class Launch:
         launch = self._launch_kernel
         with self.lock:
             _patch(len(words)).pack_into(self._bytes, 0, *words)
-            for i, w in extra:
-                self.buf[i] = w
+            for i, w in extra:   # (a struct pack, not a NumPy item store: host time)
+                _WORD.pack_into(self._bytes, 8 * i, w)
             for fn, grid, block, smem in self.kernels:
                 launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+
+
+#: one little-endian 8-byte word (Launch's ``extra``)
+_WORD = struct.Struct("<Q")
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,37 @@ def fuse_dq_wanted(blocks: int, dev: "DeviceInfo") -> bool:
     return blocks <= dev.num_sms if value == "" else value == "1"
 
 
+#: the most query rows for which bwd_sm90's ONE_LAUNCH build computes D = rowsum(dO o O) in
+#: every key tile's block (each reads its item's O and dO rows from m_first on: at 512 rows
+#: and d 128, 256 KB a block, a microsecond or two of L2 reads, against the ~5 us of host time
+#: and the launch gap of bwd_dot_do_o it replaces)
+ONE_LAUNCH_MAX_LQ = 512
+
+
+#: bwd_sm90's flags as the dispatcher can set them (its builds for the compile gate)
+BWD_SM90_FLAGS = ({"fuse_dq": False, "one_launch": ""}, {"fuse_dq": True, "one_launch": ""},
+                  {"fuse_dq": True, "one_launch": ", true"})
+
+
+def one_launch_wanted(shape, fuse_dq: bool, why: list) -> str:
+    """bwd_sm90's ``one_launch`` flag: compile in line 4 of Algorithm 2 (D) and the re-zeroing
+    of dQ's accumulator and counters (bwd_io::block_row_dots, finish_dq_body), so that a plan
+    whose layouts allow it (``_plan_one.py``) runs the backward as one launch, without
+    bwd_dot_do_o: for the ``fuse_dq`` builds (one wave: host-bound) with at most
+    ``ONE_LAUNCH_MAX_LQ`` query rows. ``CUFLASH_BWD_ONE_LAUNCH``: ``0`` never, ``1`` wherever
+    fuse_dq (tests, A/B runs), unset: by the rule. The flag as the template spells it: a
+    trailing default argument, ``", true"`` where set (the reason appended to ``why``), else
+    ``""`` (the build keeps its name)."""
+    value = os.environ.get("CUFLASH_BWD_ONE_LAUNCH", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CUFLASH_BWD_ONE_LAUNCH={value!r}: expected 0 or 1")
+    if not fuse_dq or value == "0" or (value == "" and shape.Lq > ONE_LAUNCH_MAX_LQ):
+        return ""
+    why.append("short queries: D and the zeroing of dQ's accumulator in the main kernel (no "
+               "bwd_dot_do_o launch where the layouts allow: host time)")
+    return ", true"
+
+
 def fuse_dq_finish(choice: "Choice", dq_direct: bool, launches: int) -> bool:
     """Whether a backward plan drops bwd_finish_dq's launch: its kernel was compiled with the
     rounding (the ``fuse_dq`` flag), dq is the result itself (no broadcast dimension to sum

@@ -15,9 +15,9 @@ import math
 
 import numpy
 
-from . import _families, _launch
+from . import _families, _launch, _plan_one
 from ._families import FAMILIES, Shape
-from ._launch import DK_OUT, DQ_OUT, DV_OUT, Launch, batch_layout, pack
+from ._launch import DK_OUT, DQ_OUT, DV_OUT, OWN_D, Launch, batch_layout, pack
 from ._plan_cache import PlanCache  # noqa: F401  (the plan caches' type: _api, _inference, _varlen)
 from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan, dbias_vec4
 from ._variant import variant_params
@@ -261,8 +261,13 @@ class BackwardPlan:
         self._order = grid_order(self.choice, prob.causal, shape.variant.block_mask)
         self._main = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
                                     shape.variant.prelude)
+        # one launch (small problems, _plan_one.py): D and the zeroing in the main kernel, its
+        # workspace kept per stream; else bwd_dot_do_o first, on a fresh workspace a call
+        self.one_kernel = _plan_one.usable(self, o, do)
+        self.zeroed_ws = _plan_one.ZeroedWorkspaces(self.workspace) if self.one_kernel else None
         dot = FAMILIES["bwd_dot"]
-        self._dot = _launch.kernel(dot.source, dot.expr(prob.dtype), prob.device_id, 0)
+        self._dot = None if self.one_kernel else _launch.kernel(
+            dot.source, dot.expr(prob.dtype), prob.device_id, 0)
         self.finish = None if self.fused_dq else self._finish_launch(prob, nbatch * Lq * d,
                                                                      dev.num_sms)
         self.num_sms = dev.num_sms
@@ -292,7 +297,7 @@ class BackwardPlan:
         extra = self.mods.arrays(mods) if self.mods is not None else []
         layout = batch_layout(prob.batch_shape, list(tensors.values()) + extra)
         flags = ((DK_OUT if self.dk_direct else 0) | (DV_OUT if self.dv_direct else 0)
-                 | (DQ_OUT if self.fused_dq else 0))
+                 | (DQ_OUT if self.fused_dq else 0) | (OWN_D if self.one_kernel else 0))
         n = layout.inner_n
         p = pack(prob, tensors, layout, self._vp, num_m_blocks=self.num_m_blocks,
                  num_n_blocks=self.num_n_blocks, grid_order=self._order, out_flags=flags,
@@ -308,9 +313,13 @@ class BackwardPlan:
         # (with an outer loop of launches each would zero from its own offset: _run zeroes the
         # workspace once instead, with a memset)
         args["p"], args["zero_bytes"] = p, (0 if len(layout.outer) > 1 else self.zeroed)
-        launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, args, offsets=DOT_OFFSETS,
-                        name="bwd_dot_do_o").then(
-            self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
+        if self.one_kernel:   # (Params alone: the main kernel's block)
+            launch = Launch(self._main, n * self.num_n_blocks, t.threads, t.smem_bytes, p,
+                            name=self.choice.expr)
+        else:
+            launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, args, offsets=DOT_OFFSETS,
+                            name="bwd_dot_do_o").then(
+                self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
         a, Lq, Lk = self.acc.itemsize, prob.Lq, prob.Lk
         sizes = [x.itemsize for x in (q, k, v, o)]
         dk_row = prob.d * (prob.dtype.itemsize if self.dk_direct else a)
@@ -353,17 +362,31 @@ class BackwardPlan:
             return
         # (_run's steps for one launch and gradients written directly, with the workspace
         # offsets looked up once: host time per call)
-        ws = _cupy().cuda.alloc(self.workspace)
+        one = self.one_kernel
+        ws = self.zeroed_ws.by_stream.get(stream) or self.zeroed_ws.get(stream) if one else None
+        if ws is None:   # (one kernel past _plan_one.BUDGET: a fresh workspace, zeroed here)
+            ws = _cupy().cuda.alloc(self.workspace)
+            if one:
+                _cupy().cuda.runtime.memsetAsync(ws.ptr, 0, self.zeroed, stream)
         base = ws.ptr
         dpsum, dq_acc, dq_sem = self._ws_words
         words = (q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv, base + dq_sem)
-        if self.fused_dq:
+        if one:
+            try:
+                self.launch(stream, words, extra=((_DQ_WORD, dq),))
+            except BaseException:
+                self.zeroed_ws.reset(stream)
+                raise
+        elif self.fused_dq:
             self.launch(stream, words, extra=((_DQ_WORD, dq),))
         else:
             self.launch(stream, words)
             self.finish(stream, (base + dq_acc, dq))
 
     def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
+        if self.one_kernel:    # (the slow path's first call; run() is the same launch)
+            self.run(stream, do, q, k, v, o, lse, dq, dk, dv)
+            return None
         ws = _cupy().cuda.alloc(self.workspace)
         base = ws.ptr    # its first self.zeroed bytes are zeroed by bwd_dot_do_o ...
         if len(launches[1]) > 1 and self.zeroed:   # ... or here, before an outer loop
@@ -437,6 +460,8 @@ class BackwardPlan:
     def explain(self) -> str:
         dq = ("dQ rounded by the main kernel (no bwd_finish_dq launch)" if self.fused_dq
               else "dQ rounded by bwd_finish_dq")
+        if self.one_kernel:
+            dq += "\none launch: D and the zeroing in the main kernel (no bwd_dot_do_o launch)"
         return explain_choice(self.choice, self.launch.grid) + "\n" + dq
 
 

@@ -192,8 +192,8 @@ def _dq_bounds(prob, mods) -> str:
     bucket bwd_sm90 compiles (HEAD_DIM = max(d, dv) rounded up to 64: the row pairs need every
     column pair of a HEAD_DIM-column slice inside the row), or ``CUFLASH_BWD90_DQ_ROWS=0``
     (read at plan time; the default: session 10's bounded additions) -- "1" gives the row pairs
-    where d = HEAD_DIM, off by default until the H200 has run them (session 11 compiled them
-    with 0 spills but had no GPU); else "". (In the Variant's prelude: the forward's builds
+    where d = HEAD_DIM, off by default: session 12's H200 run timed them at 0.99-1.01x the
+    bounded additions (bench/probes/bmask_bwd128.py, mean 1.004); else "". (In the Variant's prelude: the forward's builds
     compile it unused.)"""
     import os
     value = os.environ.get("CUFLASH_BWD90_DQ_ROWS", "").strip()
@@ -346,11 +346,12 @@ def bmask_tile_major(kind: str) -> bool:
     item then starts first -- prefix-LM's long blocks (the prefix's keys, seen by every query)
     in the first waves, not the last batch item's ending the kernel alone (bench/NOTES.md,
     session 11: that tail was 0.15 ms at 4k, d = 128) -- and the forward's (its last query
-    tile, prefix-LM's heaviest, of every batch item first); "bwd": the backward's only;
-    "none" (the default until the H200 has checked the outputs of these orders, which session
-    11 could not): batch-major, as in session 10. ``kind``: "fwd" or "bwd"."""
+    tile, prefix-LM's heaviest, of every batch item first): the default since session 12's
+    H200 run (bench/probes/bmask_bwd128.py: fwd+bwd 1.00-1.05x batch-major, forward 1.02-1.07x,
+    GPU tests passed); "bwd": the backward's only; "none": batch-major, as in session 10, for
+    an A/B in one process. ``kind``: "fwd" or "bwd"."""
     import os
-    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "none"
+    value = os.environ.get("CUFLASH_BMASK_TILE_MAJOR", "").strip() or "both"
     if value not in ("bwd", "both", "none"):
         raise ValueError(f"CUFLASH_BMASK_TILE_MAJOR={value!r}: expected both, bwd or none")
     return value == "both" or value == kind

@@ -650,3 +650,43 @@ def test_time_arm_rows_and_dump_probe(monkeypatch, tmp_path):
     assert got["meta"] == {"probe": "probe_x", "dtype": "bfloat16", "arms": {"old": {}},
                            "complete": False} and got["rows"] == [row]
     sc.dump_probe(None, "probe_x", {}, [], True)       # no --json: nothing written
+
+
+def test_median_event_ms_warms_for_a_least_time_then_times_iters_calls(monkeypatch):
+    """suite_common.median_event_ms: ``warmup`` calls at the least, then more, each
+    synchronised, until ``warm_ms`` of wall time has passed (a short kernel's 3 calls left the
+    GPU on a ramping clock: NOTES.md, session 12), at most WARM_CALLS; then ``iters`` timed
+    calls, the median event interval returned."""
+    import types
+    sc = _load("suite_common")
+    log = []
+
+    class Event:
+        def record(self):
+            self.at = len(log)
+
+        def synchronize(self):
+            log.append("sync")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(synchronize=lambda: log.append("sync")),
+        Event=Event, get_elapsed_time=lambda s, e: float(e.at - s.at)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    clock = [0.0]
+    monkeypatch.setattr(sc.time, "perf_counter", lambda: clock[0])
+
+    def fn(i, ms=1.0):          # a call "takes" ms of wall time
+        log.append(i)
+        clock[0] += ms / 1e3
+    assert sc.median_event_ms(fn, 2, iters=5, warmup=3, warm_ms=10.0) == 1.0
+    calls = [x for x in log if x != "sync"]
+    assert len(calls) == 10 + 5                 # 10 ms of 1 ms calls, then the 5 timed
+    assert calls[:4] == [0, 1, 0, 1]            # cycling over the 2 input sets
+    assert log[:6] == [0, 1, 0, "sync", 1, "sync"]   # synchronised one by one from the 3rd
+    log.clear()
+    assert sc.median_event_ms(lambda i: fn(i, 50.0), 1, iters=3, warmup=3, warm_ms=10.0) == 1.0
+    assert len([x for x in log if x != "sync"]) == 3 + 3      # the 3 warm-up calls suffice
+    log.clear()
+    monkeypatch.setattr(sc, "WARM_CALLS", 7)
+    sc.median_event_ms(lambda i: fn(i, 0.0), 1, iters=2, warmup=3, warm_ms=10.0)
+    assert len([x for x in log if x != "sync"]) == 7 + 2      # bounded when time stands still

@@ -35,15 +35,15 @@ def _choose(kind, causal, block_mask, d=128, det=False):
 
 
 def test_a_block_mask_without_causal_runs_tile_major(monkeypatch):
-    """``CUFLASH_BMASK_TILE_MAJOR=both`` (session 11; the default "none" until the H200 has
-    checked these orders' outputs): tile-major for a block mask without causal."""
+    """``CUFLASH_BMASK_TILE_MAJOR=both`` (session 11; the default since session 12's H200 run;
+    "none" session 10's batch-major orders): tile-major for a block mask without causal."""
     for name in ("CUFLASH_BMASK_TILE_MAJOR", "CUFLASH_GRID_ORDER"):
         monkeypatch.delenv(name, raising=False)
     for d in (64, 128):
         bwd, fwd = _choose("bwd", False, True, d), _choose("fwd", False, True, d)
         assert bwd.family.name == "bwd_sm90" and fwd.family.name == "fwd_sm90"
         for c in (fwd, bwd):
-            assert _plan.grid_order(c, False, True) == 0          # the default: session 10's
+            assert _plan.grid_order(c, False, True) == 1          # the default: "both"
         monkeypatch.setenv("CUFLASH_BMASK_TILE_MAJOR", "both")
         for c in (fwd, bwd):
             assert _plan.grid_order(c, False, True) == 1          # the switch

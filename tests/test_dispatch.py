@@ -217,6 +217,34 @@ def test_dq_finishing_fused_in_one_wave_backwards(monkeypatch):
         bwd(d=128)
 
 
+def test_one_launch_backward_for_short_queries(monkeypatch):
+    """bwd_sm90's one_launch build (D and the re-zeroing of dQ's accumulator in the main
+    kernel: cuflash/_plan_one.py) for fuse_dq problems with at most ONE_LAUNCH_MAX_LQ query
+    rows, spelled as a trailing argument; CUFLASH_BWD_ONE_LAUNCH=0/1 forces it (1: wherever
+    fuse_dq), anything else is an error naming it."""
+    from cuflash._overrides import ONE_LAUNCH_MAX_LQ
+    for name in ("CUFLASH_BWD_ONE_LAUNCH", "CUFLASH_FUSE_DQ"):
+        monkeypatch.delenv(name, raising=False)
+    short = bwd(d=64, nbatch=1, Lq=64)
+    assert short.flag["one_launch"] and short.flag["fuse_dq"]
+    assert short.expr.endswith("cuflash::Variant<false>, true, true>")
+    assert "no bwd_dot_do_o launch" in "\n".join(short.reasons)
+    long = bwd(d=64, nbatch=1, Lq=ONE_LAUNCH_MAX_LQ + 1)
+    assert long.flag["fuse_dq"] and not long.flag["one_launch"]
+    assert long.expr.endswith("cuflash::Variant<false>, true>")
+    assert not bwd(d=64, nbatch=256, Lq=256).flag["one_launch"]       # not one wave
+    windowed = Shape(BF16, 1, 64, 64, 64, 64, Variant(False, window=True))
+    assert not _families.choose("bwd", windowed, H200).flag["one_launch"]
+    assert "one_launch" not in bwd(d=64, Lq=64, det=True).flag        # bwd_sm80
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "0")
+    assert not bwd(d=64, nbatch=1, Lq=64).flag["one_launch"]
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "1")
+    assert bwd(d=64, nbatch=1, Lq=4096).flag["one_launch"]
+    monkeypatch.setenv("CUFLASH_BWD_ONE_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_BWD_ONE_LAUNCH='yes': expected 0 or 1"):
+        bwd(d=64, nbatch=1, Lq=64)
+
+
 def test_grid_order_override(monkeypatch):
     monkeypatch.setenv("CUFLASH_GRID_ORDER", "0")
     assert _plan.grid_order(fwd(causal=True), True) == 0
@@ -361,7 +389,7 @@ def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
 
     c = choice()
     assert c.traits["persist"] == 1 and c.traits.min_blocks == 2
-    assert c.expr.endswith(", true, 1>")   # (PERSIST; LEAN is off by default, session 11)
+    assert c.expr.endswith(", true, 1, 1>")   # (PERSIST, and LEAN: the default since session 12)
     assert c.traits.smem_bytes == (2 * 128 + 4 * 64) * 64 * 2 + 1024
     assert _families.fwd_sm90_grid(c.traits, 128 * 32, H200) == 2 * 132
     assert choice(d=128).traits["persist"] == 1 and choice(d=128).traits.smem_bytes <= H200.smem_optin
@@ -500,3 +528,30 @@ def test_fwd_sm90_block_mask_short_lists_in_fewer_warpgroups(monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD90_BMASK_SHORT_WG", "3")
     with pytest.raises(ValueError, match="CUFLASH_FWD90_BMASK_SHORT_WG"):
         warpgroups(128, 320)
+
+
+def test_backward_fast_key_of_contiguous_arrays_without_a_gpu():
+    """_fast.backward_key (no GPU: CuPy arrays on unowned memory): C-contiguous arrays of one
+    shape, dtype and alignment give one key whatever the strides of their extent-1 dimensions;
+    another layout, dtype or 16-byte alignment gives another; backward_key_strides keeps every
+    stride."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import memory
+    from cuflash import _fast
+    mem = memory.UnownedMemory(1 << 20, 1 << 20, None, device_id=0)
+
+    def arr(shape, off=0, strides=None, dtype=BF16):
+        return cupy.ndarray(shape, numpy.dtype(dtype), memptr=memory.MemoryPointer(mem, off),
+                            strides=strides)
+    a = arr((1, 1, 64, 64))
+    b = arr((1, 1, 64, 64), strides=(4 * 8192, 8192, 128, 2))      # a slice of a larger array
+    lse = arr((1, 1, 64), dtype=numpy.float32)
+
+    def key(x, fn=_fast.backward_key):
+        return fn(x, x, x, x, x, lse, None, False, False)
+    assert b.flags.c_contiguous and key(a) == key(b)
+    assert key(a, _fast.backward_key_strides) != key(b, _fast.backward_key_strides)
+    t = arr((1, 1, 64, 64), strides=(8192, 8192, 2, 128))           # transposed rows
+    assert key(t) != key(a)
+    assert key(arr((1, 1, 64, 64), off=8)) != key(a)                # 16-byte alignment
+    assert key(arr((1, 1, 64, 64), dtype=numpy.float16)) != key(a)

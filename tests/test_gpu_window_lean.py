@@ -100,9 +100,9 @@ def test_block_mask_lean(monkeypatch, lean, d, mask, causal):
 
 
 def test_the_window_plan_is_lean(monkeypatch):
-    """The dispatcher's fwd_sm90 choice for the window is session 10's build by default (LEAN
-    is off until measured, session 11) and the LEAN build with "1" (what the tests above
-    exercise); plain attention never."""
+    """The dispatcher's fwd_sm90 choice for the window is the LEAN build by default (session
+    12's H200 run) as with "1" (what the tests above exercise), session 10's with "0"; plain
+    attention never."""
     from cuflash import _api, _families
     from cuflash._variant import Variant
     monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
@@ -116,6 +116,8 @@ def test_the_window_plan_is_lean(monkeypatch):
 
     if choice().family.name != "fwd_sm90":
         pytest.skip("not a Hopper GPU: the window runs on another family")
+    assert choice().traits["lean"] == 1 and choice().expr.endswith(", 0, 1>")
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "0")
     assert choice().traits["lean"] == 0
     monkeypatch.setenv("CUFLASH_FWD90_LEAN", "1")
     assert choice().traits["lean"] == 1 and choice().expr.endswith(", 0, 1>")

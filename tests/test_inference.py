@@ -453,11 +453,12 @@ def test_decode_spec_on_the_host_for_the_benchmark_shapes():
         # ring for grids of at most one block an SM is opt-in: CUFLASH_DECODE_STAGES=auto)
         fused = "true" if spec.splits > 1 else "false"
         deep = False
-        # (the prelude: session 10's prologue and arrival, the defaults until session 11's
-        # early copies and one-atomic arrival have run on a GPU; no other A/B define)
+        # (the prelude: session 11's early copies for a grid of one split only, the default
+        # since session 12's H200 run, and session 10's arrival; no other A/B define)
         assert spec.stream == 0 and spec.stages == (5 if deep else 3)
-        assert spec.prelude == "#define CUFLASH_DECODE_EARLY_KV 0\n" + (
-            "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n" if spec.splits > 1 else "")
+        assert spec.prelude == ("" if spec.splits == 1 else
+                                "#define CUFLASH_DECODE_EARLY_KV 0\n"
+                                "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n")
         assert spec.split[:2] == ("decode_mma.cu", "cuflash::decode::decode_mma<__nv_bfloat16, "
                                   f"128, cuflash::Variant<false>, {fused}"
                                   f"{', false, 5' if deep else ''}>")

@@ -1,9 +1,9 @@
 """decode_mma's fixed cost a call (session 11): the first K/V copies issued before cache_seqlens
 arrives (decode_mma.cu's CUFLASH_DECODE_EARLY_KV, the switch CUFLASH_DECODE_EARLY) and the fused
 merge's arrival and counter reset as one atomicInc (CUFLASH_DECODE_ARRIVE_WRAP, the switch
-CUFLASH_DECODE_ARRIVE), both off by default until they have run on a GPU, in the g++ emulation
-(tests/_emu_decode.py): their build (the switches on: no defines) against the build of session
-10 (both defines 0, the default; blocks in order and shuffled, the arrival counters left
+CUFLASH_DECODE_ARRIVE; session 12's H200 run made EARLY=one the default, ARRIVE stays "fence"),
+in the g++ emulation (tests/_emu_decode.py): their build (the switches on: no defines) against
+the build of session 10 (both defines 0, the default for grids of several splits; blocks in order and shuffled, the arrival counters left
 at 0 by every call), bitwise, on dense caches whose rows are full (the early copies are the
 prologue's), shorter than the capacity (every split but the first moves: they are issued again
 over the early ones), shorter than the prologue's keys (one split) or empty, and lengths out of
@@ -106,13 +106,13 @@ def test_emulated_early_copies_equal_session_10_bitwise(libs, case, rows, monkey
 
 
 def test_early_switch_puts_its_define_before_decode_mma(monkeypatch):
-    """CUFLASH_DECODE_EARLY: "all" no define (session 11's build); unset / "0" (the default)
-    the define for every grid; "one" the define where the grid has several splits; a bad value
-    names it. (CUFLASH_DECODE_ARRIVE=wrap: no define of its own here.)"""
+    """CUFLASH_DECODE_EARLY: "all" no define (session 11's build); "0" the define for every
+    grid; unset / "one" (the default since session 12) the define where the grid has several
+    splits; a bad value names it. (CUFLASH_DECODE_ARRIVE=wrap: no define of its own here.)"""
     monkeypatch.delenv("CUFLASH_DECODE_PAGES", raising=False)
     monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "wrap")
     off = "#define CUFLASH_DECODE_EARLY_KV 0\n"
-    for env, one, several, stream in (("", off, off, off), ("all", "", "", ""),
+    for env, one, several, stream in (("", "", off, ""), ("all", "", "", ""),
                                       ("0", off, off, off), ("one", "", off, "")):
         monkeypatch.setenv("CUFLASH_DECODE_EARLY", env)
         assert _inference_grid.prelude(True, 1) == one

@@ -73,9 +73,10 @@ _DEEP_EXPRS = [f"cuflash::decode::decode_mma<{T}, 128, cuflash::Variant<{cz}>, {
                for st in (4, 5)]
 
 
-#: the defines of decode_mma's default builds (CUFLASH_DECODE_EARLY=0, CUFLASH_DECODE_ARRIVE=
-#: fence: session 10's prologue and arrival until session 11's have run on a GPU; those are
-#: tests/test_inference_early.py's, bitwise against these)
+#: the defines of decode_mma's default builds for grids of several splits (session 10's
+#: prologue and arrival: CUFLASH_DECODE_EARLY=one issues the early copies only for one split,
+#: and CUFLASH_DECODE_ARRIVE=fence is the default); the early copies and the one-atomic
+#: arrival are tests/test_inference_early.py's, bitwise against these)
 DEFAULT_PRELUDE = "#define CUFLASH_DECODE_EARLY_KV 0\n#define CUFLASH_DECODE_ARRIVE_WRAP 0\n"
 
 

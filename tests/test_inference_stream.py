@@ -150,7 +150,9 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
         _api.clear_plans()
         c = _inference.check_kvcache(q, kc, vc, s, None, None, None, 7, None, False, True)
         spec = _inference_gpu.spec_or_reason(c)
-        assert not isinstance(spec, str) and spec.prelude, spec     # (a fused build: 7 splits)
+        assert not isinstance(spec, str) and spec.splits == 7, spec
+        # (a fused build; its prelude is empty with both of session 11's cuts on)
+        assert spec.prelude == _inference_grid.prelude(True, 7)
         for n, (o, lse) in want.items():
             got = run(n)
             assert numpy.array_equal(got[0], o) and numpy.array_equal(got[1], lse), n
@@ -161,15 +163,17 @@ def test_ab_builds_equal_the_default_bitwise(env, monkeypatch):
 
 
 def test_ab_switches_make_the_prelude(monkeypatch):
-    """The A/B switches' defines (by default session 10's prologue and arrival, whose machine
-    code session 11's two cuts keep off until they have run on a GPU; none with both on: the
-    gate's builds); the fused merge's only for fused builds; a bad value names the variable."""
+    """The A/B switches' defines (by default session 11's early copies for a grid of one split
+    only and session 10's arrival, session 12's H200 decision; none with both of session 11's
+    cuts on: the gate's builds); the fused merge's only for fused builds; a bad value names the
+    variable."""
     for k in ("CUFLASH_DECODE_MERGE", "CUFLASH_DECODE_L2", "CUFLASH_DECODE_ARRIVE",
               "CUFLASH_DECODE_PAGES", "CUFLASH_DECODE_EARLY"):
         monkeypatch.delenv(k, raising=False)
     early = "#define CUFLASH_DECODE_EARLY_KV 0\n"
-    assert _inference_grid.prelude(False) == early
-    assert _inference_grid.prelude(True) == early + "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n"
+    assert _inference_grid.prelude(False) == ""                    # (one split: early copies)
+    assert _inference_grid.prelude(False, 3) == early
+    assert _inference_grid.prelude(True, 3) == early + "#define CUFLASH_DECODE_ARRIVE_WRAP 0\n"
     monkeypatch.setenv("CUFLASH_DECODE_EARLY", "all")
     monkeypatch.setenv("CUFLASH_DECODE_ARRIVE", "wrap")
     assert _inference_grid.prelude(True) == _inference_grid.prelude(False) == ""

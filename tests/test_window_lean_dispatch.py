@@ -18,14 +18,17 @@ def choice(d=64, L=4096, **v):
 
 
 def test_the_window_is_lean_with_the_switch(monkeypatch):
-    """Off by default (session 11 had no GPU to run them): no Variant is lean, every name is
-    session 10's; with ``CUFLASH_FWD90_LEAN=1`` the window alone is."""
-    monkeypatch.delenv("CUFLASH_FWD90_LEAN", raising=False)
+    """On by default since session 12's H200 run, as with ``CUFLASH_FWD90_LEAN=1``; "0" gives
+    no Variant the lean builds (session 10's names)."""
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST", raising=False)
+    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "0")
     for d in (64, 128):
         assert choice(d, causal=True, window=True).traits["lean"] == 0
         assert bmask(d).traits["lean"] == 0
-    monkeypatch.setenv("CUFLASH_FWD90_LEAN", "1")
+    monkeypatch.delenv("CUFLASH_FWD90_LEAN")
+    for d in (64, 128):
+        assert choice(d, causal=True, window=True).traits["lean"] == 1
+        assert bmask(d).traits["lean"] == 1
     for d in (64, 128, 256):
         for L in (4096, 4000):          # the EVEN build and the predicated one
             for causal in (True, False):

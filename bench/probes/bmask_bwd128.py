@@ -22,9 +22,9 @@ already). Each point times, CUDA-event medians:
 - ``fwd`` / ``fwd_tm``: the forward alone, batch-major (session 10's order,
   ``CUFLASH_BMASK_TILE_MAJOR=none``) / tile-major (``both``: the heaviest query tile of
   every batch item first);
-- ``old``: fwd+bwd as session 10 ran it, the default (``CUFLASH_BMASK_TILE_MAJOR=none``, both batch-major;
+- ``old``: fwd+bwd as session 10 ran it (``CUFLASH_BMASK_TILE_MAJOR=none``, both batch-major;
   ``CUFLASH_BWD90_DQ_ROWS=0``, dQ added through red_add2: machine code identical to 20120b4's);
-- ``tm``: both tile-major (what session 10's ``new_tm`` arm measured with
+- ``tm``: both tile-major, the default since session 12's run of this probe (what session 10's ``new_tm`` arm measured with
   ``CUFLASH_GRID_ORDER=1``), dQ as in ``old``;
 - ``new``: ``tm`` with dQ's rows added by bwd_io::red_row_pairs (one base
   address a row, 8 unconditional vector reds: no per-pair branch regions);

@@ -7,10 +7,10 @@ s10: session 10's question, its points and arms, below.)
 --set s11 (the default), in one process, plans forgotten (``cuflash._api.clear_plans()``)
 between the variants, at issue 11's open points (bf16, d 128, one query token, dense caches:
 B 8 32/8 8k / 64k / 128k, B 8 32/32 8k, B 64 32/8 8k, B 1 32/8 128k):
-  cuflash_old    CUFLASH_DECODE_EARLY=0 CUFLASH_DECODE_ARRIVE=fence: session 10's code and
-                 still the default (its machine code exactly: the defines 0);
+  cuflash_old    CUFLASH_DECODE_EARLY=0 CUFLASH_DECODE_ARRIVE=fence: session 10's code (its
+                 machine code exactly: the defines 0);
   cuflash        CUFLASH_DECODE_EARLY=all CUFLASH_DECODE_ARRIVE=wrap, session 11's two cuts
-                 (off by default until this probe has run): the prologue's K/V copies for a full row issued before the
+                 (session 12's run of this probe: EARLY=one became the default): the prologue's K/V copies for a full row issued before the
                  row's length arrives (decode_mma.cu's EARLY_KV; re-issued where the real
                  range differs), and the arrival by atomicInc (ARRIVE_WRAP: no atomicExch for
                  the last block's acquire fence to wait on);

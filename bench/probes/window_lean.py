@@ -16,7 +16,7 @@ the lean one), CUDA-event medians.
 Arms (plan-time switches; the plan cache is cleared around each):
 
 - ``old``: ``CUFLASH_FWD90_LEAN=0`` (session 10's builds; main 20120b4);
-- ``new``: ``CUFLASH_FWD90_LEAN=1`` (off by default until this probe has run): the lean
+- ``new``: ``CUFLASH_FWD90_LEAN=1`` (the default since session 12's run of this probe): the lean
   builds for the window and the block masks; plain attention's kernels are the same machine
   code in both arms, so its rows in both are a noise check;
 - with ``--arms`` also ``wg2``: new with fwd_sm90's d 128 bucket at 2 warpgroups
