@@ -137,17 +137,21 @@ def window_lean(t, variant, why: list | None = None):
 def bmask_list_read(t, variant, why: list | None = None):
     """fwd_sm90's traits ``t`` with a block mask's lean build (``lean`` 1, :func:`window_lean`)
     kept as session 11 compiled it (``lean`` 3) where ``CUFLASH_FWD90_BMASK_EARLY`` (plan time)
-    is "0"; "1" (the default): ``lean`` 1, whose loop reads the list entry two visits ahead at
-    the top of a key tile instead of after S's wgmma's are issued (session 12: there ptxas put
-    the load inside the softmax and scheduled the exponentials back to back, O's rescale and P's
+    is "0"; "1": ``lean`` 1, whose loop reads the list entry two visits ahead at the top of a
+    key tile instead of after S's wgmma's are issued (session 12: there ptxas put the load
+    inside the softmax and scheduled the exponentials back to back, O's rescale and P's
     conversion after them; prefix-LM at d 64 ran ~6% slower a key tile than plain causal's
-    build, bench/NOTES.md "the block-mask forward's list read (session 12)")."""
-    value = os.environ.get("CUFLASH_FWD90_BMASK_EARLY", "").strip() or "1"
-    if value not in ("0", "1"):
+    build, bench/NOTES.md "the block-mask forward's list read (session 12)"). Unset (the
+    default): "1" where the head-dim bucket is 64, "0" above it, as session 12's H200 run
+    measured (bench/probes/bmask_early.py, new / old: d 64 prefix 4k 1.062 (1.020x Flex), window
+    1.063, documents 1.003, prefix 16k 1.025, documents 16k 1.035; d 128 documents 4k 0.926,
+    prefix 0.993, window 1.008)."""
+    value = os.environ.get("CUFLASH_FWD90_BMASK_EARLY", "").strip()
+    if value not in ("", "0", "1"):
         raise ValueError(f"CUFLASH_FWD90_BMASK_EARLY={value!r}: expected 1 or 0")
     if not (variant.block_mask and t["lean"] == 1):
         return t
-    if value == "0":
+    if value == "0" or (value == "" and t.head_dim > 64):
         return t.replace(lean=3)
     if why is not None:
         why.append("the list entry read at the top of a key tile (CUFLASH_FWD90_BMASK_EARLY)")

@@ -28,10 +28,14 @@ def fuse_dq_wanted(blocks: int, dev: "DeviceInfo") -> bool:
 
 
 #: the most query rows for which bwd_sm90's ONE_LAUNCH build computes D = rowsum(dO o O) in
-#: every key tile's block (each reads its item's O and dO rows from m_first on: at 512 rows
-#: and d 128, 256 KB a block, a microsecond or two of L2 reads, against the ~5 us of host time
-#: and the launch gap of bwd_dot_do_o it replaces)
-ONE_LAUNCH_MAX_LQ = 512
+#: every key tile's block (each reads its item's O and dO rows from m_first on). Session 12's
+#: H200 run (bench/probes/bwd_one_launch.py, bench/NOTES.md): host time 22.1-22.7 -> 16.7-17.8
+#: us a call at every point; GPU time 14.3 -> 12.1 us at L 64, equal at L 128 (d 128, 8 heads:
+#: 24.7 both, one call isolated 40.2 -> 38.3 us), but 5.6-6.6% MORE at L 512 (39.6 -> 41.8 us,
+#: d 64 causal 2 x 8 heads; 68.1 -> 72.6 us, d 128 16 heads; isolated +1.0 and +3.4 us): there
+#: the 4-8 blocks of a head each read its 512 rows of O and dO. So 128, the longest measured
+#: without a loss (256 was not measured).
+ONE_LAUNCH_MAX_LQ = 128
 
 
 #: bwd_sm90's flags as the dispatcher can set them (its builds for the compile gate)
