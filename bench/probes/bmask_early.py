@@ -47,20 +47,8 @@ def dump(path, rows, complete: bool) -> None:
 def _kernel(kw, nbatch, L, d) -> str:
     """The forward build the dispatcher picks under the current switches, without its Variant
     (tiles, then EVEN, PERSIST, LEAN)."""
-    from cuflash import _families, _trace, _trace_cuda
-    from cuflash._variant import Variant
-    keys = 0
-    if "block_mask" in kw:
-        tr = _trace.trace_mask_mod(kw["block_mask"].mask_mod)
-        v = Variant(causal=kw["causal"], mask_mod=_trace_cuda.qualified_name(tr), block_mask=True,
-                    prelude=tr.source)
-        keys = kw["block_mask"].mean_row_keys()
-    else:
-        v = Variant(causal=kw["causal"])
-    c = _families.choose("fwd", _families.Shape("bfloat16", nbatch, L, L, d, d, v, False, keys),
-                         _families.device_info(0))
-    head, _, tail = c.expr.partition(", cuflash::Variant")
-    return head + " ... " + tail.rpartition(">, ")[2]
+    from window_short import _fwd_choice
+    return _fwd_choice(kw, nbatch, L, d)[0]
 
 
 def main(argv=None) -> int:
@@ -74,8 +62,8 @@ def main(argv=None) -> int:
     import cupy
     import cuflash
     import suite_mods
-    from bmask_short import _spec
-    from suite_common import attention_call, bf16_zeros, compile_flex, time_arm, warm_arms
+    from bmask_short import _spec, point_forward
+    from suite_common import attention_call, compile_flex, time_arm, warm_arms
     points = [(n, int(d), int(L)) for n, d, L in (p.split(":") for p in a.points.split(","))]
     flex_points = set() if a.no_flex else {tuple(p.split(":")) for p in a.flex.split(",") if p}
     torch = compiled = cbm = None
@@ -85,12 +73,7 @@ def main(argv=None) -> int:
         compiled = compile_flex(torch)
     rows, t0 = [], time.perf_counter()
 
-    def one(name, d, L):             # a call on zeros: this point's compiles
-        H = suite_mods.WIDTH // d
-        q = bf16_zeros((max(1, suite_mods.TOKENS // L), H, L, d))
-        cuflash.attention(q, q, q, **_spec(name, L, H)[1])
-
-    warm_arms(list(ARMS), ARMS, [functools.partial(one, *p) for p in points])
+    warm_arms(list(ARMS), ARMS, [functools.partial(point_forward, *p) for p in points])
     print(f"# kernels compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name, d, L in points:
         B, H, q, k, v = suite_mods.point_qkv(d, L)

@@ -76,6 +76,17 @@ def _spec(name, L, H):
     return mod, {"block_mask": bm, "causal": mod.mask_causal}, mod.mask_mod
 
 
+def point_forward(name, d, L):
+    """One forward call of the mods suite's point (``name`` as ``_spec`` knows it, d, L) on
+    zeros of its shapes: that point's compiles, for ``suite_common.warm_arms``."""
+    import cuflash
+    import suite_mods
+    from suite_common import bf16_zeros
+    H = suite_mods.WIDTH // d
+    q = bf16_zeros((max(1, suite_mods.TOKENS // L), H, L, d))
+    cuflash.attention(q, q, q, **_spec(name, L, H)[1])
+
+
 def _fwd_kernel(kw, nbatch, L, d) -> str:
     """The forward kernel the dispatcher picks for this point under the current switches."""
     from cuflash import _families, _trace, _trace_cuda

@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     import cupy
     import cuflash
     import suite_mods
-    from bmask_short import _spec
+    from bmask_short import _spec, point_forward
     from window_short import _fwd_choice
-    from suite_common import attention_call, bf16_zeros, time_arm, compile_flex, warm_arms
+    from suite_common import attention_call, time_arm, compile_flex, warm_arms
     torch = compiled = cbm = None
     if not a.no_flex:
         import torch
@@ -74,12 +74,7 @@ def main(argv=None) -> int:
               for L in a.L.split(",") if n != "prefix" or int(L) == 4096]
     rows, t0 = [], time.perf_counter()
 
-    def one(name, d, L):             # a call on zeros: this point's compiles
-        H = suite_mods.WIDTH // d
-        q = bf16_zeros((max(1, suite_mods.TOKENS // L), H, L, d))
-        cuflash.attention(q, q, q, **_spec(name, L, H)[1])
-
-    warm_arms(list(ARMS), ARMS, [functools.partial(one, *p) for p in points])
+    warm_arms(list(ARMS), ARMS, [functools.partial(point_forward, *p) for p in points])
     print(f"# kernels compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name, d, L in points:
         B, H, q, k, v = suite_mods.point_qkv(d, L)
