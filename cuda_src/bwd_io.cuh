@@ -419,14 +419,8 @@ __device__ __forceinline__ void block_row_dots(const Params& p, int b, int r0, i
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const T* const xv = reinterpret_cast<const T*>(&x[u]);
-      const T* const yv = reinterpret_cast<const T*>(&y[u]);
-      float sum = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) sum = fmaf(to_acc<float>(xv[e]), to_acc<float>(yv[e]), sum);
-#pragma unroll
-      for (int o = G / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int u = 0; u < kUnroll; ++u) {   // (common.cuh's pieces: bwd_dot_do_o's bits)
+      const float sum = group_sum(chunk_dot<T>(x[u], y[u], 0.f), G);
       const int r = first + u * kRowsPass + row;
       if (gl == 0 && r < r1) dst[r] = sum;
     }

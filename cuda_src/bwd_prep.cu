@@ -61,12 +61,8 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p, long long ze
       const T* const gdo = gmem.dout + i * p.dout_row_stride;
       if (vec) {
         for (int c = gl * kVec; c < p.dv; c += group * kVec) {
-          const uint4 x = __ldg(reinterpret_cast<const uint4*>(gdo + c));
-          const uint4 y = __ldg(reinterpret_cast<const uint4*>(go + c));
-          const T* const xv = reinterpret_cast<const T*>(&x);
-          const T* const yv = reinterpret_cast<const T*>(&y);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) sum = acc_fma(to_acc<Acc>(xv[e]), to_acc<Acc>(yv[e]), sum);
+          sum = chunk_dot<T>(__ldg(reinterpret_cast<const uint4*>(gdo + c)),
+                             __ldg(reinterpret_cast<const uint4*>(go + c)), sum);
         }
       } else {
         for (int c = gl; c < p.dv; c += group)
@@ -74,7 +70,7 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o(const Params p, long long ze
                              to_acc<Acc>(ldg(go + c * p.o_col_stride)), sum);
       }
     }
-    for (int o = group / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sum = group_sum(sum, group);
     if (gl == 0 && r < total) {
       const Acc lse = reinterpret_cast<const Acc*>(p.lse)[r];
       reinterpret_cast<Acc*>(p.dpsum)[r] = (lse == neg_inf<Acc>()) ? Acc(0) : sum;

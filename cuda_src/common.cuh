@@ -265,6 +265,25 @@ template <typename T> __device__ __forceinline__ T ldg(const T* p) { return __ld
 __device__ __forceinline__ float acc_fma(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double acc_fma(double a, double b, double c) { return fma(a, b, c); }
 
+// Line 4 of Algorithm 2's pieces (D = rowsum(dO o O): bwd_prep.cu's bwd_dot_do_o, and
+// bwd_io::block_row_dots in bwd_sm90's one-launch builds), so that both add in one order and
+// give the same bits: the products of two 16-byte chunks of T added to `sum` element by element,
+// and the butterfly sum over a group of `group` lanes (a power of two <= 32; every lane of the
+// group gets it).
+template <typename T, typename Acc>
+__device__ __forceinline__ Acc chunk_dot(const uint4& x, const uint4& y, Acc sum) {
+  const T* const xv = reinterpret_cast<const T*>(&x);
+  const T* const yv = reinterpret_cast<const T*>(&y);
+#pragma unroll
+  for (int e = 0; e < 16 / int(sizeof(T)); ++e) sum = acc_fma(to_acc<Acc>(xv[e]), to_acc<Acc>(yv[e]), sum);
+  return sum;
+}
+template <typename Acc>
+__device__ __forceinline__ Acc group_sum(Acc sum, int group) {
+  for (int o = group / 2; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return sum;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
 
