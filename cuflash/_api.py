@@ -23,8 +23,9 @@ from cuflash._fast import FastBackward, FastForward, layout as _layout
 _FWD_PLANS = _BWD_PLANS = None
 #: cupy.ndarray once a CuPy call has been seen (the fast path tests ``type(x) is _CUPY``)
 _CUPY: Any = None
-#: the backward fast path's key function (_fast.backward_key where CuPy has the flag it reads)
-#: and cupy.cuda.runtime.getDevice, looked up once
+#: the backward fast path's key function (_fast.backward_key; None where CuPy lacks the flag it
+#: reads: every backward call then takes the general path, which is correct, only slower) and
+#: cupy.cuda.runtime.getDevice, looked up once
 bwd_key: Any = None
 _get_device: Any = None
 
@@ -37,7 +38,7 @@ def _caches():
         _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
         nd = sys.modules["cupy"].ndarray
         _get_device = sys.modules["cupy"].cuda.runtime.getDevice
-        bwd_key = _fast.backward_key if hasattr(nd, "_c_contiguous") else _fast.backward_key_strides
+        bwd_key = _fast.backward_key if _fast.has_contiguous_flag(nd) else None
         _CUPY = nd   # (last: the fast paths test it first)
     return _FWD_PLANS, _BWD_PLANS
 
@@ -311,7 +312,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
              and bias is None and mask is None and score_mod is None and mask_mod is None
              and block_mask is None)
     if plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
-            and enable_gqa is False:
+            and enable_gqa is False and bwd_key is not None:
         try:
             fast = _BWD_PLANS.get(bwd_key(do, q, k, v, o, lse, scale, causal, deterministic))
         except (TypeError, AttributeError):   # unhashable, or not CuPy: validation says
@@ -371,7 +372,7 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv, mods, extra_grads)
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
     if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
-            and det.__class__ is bool:
+            and det.__class__ is bool and bwd_key is not None:
         bwd.put(bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
                 FastBackward(plan, dq, dk, dv))
 

@@ -24,7 +24,8 @@ def backward_key(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
     differ at most in the strides of extent-1 dimensions, which no plan reads (the batch
     layout drops those dimensions; a row or column stride of an extent-1 dimension multiplies
     index 0 only; tensor_core_ready skips them). AttributeError where an array is not a CuPy
-    array (the caller then validates)."""
+    array (the caller then validates), or where CuPy lacks the flag (a private attribute:
+    ``_api`` then keeps the backward off its fast path, ``has_contiguous_flag``)."""
     a, b, c, d, e, f = do.data, q.data, k.data, v.data, o.data, lse.data
     return (do.shape, do._c_contiguous or do.strides, do.dtype, a.ptr & 15, a.device_id,
             q.shape, q._c_contiguous or q.strides, q.dtype, b.ptr & 15, b.device_id,
@@ -35,17 +36,9 @@ def backward_key(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
             scale, scale.__class__, causal, causal.__class__, deterministic)
 
 
-def backward_key_strides(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
-    """:func:`backward_key` for a CuPy without ``ndarray._c_contiguous`` (a private attribute):
-    every array's strides as they are (``_api.bwd_key`` picks one of the two once)."""
-    a, b, c, d, e, f = do.data, q.data, k.data, v.data, o.data, lse.data
-    return (do.shape, do.strides, do.dtype, a.ptr & 15, a.device_id,
-            q.shape, q.strides, q.dtype, b.ptr & 15, b.device_id,
-            k.shape, k.strides, k.dtype, c.ptr & 15, c.device_id,
-            v.shape, v.strides, v.dtype, d.ptr & 15, d.device_id,
-            o.shape, o.strides, o.dtype, e.ptr & 15, e.device_id,
-            lse.shape, lse.strides, lse.dtype, f.ptr & 15, f.device_id,
-            scale, scale.__class__, causal, causal.__class__, deterministic)
+def has_contiguous_flag(ndarray) -> bool:
+    """Whether this CuPy's arrays carry the flag :func:`backward_key` reads."""
+    return hasattr(ndarray, "_c_contiguous")
 
 
 class FastForward:

@@ -533,8 +533,7 @@ def test_fwd_sm90_block_mask_short_lists_in_fewer_warpgroups(monkeypatch):
 def test_backward_fast_key_of_contiguous_arrays_without_a_gpu():
     """_fast.backward_key (no GPU: CuPy arrays on unowned memory): C-contiguous arrays of one
     shape, dtype and alignment give one key whatever the strides of their extent-1 dimensions;
-    another layout, dtype or 16-byte alignment gives another; backward_key_strides keeps every
-    stride."""
+    another layout, dtype or 16-byte alignment gives another."""
     cupy = pytest.importorskip("cupy")
     from cupy.cuda import memory
     from cuflash import _fast
@@ -547,10 +546,10 @@ def test_backward_fast_key_of_contiguous_arrays_without_a_gpu():
     b = arr((1, 1, 64, 64), strides=(4 * 8192, 8192, 128, 2))      # a slice of a larger array
     lse = arr((1, 1, 64), dtype=numpy.float32)
 
-    def key(x, fn=_fast.backward_key):
-        return fn(x, x, x, x, x, lse, None, False, False)
-    assert b.flags.c_contiguous and key(a) == key(b)
-    assert key(a, _fast.backward_key_strides) != key(b, _fast.backward_key_strides)
+    def key(x):
+        return _fast.backward_key(x, x, x, x, x, lse, None, False, False)
+    assert _fast.has_contiguous_flag(cupy.ndarray)
+    assert b.flags.c_contiguous and key(a) == key(b) and a.strides != b.strides
     t = arr((1, 1, 64, 64), strides=(8192, 8192, 2, 128))           # transposed rows
     assert key(t) != key(a)
     assert key(arr((1, 1, 64, 64), off=8)) != key(a)                # 16-byte alignment
