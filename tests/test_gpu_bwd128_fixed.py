@@ -14,6 +14,7 @@ import numpy
 import pytest
 
 import cuflash
+from cuflash import _api
 from _inputs import make_array
 from cuflash.testing import AttentionCase, assert_attention_close
 
@@ -49,22 +50,27 @@ def _check(q, k, v, do, kw):
     return [cupy.asnumpy(g.astype(cupy.float32)) for g in grads]
 
 
+def _use_arm(monkeypatch, arm):
+    """The probe's arm's switches set (None: unset), the plans built under others forgotten."""
+    from test_gpu_backward import setenv
+    for name, value in bwd128_fixed.ARMS[arm].items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            setenv(monkeypatch, name, value)
+    _api.clear_plans()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arm", list(bwd128_fixed.ARMS))
 @pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, True)])
 def test_probe_arms_match_the_reference(monkeypatch, arm, d, causal):
     """B 2, H 9, L 1024 (144 key blocks of 128: more than one wave on 132 SMs, as at the probe's
     points), bf16: each arm's gradients by the kit's rule."""
-    from test_gpu_backward import BF16, _hopper_or_skip, setenv
+    from test_gpu_backward import BF16, _hopper_or_skip
     from test_gpu_forward import to_device
     _hopper_or_skip()
-    for name, value in bwd128_fixed.ARMS[arm].items():
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            setenv(monkeypatch, name, value)
-    from cuflash import _api
-    _api.clear_plans()
+    _use_arm(monkeypatch, arm)
     rng = numpy.random.default_rng(d + int(causal))
     shape = (2, 9, 1024, d)
     q, k, v, do = (to_device(make_array(rng, shape, BF16)) for _ in range(4))
@@ -78,15 +84,9 @@ def test_probe_prefix_block_mask(monkeypatch, arm):
     """The probe's prefix-LM point scaled down (L 1000, prefix 250, d 128, 4 heads: as
     test_gpu_block_mask_bwd128's prefix) as the suite builds it (a 128 x 128 block mask
     without causal), in its default order and batch-major, by the kit's rule."""
-    from test_gpu_backward import BF16, _hopper_or_skip, setenv
+    from test_gpu_backward import BF16, _hopper_or_skip
     _hopper_or_skip()
-    for name, value in bwd128_fixed.ARMS[arm].items():
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            setenv(monkeypatch, name, value)
-    from cuflash import _api
-    _api.clear_plans()
+    _use_arm(monkeypatch, arm)
 
     import cupy
     import _naive_modifiers as naive
