@@ -182,6 +182,49 @@ extern "C" __global__ void cuflash_spin(long long ns) {
 """
 
 
+#: the SM clock a kernel sees: one thread counts its own cycles (clock64) over CLOCK_NS of the
+#: global timer; cycles / ns is the clock in GHz, within the timer's resolution (~1 us on
+#: recent GPUs: 10 us of spin read the clock within ~10%)
+CLOCK_NS = 10_000
+CLOCK_SOURCE = r"""
+extern "C" __global__ void cuflash_clock(long long* out, int i, long long ns) {
+  long long t0, t, c0 = clock64();
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+  out[2 * i] = clock64() - c0;
+  out[2 * i + 1] = t - t0;
+}
+"""
+#: a clock sample every this many calls of a loop (~0.1 us of GPU time a call)
+CLOCK_EVERY = 100
+
+
+def clock_mhz(samples) -> float:
+    """The median SM clock in MHz of (cycles, ns) samples."""
+    if len(samples) == 0:
+        raise ValueError("no clock samples")
+    return statistics.median(1e3 * c / ns for c, ns in samples if ns > 0)
+
+
+def clocked_loop(fn: Callable[[], Any], calls: int, sample: Callable[[int], None],
+                 sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+                 ) -> float:
+    """Seconds to issue ``calls`` calls with ``sample(n)`` (a clock sample, n = 0, 1, ...)
+    issued after every CLOCK_EVERY-th: the SM clock the calls ran at when issued back to back.
+    Session 12 read the backward 26.7 us back to back but 18.4 behind the spin, which runs the
+    calls at the clock the spin raised: a GPU left idle between tiny calls may clock down
+    until the calls' own GPU time paces the loop."""
+    sync()
+    t0 = clock()
+    for i in range(calls):
+        fn()
+        if i % CLOCK_EVERY == 0:
+            sample(i // CLOCK_EVERY)
+    t1 = clock()
+    sync()
+    return t1 - t0
+
+
 def spin_row(row: dict, calls: int, issue_s: Sequence[float], gpu_s: Sequence[float],
              outlasted: Sequence[bool]) -> dict:
     """``row`` (overhead_row's) with the behind-spin figures: the median host issue time and
@@ -231,8 +274,15 @@ def format_rows(rows: Sequence[dict]) -> str:
              f"{r['gpu_us_per_call']:.1f}" if "gpu_us_per_call" in r else "-",
              "GPU-BOUND" if r["gpu_bound"] else "QUEUE-BOUND" if r.get("queue_bound")
              else "ok" if r.get("spin_outlasted", True) else "spin too short"] for r in rows]
-    return ba.render_table(["impl", "us/call", "us/call drained", "/ sdpa_flash",
-                            "us/call behind spin", "GPU us/call", "check"], body)
+    head = ["impl", "us/call", "us/call drained", "/ sdpa_flash", "us/call behind spin",
+            "GPU us/call", "check"]
+    if any("sm_mhz_in_loop" in r for r in rows):     # --clocks
+        head += ["MHz in loop", "MHz behind spin", "us/call beside spin"]
+        for line, r in zip(body, rows):
+            line += ([f"{r['sm_mhz_in_loop']:.0f}", f"{r['sm_mhz_behind_spin']:.0f}",
+                      f"{r['us_per_call_beside_spin']:.1f}"] if "sm_mhz_in_loop" in r
+                     else ["-"] * 3)
+    return ba.render_table(head, body)
 
 
 def build(q, k, v) -> dict[str, Callable[[], Any]]:
@@ -463,6 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "3 launches and the launch queue holds ~1000)")
     p.add_argument("--no-json", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile cuflash's forward and backward calls")
+    p.add_argument("--clocks", action="store_true",
+                   help="also read the SM clock in each loop (sm_mhz_in_loop, sm_mhz_behind_spin) "
+                        "and time the loop beside a spin on a second stream "
+                        "(us_per_call_beside_spin: the GPU kept busy, so clocked up)")
     p.add_argument("--parts", action="store_true",
                    help="also time the pieces of the backward's fast path (rows bwd_part_*)")
     args = p.parse_args(argv)
@@ -504,12 +558,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         ev = cp.cuda.Event()
         ev.record()
         return ev
+    clock_kernel = cp.RawKernel(CLOCK_SOURCE, "cuflash_clock")
+    clock_buf = cp.zeros(2 * (args.calls // CLOCK_EVERY + 2), cp.int64)
+
+    def sample(i: int) -> None:
+        clock_kernel((1,), (1,), (clock_buf, cp.int32(i), cp.int64(CLOCK_NS)))
+
+    def sampled(n: int) -> float:
+        return clock_mhz(clock_buf[:2 * n].get().reshape(n, 2))
+    side = cp.cuda.Stream(non_blocking=True)
     for impl, fn in fns.items():
         try:
             row = measure(impl, fn, args.calls, args.repeats, sync)
-            rows.append(spin_row(row, args.spin_calls, *behind_spin(
+            row = spin_row(row, args.spin_calls, *behind_spin(
                 fn, args.spin_calls, args.repeats, spin, event, sync,
-                lambda a, b: cp.cuda.get_elapsed_time(a, b) * 1e-3)))
+                lambda a, b: cp.cuda.get_elapsed_time(a, b) * 1e-3))
+            if args.clocks:
+                # the clock the calls ran at back to back, and behind the spin (sampled once
+                # the spin's calls ran), then the loop again with a spin on a second stream
+                # for its whole length (one thread: it keeps the GPU busy, not its SMs)
+                issue = clocked_loop(fn, args.calls, sample, sync)
+                mhz_loop = sampled(args.calls // CLOCK_EVERY)
+                spin(200e-6 * args.spin_calls)
+                for _ in range(args.spin_calls):
+                    fn()
+                sample(0)
+                sync()
+                mhz_spin = sampled(1)
+                with side:
+                    spin(2 * row["us_per_call"] * 1e-6 * args.calls + 0.05)
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                warm = (time.perf_counter() - t0) / args.calls * 1e6
+                sync()
+                row.update(us_per_call_clocked=issue / args.calls * 1e6, sm_mhz_in_loop=mhz_loop,
+                           sm_mhz_behind_spin=mhz_spin, us_per_call_beside_spin=warm)
+            rows.append(row)
         except Exception as e:
             print(f"{impl}: FAILED ({ba.short_error(e)})", file=sys.stderr)
     print(format_rows(rows))

@@ -405,6 +405,31 @@ def test_overhead_table():
         ho.spin_row(rows[0], 100, [0.001], [], [])
 
 
+def test_clock_samples_and_the_clocked_loop():
+    # 19,800 cycles in 10,000 ns is 1980 MHz; a sample with no time is dropped
+    assert ho.clock_mhz([(19_800, 10_000), (9_000, 10_000), (15_000, 10_000)]) == \
+        pytest.approx(1500.0)
+    assert ho.clock_mhz([(5, 0), (7_000, 10_000)]) == pytest.approx(700.0)
+    with pytest.raises(ValueError):
+        ho.clock_mhz([])
+    t, events = iter([1.0, 3.0]), []
+    issue = ho.clocked_loop(lambda: events.append("call"), 2 * ho.CLOCK_EVERY + 1,
+                            lambda i: events.append(("sample", i)),
+                            sync=lambda: events.append("sync"), clock=lambda: next(t))
+    assert issue == 2.0
+    samples = [e for e in events if isinstance(e, tuple)]
+    assert samples == [("sample", 0), ("sample", 1), ("sample", 2)]
+    assert events[0] == "sync" and events[1] == "call" and events[2] == ("sample", 0)
+    assert events.count("call") == 2 * ho.CLOCK_EVERY + 1 and events[-1] == "sync"
+    # the table grows three columns when a row carries the clocks
+    row = dict(ho.overhead_row("cuflash_backward", 100, [0.003], [0.003]),
+               sm_mhz_in_loop=900.0, sm_mhz_behind_spin=1980.0, us_per_call_beside_spin=18.5)
+    lines = ho.format_rows([row, ho.overhead_row("x", 100, [0.001], [0.001])]).splitlines()
+    assert "MHz in loop" in lines[0] and lines[0].rstrip().endswith("us/call beside spin")
+    assert lines[2].split()[-3:] == ["900", "1980", "18.5"]
+    assert lines[3].split()[-3:] == ["-", "-", "-"]
+
+
 def test_behind_spin_issues_every_call_while_the_spin_runs():
     class Ev:
         def __init__(self, name, done=False):
