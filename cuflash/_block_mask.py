@@ -398,11 +398,17 @@ def device_lists(bm: BlockMask, batch_shape: tuple[int, ...], m: int, n: int,
     ``batch_shape + (size,)``): uploaded once per device and tile shape, kept with the block
     mask (what a plan's kernels read)."""
     import cupy
-    lists = host_lists(bm, m, n, sub, causal)
     dev = cupy.cuda.runtime.getDevice()
-    cache = bm.__dict__.setdefault("_device_lists", {})
-    key = (dev, lists.m, lists.n, lists.sub, causal)
-    if key not in cache:
-        cache[key] = cupy.asarray(lists.data)
-    d = cache[key]
-    return lists, cupy.broadcast_to(d, tuple(batch_shape) + d.shape[-1:])
+    # the broadcast view is kept too (a call looks it up 2-3 times: host time)
+    views = bm.__dict__.setdefault("_device_views", {})
+    key = (dev, m, n, sub, causal, tuple(batch_shape))
+    hit = views.get(key)
+    if hit is None:
+        lists = host_lists(bm, m, n, sub, causal)
+        cache = bm.__dict__.setdefault("_device_lists", {})
+        up = (dev, lists.m, lists.n, lists.sub, causal)
+        if up not in cache:
+            cache[up] = cupy.asarray(lists.data)
+        d = cache[up]
+        hit = views[key] = (lists, cupy.broadcast_to(d, tuple(batch_shape) + d.shape[-1:]))
+    return hit

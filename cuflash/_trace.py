@@ -27,6 +27,7 @@ and indexing a plain array with a traced index (wrap it with ``cuflash.captured`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import threading
 from typing import Any, Callable
@@ -323,12 +324,15 @@ class Trace:
     output: Sym
     captures: tuple[Captured, ...]
 
-    @property
+    # (struct_name and source are computed once a trace: a trace never changes, and the
+    # name, a hash of the generated C++, is part of every modifier call's plan key: generating
+    # it again cost ~40% of such a call's host time, bench/probes/mods_host.py)
+    @functools.cached_property
     def struct_name(self) -> str:
         from cuflash import _trace_cuda
         return _trace_cuda.struct_name(self)
 
-    @property
+    @functools.cached_property
     def source(self) -> str:
         """The C++ of the struct the Variant receives (``apply``, and ``dscore`` for a
         score_mod), preceded by the shared prelude (guarded, so several may be included)."""
