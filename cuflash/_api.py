@@ -17,7 +17,8 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
-from cuflash._fast import FastBackward, FastForward, layout as _layout
+from cuflash._fast import FastBackward, FastForward, FastModified, layout as _layout, \
+    modifiers_key as _modifiers_key
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -172,6 +173,19 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                     return o
                 return o, cupy.ndarray(fast.lse_shape, fast.lse_dtype,
                                        memptr=mem + fast.lse_offset)
+    fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
+    if not plain and out is None and type(q) is _CUPY and type(k) is _CUPY \
+            and type(v) is _CUPY and enable_gqa is False and return_lse.__class__ is bool:
+        try:
+            fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask,
+                                       score_mod, mask_mod, block_mask)
+            fast = None if fast_mods is None else _FWD_PLANS.get(
+                (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
+                 causal.__class__) + fast_mods)
+        except (TypeError, AttributeError):   # unhashable, or not a BlockMask: validation says
+            fast, fast_mods = None, None
+        if fast is not None and _get_device() == fast.device_id:
+            return fast.forward(q, k, v, return_lse)
 
     call = _problem.Call(q, k, v, enable_gqa, out=out)  # any framework's arrays; GQA views
     q, k, v, out = call.q, call.k, call.v, call.out
@@ -198,7 +212,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         elif xp is numpy:
             _numpy.forward(prob, o, lse, mods=mods)
         else:
-            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None, mods)
+            _gpu_forward(prob, q, k, v, scale, causal, o, lse, out is None, mods, fast_mods)
     return (call.output(o), call.lse_out(lse)) if return_lse else call.output(o)
 
 
@@ -222,8 +236,11 @@ def _mods_key(mods) -> tuple:
     return key
 
 
-def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None) -> None:
-    """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays."""
+def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None,
+                 fast_mods=None) -> None:
+    """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays;
+    then the fast path's entry: plain calls (``FastForward``), and calls whose modifiers carry
+    no array (``fast_mods``, their key part: ``FastModified``)."""
     fwd, _ = _caches()
     from cuflash._plan import ForwardPlan
     mkey = _mods_key(mods) if mods is not None else ()
@@ -231,10 +248,13 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=Non
                   prob.causal_offset if prob.causal else None) + mkey
     plan = fwd.get_or_build(("plan",) + layout_key, lambda: ForwardPlan(prob, o, lse, mods))
     plan(prob.q, prob.k, prob.v, o, lse, mods)
-    # (the fast path's key holds no modifier: only plain calls are cached there)
-    if cacheable and not mkey and not plan.copies and all(type(x) is _CUPY for x in (q, k, v)):
-        fwd.put((_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
-                 causal.__class__), FastForward(plan, o, lse))
+    if not cacheable or plan.copies or not all(type(x) is _CUPY for x in (q, k, v)):
+        return
+    key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal, causal.__class__)
+    if not mkey:
+        fwd.put(key, FastForward(plan, o, lse))
+    elif fast_mods is not None:
+        fwd.put(key + fast_mods, FastModified(plan, mods, (o, lse)))
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,
@@ -320,6 +340,18 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         if fast is not None:
             if _get_device() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
+    fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
+    if not plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
+            and enable_gqa is False and bwd_key is not None:
+        try:
+            fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask,
+                                       score_mod, mask_mod, block_mask)
+            fast = None if fast_mods is None else _BWD_PLANS.get(
+                bwd_key(do, q, k, v, o, lse, scale, causal, deterministic) + fast_mods)
+        except (TypeError, AttributeError):   # unhashable, not CuPy, not a BlockMask
+            fast, fast_mods = None, None
+        if fast is not None and _get_device() == fast.device_id:
+            return fast.backward(do, q, k, v, o, lse)
 
     call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
     q, k, v, do, o, lse = call.q, call.k, call.v, call.do, call.o, call.lse
@@ -355,12 +387,12 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             _gpu_backward(prob, do, o, lse, dq, dk, dv, bool(deterministic),
                           (do, q, k, v, o, lse, scale, causal, deterministic), mods,
                           {"dbias": extra[0] if mods.bias is not None else None,
-                           "dsink": extra[-1] if mods.sink is not None else None})
+                           "dsink": extra[-1] if mods.sink is not None else None}, fast_mods)
     return call.gradients(dq, dk, dv) + extra
 
 
 def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=None,
-                  extra_grads=None) -> None:
+                  extra_grads=None, fast_mods=None) -> None:
     _, bwd = _caches()
     from cuflash._plan import BackwardPlan
     mkey = _mods_key(mods) if mods is not None else ()
@@ -371,10 +403,14 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
                                                       deterministic, mods))
     plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv, mods, extra_grads)
     rdo, rq, rk, rv, ro, rlse, scale, causal, det = raw
-    if not mkey and not plan.copies and all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
-            and det.__class__ is bool and bwd_key is not None:
-        bwd.put(bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det),
-                FastBackward(plan, dq, dk, dv))
+    if plan.copies or not all(type(x) is _CUPY for x in (rdo, rq, rk, rv, ro, rlse)) \
+            or det.__class__ is not bool or bwd_key is None:
+        return
+    key = bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det)
+    if not mkey:
+        bwd.put(key, FastBackward(plan, dq, dk, dv))
+    elif fast_mods is not None:     # (no bias or sink: no extra gradients)
+        bwd.put(key + fast_mods, FastModified(plan, mods, (dq, dk, dv)))
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,

@@ -92,3 +92,60 @@ class FastBackward:
         # (memptr passed by position, ndarray(shape, dtype, memptr): its keyword parsing cost
         # ~0.3 us an array on this CPU, a fifth of the construction)
         return nd(sq, dt, mem), nd(sk, dt, mem + ok), nd(sv, dt, mem + ov)
+
+
+def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod,
+                  block_mask) -> tuple | None:
+    """The key part of a call's modifiers for the fast path of calls with modifiers that carry
+    no array of their own (``window``, ``softcap``, ``score_mod``, ``mask_mod``,
+    ``block_mask``): None where ``alibi_slopes``, ``sink``, ``bias`` or ``mask`` is given
+    (their pointers, dtype conversions and gradients stay on the general path) or a user
+    function's dependencies cannot be keyed (``_trace.function_key``).
+
+    What validation and the plan depend on, with the values' types (``(128.0, 0)`` equals
+    ``(128, 0)`` but is rejected by validation: the key tells them apart): ``window`` and
+    ``softcap`` with the classes of their parts; each user function by identity and
+    ``function_key`` (what its trace depends on: the same rule as ``_trace.cached_trace``);
+    a ``block_mask`` by identity, with its mask_mod's key. An entry holds the call's validated
+    ``Modifiers``, which holds the functions and the block mask, so no identity in a live key
+    can be reused by another object. TypeError where a value is unhashable."""
+    if alibi_slopes is not None or sink is not None or bias is not None or mask is not None:
+        return None
+    from cuflash._trace import function_key
+    key: tuple = ("mods", window, window.__class__,
+                  tuple(x.__class__ for x in window) if window.__class__ is tuple else None,
+                  softcap, softcap.__class__)
+    fns = (score_mod, mask_mod, None if block_mask is None else block_mask.mask_mod)
+    try:
+        for fn in fns:
+            key += (None,) if fn is None else ((id(fn), function_key(fn)),)
+    except (KeyError, AttributeError, ValueError):   # cached_trace's own rule: not keyable
+        return None
+    hash(key)
+    return key + (None if block_mask is None else id(block_mask),)
+
+
+class FastModified:
+    """A cached call with modifiers that carry no array (:func:`modifiers_key`): the plan, the
+    call's validated ``Modifiers`` (the same for every call of this key: they hold no array of
+    the call) and the shapes of what the call returns. Forward: ``(q, k, v, return_lse)``;
+    backward: ``(do, q, k, v, o, lse)``."""
+    __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty")
+
+    def __init__(self, plan, mods, outputs):
+        self.plan, self.mods, self.device_id = plan, mods, plan.device_id
+        self.shapes = tuple(x.shape for x in outputs)
+        self.dtypes = tuple(x.dtype for x in outputs)
+        self._empty = sys.modules["cupy"].empty
+
+    def forward(self, q, k, v, return_lse: bool):
+        (so, sl), (do_, dl), empty = self.shapes, self.dtypes, self._empty
+        o, lse = empty(so, do_), empty(sl, dl)
+        self.plan(q, k, v, o, lse, self.mods)
+        return (o, lse) if return_lse else o
+
+    def backward(self, do, q, k, v, o, lse):
+        empty = self._empty
+        dq, dk, dv = (empty(s, t) for s, t in zip(self.shapes, self.dtypes))
+        self.plan(do, q, k, v, o, lse, dq, dk, dv, self.mods, {})
+        return dq, dk, dv

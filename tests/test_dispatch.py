@@ -554,3 +554,47 @@ def test_backward_fast_key_of_contiguous_arrays_without_a_gpu():
     assert key(t) != key(a)
     assert key(arr((1, 1, 64, 64), off=8)) != key(a)                # 16-byte alignment
     assert key(arr((1, 1, 64, 64), dtype=numpy.float16)) != key(a)
+
+
+def test_modifiers_fast_key():
+    """_fast.modifiers_key: None where a modifier carries an array or a user function cannot
+    be keyed; values that compare equal but validate differently ((32.0, 0) and (32, 0),
+    True and 1.0) give different keys; a user function is keyed by identity and by what its
+    trace depends on; a block mask by identity, with its mask_mod's key."""
+    from cuflash import _fast
+
+    def key(**kw):
+        full = dict(window=None, softcap=None, alibi_slopes=None, sink=None, bias=None,
+                    mask=None, score_mod=None, mask_mod=None, block_mask=None)
+        full.update(kw)
+        return _fast.modifiers_key(**full)
+    arr = numpy.zeros(4, numpy.float32)
+    for name in ("alibi_slopes", "sink", "bias", "mask"):
+        assert key(**{name: arr}) is None and key(window=(3, 0), **{name: arr}) is None
+    assert key(window=(32, 0)) == key(window=(32, 0))
+    assert key(window=(32, 0)) != key(window=(32.0, 0))
+    assert key(window=(32, 0)) != key(window=(numpy.int64(32), 0))
+    assert key(window=(32, None)) != key(window=(32, 0))
+    assert key(softcap=1.0) != key(softcap=True) and key(softcap=2.0) != key(softcap=2)
+    with pytest.raises(TypeError):
+        key(window=[32, 0])             # unhashable: the caller takes the general path
+
+    state = {"c": 2.0}
+
+    def f(s, b, h, q, kv):
+        return s * 2.0
+
+    def g(s, b, h, q, kv):
+        return s * 2.0
+    assert key(score_mod=f) == key(score_mod=f) != key(score_mod=g)
+    assert key(score_mod=f) != key(mask_mod=f)
+
+    def reads_dict(s, b, h, q, kv):     # a dict read: its changes could go unseen
+        return s * state["c"]
+    assert key(score_mod=reads_dict) is None
+
+    class BM:                           # stands in for cuflash.block_mask's result
+        mask_mod = staticmethod(lambda b, h, q, kv: q >= kv)
+    a, b = BM(), BM()
+    assert key(block_mask=a) == key(block_mask=a) != key(block_mask=b)
+    assert key(block_mask=a) != key(block_mask=a, window=(1, 0))

@@ -138,3 +138,89 @@ def test_misaligned_inputs_are_copied_and_repeat_correctly():
     ref_o, _ = full_path(q, q, q)
     for _ in range(2):
         cupy.testing.assert_array_equal(cuflash.attention(q, q, q), ref_o)
+
+
+# --- calls with modifiers that carry no array (_fast.FastModified) ---------------------------
+
+#: read by the score_mods below as a global: function_key keys it by value (a new value, a new
+#: trace)
+MOD_SCALE = 2.0
+
+
+def _doc_mask(b, h, q_idx, kv_idx):
+    return (q_idx // 64) == (kv_idx // 64)
+
+
+def _scaled(s, b, h, q_idx, kv_idx):
+    return s * MOD_SCALE
+
+
+def _fast_entries(cache):
+    from cuflash._fast import FastModified
+    return [e for e in cache._d.values() if isinstance(e, FastModified)]
+
+
+MOD_CASES = [dict(window=(40, 0), causal=True), dict(softcap=5.0),
+             dict(window=(None, 17), softcap=2.5),
+             dict(block_mask="doc"), dict(block_mask="doc", causal=True),
+             dict(score_mod=_scaled)]
+
+
+@pytest.mark.parametrize("kw", MOD_CASES, ids=lambda kw: "-".join(sorted(kw)))
+def test_modifier_fast_path_is_bitwise_the_full_path(kw):
+    """A repeated call with modifiers that carry no array takes the cached entry (forward and
+    backward); what it returns is bitwise what the full path (``out=``; the first call) did."""
+    import cupy
+    shape = (2, 3, 192, 64)
+    q, k, v, do = (rand(shape, BF16, 20 + i) for i in range(4))
+    kw = dict(kw)
+    if kw.get("block_mask") == "doc":
+        kw["block_mask"] = cuflash.block_mask(_doc_mask, (1, 1), 192, 192)
+    _api.clear_plans()
+    ref_o, ref_lse = full_path(q, k, v, **kw)
+    ref_grads = cuflash.attention_backward(do, q, k, v, ref_o, ref_lse, deterministic=True, **kw)
+    for _ in range(3):
+        poison_pool()
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        cupy.testing.assert_array_equal(o, ref_o)
+        cupy.testing.assert_array_equal(lse, ref_lse)
+        cupy.testing.assert_array_equal(cuflash.attention(q, k, v, **kw), ref_o)
+        grads = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+        assert len(grads) == 3
+        for a, b in zip(grads, ref_grads):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            cupy.testing.assert_array_equal(a, b)
+    assert not bool(cupy.isnan(ref_o).any())
+    assert len(_fast_entries(_api._FWD_PLANS)) == 1
+    assert len(_fast_entries(_api._BWD_PLANS)) == 1
+
+
+def test_modifier_fast_path_sees_what_validation_and_tracing_see(monkeypatch):
+    """After an entry exists: a value validation rejects still raises (a float window bound
+    equals an int one, and hashes alike), a user function whose global changed is traced
+    again (the full path's new result, not the entry's), and modifiers with arrays (bias)
+    never take an entry."""
+    import cupy
+    shape = (1, 2, 128, 64)
+    q, k, v = (rand(shape, BF16, 30 + i) for i in range(3))
+    _api.clear_plans()
+    for _ in range(2):
+        cuflash.attention(q, k, v, window=(32, 0))
+        cuflash.attention(q, k, v, softcap=1.0)
+    with pytest.raises(TypeError):
+        cuflash.attention(q, k, v, window=(32.0, 0))
+    with pytest.raises(TypeError):
+        cuflash.attention(q, k, v, softcap=True)
+    a = cuflash.attention(q, k, v, score_mod=_scaled)
+    cupy.testing.assert_array_equal(cuflash.attention(q, k, v, score_mod=_scaled), a)
+    monkeypatch.setitem(globals(), "MOD_SCALE", 0.5)
+    b = cuflash.attention(q, k, v, score_mod=_scaled)
+    ref, _ = full_path(q, k, v, score_mod=_scaled)
+    cupy.testing.assert_array_equal(b, ref)
+    assert bool((a != b).any())
+    n = len(_fast_entries(_api._FWD_PLANS))
+    assert n == 4          # window, softcap, the two traces of _scaled
+    bias = rand((128, 128), BF16, 40)
+    for _ in range(2):
+        cuflash.attention(q, k, v, bias=bias)
+    assert len(_fast_entries(_api._FWD_PLANS)) == n
