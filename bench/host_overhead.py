@@ -225,6 +225,23 @@ def clocked_loop(fn: Callable[[], Any], calls: int, sample: Callable[[int], None
     return t1 - t0
 
 
+def spin_and_event(cp, stretch: float = 1.0) -> tuple[Callable[[float], Any], Callable[[], Any]]:
+    """``(spin, event)`` for :func:`behind_spin` on CuPy ``cp``: ``spin(seconds)`` enqueues the
+    spin kernel for ``stretch`` x ``seconds`` and returns an event recorded after it;
+    ``event()`` records one on the current stream."""
+    kernel = cp.RawKernel(SPIN_SOURCE, "cuflash_spin")
+
+    def event():
+        ev = cp.cuda.Event()
+        ev.record()
+        return ev
+
+    def spin(seconds: float):
+        kernel((1,), (1,), (cp.int64(int(stretch * seconds * 1e9)),))
+        return event()
+    return spin, event
+
+
 def spin_row(row: dict, calls: int, issue_s: Sequence[float], gpu_s: Sequence[float],
              outlasted: Sequence[bool]) -> dict:
     """``row`` (overhead_row's) with the behind-spin figures: the median host issue time and
@@ -546,18 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fns.update(backward_parts(q, k, v))
         except Exception as e:
             print(f"--parts: FAILED ({ba.short_error(e)})", file=sys.stderr)
-    spin_kernel = cp.RawKernel(SPIN_SOURCE, "cuflash_spin")
-
-    def spin(seconds: float):
-        spin_kernel((1,), (1,), (cp.int64(int(seconds * 1e9)),))
-        ev = cp.cuda.Event()
-        ev.record()
-        return ev
-
-    def event():
-        ev = cp.cuda.Event()
-        ev.record()
-        return ev
+    spin, event = spin_and_event(cp)
     clock_kernel = cp.RawKernel(CLOCK_SOURCE, "cuflash_clock")
     clock_buf = cp.zeros(2 * (args.calls // CLOCK_EVERY + 2), cp.int64)
 
@@ -609,18 +615,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(path, header, rows)
         print(f"wrote {path}", file=sys.stderr)
     if args.profile:
-        import cProfile
-        import pstats
         for impl in ("cuflash", "cuflash_backward"):
-            print(f"== cProfile of 300 calls: {impl}")
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(300):
-                fns[impl]()
-            pr.disable()
-            sync()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+            print_profile(impl, fns[impl], sync)
     return 0
+
+
+def print_profile(name: str, fn: Callable[[], Any], sync: Callable[[], None], calls: int = 300,
+                  top: int = 25) -> None:
+    """cProfile's ``top`` functions by own time over ``calls`` calls of ``fn``."""
+    import cProfile
+    import pstats
+    print(f"== cProfile of {calls} calls: {name}")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    sync()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

@@ -53,21 +53,10 @@ def main(argv=None) -> int:
     import bench_attention
     import cuflash
     from cuflash import _api
-    from host_overhead import SPIN_SOURCE, behind_spin
+    from host_overhead import behind_spin, spin_and_event
 
-    spin_kernel = cupy.RawKernel(SPIN_SOURCE, "cuflash_spin")
+    spin, event = spin_and_event(cupy)
     sync = cupy.cuda.Device().synchronize
-
-    def spin(seconds):
-        spin_kernel((1,), (1,), (cupy.int64(int(seconds * 1e9)),))
-        ev = cupy.cuda.Event()
-        ev.record()
-        return ev
-
-    def event():
-        ev = cupy.cuda.Event()
-        ev.record()
-        return ev
 
     rows, t_start = [], time.perf_counter()
     inputs = []

@@ -45,22 +45,12 @@ def main(argv=None) -> int:
     import cupy
     import ml_dtypes
     import cuflash
-    from host_overhead import SPIN_SOURCE, behind_spin
+    from host_overhead import behind_spin, print_profile, spin_and_event
     from suite_mods import _document_of
 
-    spin_kernel = cupy.RawKernel(SPIN_SOURCE, "cuflash_spin")
+    # (5x behind_spin's budget: a modifier call may pass its 200 us)
+    spin, event = spin_and_event(cupy, stretch=5.0)
     sync = cupy.cuda.Device().synchronize
-
-    def spin(seconds):   # (5x behind_spin's budget: a modifier call may pass its 200 us)
-        spin_kernel((1,), (1,), (cupy.int64(int(5 * seconds * 1e9)),))
-        ev = cupy.cuda.Event()
-        ev.record()
-        return ev
-
-    def event():
-        ev = cupy.cuda.Event()
-        ev.record()
-        return ev
     B, H, L, d = SHAPE
     rs = cupy.random.RandomState(7)
     q, k, v, do = (rs.standard_normal(SHAPE, dtype=cupy.float32).astype(ml_dtypes.bfloat16)
@@ -96,17 +86,9 @@ def main(argv=None) -> int:
             {"meta": {"probe": "mods_host", "shape": list(SHAPE), "calls": args.calls},
              "rows": rows}, indent=1))
     if args.profile:
-        import cProfile
-        import pstats
         for direction in ("fwd", "bwd"):
-            print(f"== cProfile of 300 calls: block_mask_causal {direction}")
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(300):
-                calls["block_mask_causal"][direction]()
-            pr.disable()
-            sync()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+            print_profile(f"block_mask_causal {direction}", calls["block_mask_causal"][direction],
+                          sync, top=30)
     return 0
 
 
