@@ -5,6 +5,7 @@ and is profiled where there is no device (this machine, CI).
 
     PYTHONPATH=. python bench/host_emulation.py [--calls 2000] [--json out.json]
         [--profile CASE:DIRECTION]
+    PYTHONPATH=. python bench/host_emulation.py --check [--json out.json]
 
 What is replaced (``install``; the process is changed for good: run it as a script or in a
 subprocess, never inside a test process): the CUDA runtime's device queries (an H200: cc 9.0,
@@ -22,8 +23,14 @@ path's plan), and ``general``, the fraction of calls that took the general path 
 ``_problem.make_problem``, which the fast paths skip).
 Cases: ``plain``, ``window`` (128, 0), ``softcap`` 50, ``block_mask`` (the mods suite's 8
 documents at L 256), ``block_mask_causal``, ``bias`` (a (L, L) bias: no fast path; the general
-path's cost). tests/test_host_emulation.py runs it and checks that every array-free case's
-repeated calls take their fast path.
+path's cost).
+
+``--check`` (``check_launches``): per case and direction, the launches of the first call (the
+general path) and of the second (the fast path) are recorded (the stand-in of
+``cuLaunchKernel`` copies each argument block) and compared word for word, each pointer word
+replaced by the role of the array it points to (q, k, v, do, o, lse, the call's own outputs,
+else ``workspace``): a fast path that patched a pointer into the wrong word, or launched other
+kernels or grids, shows up without a GPU. tests/test_host_emulation.py runs both modes.
 """
 
 from __future__ import annotations
@@ -34,13 +41,19 @@ import pathlib
 import statistics
 import sys
 import time
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 SHAPE = (1, 2, 256, 64)
+#: the Launch of each argument block's pointer array (install() registers every Launch made)
+LAUNCH_OF: dict = {}
+#: where the stand-in of cuLaunchKernel appends (function, grid, block, shared memory, the
+#: argument block's bytes) of each launch, while it is a list (``launches``)
+RECORD: list | None = None
 #: bytes of fake device memory (never touched: an address range for the arrays' pointers)
-ARENA = 1 << 36
+ARENA, ARENA_BASE = 1 << 36, 1 << 40
 
 
 def install() -> None:
@@ -50,7 +63,7 @@ def install() -> None:
     import cupy
     from cupy.cuda import driver, memory, runtime
 
-    arena = memory.UnownedMemory(1 << 40, ARENA, None, device_id=0)
+    arena = memory.UnownedMemory(ARENA_BASE, ARENA, None, device_id=0)
     top = [0]
 
     def alloc(nbytes):
@@ -88,11 +101,33 @@ def install() -> None:
         ptr = 0
 
     class Kernel:                                # what _launch and _spills read of a kernel
-        class kernel:
-            ptr = 1
         max_dynamic_shared_size_bytes = 0
         local_size_bytes = 0
         num_regs = 128
+
+        def __init__(self, ptr: int):
+            self.kernel = types.SimpleNamespace(ptr=ptr)
+    kernels: dict = {}
+
+    def get_kernel(source, expr, device_id, prelude=""):
+        """One stand-in a (source, expr, prelude), each with its own function 'pointer'."""
+        key = (source, expr, device_id, prelude)
+        if key not in kernels:
+            kernels[key] = Kernel(len(kernels) + 1)
+        return kernels[key]
+
+    from cuflash import _launch
+    init = _launch.Launch.__init__
+
+    def registered(self, *args, **kw):          # argv_ptr -> the Launch whose block it is
+        init(self, *args, **kw)
+        LAUNCH_OF[self.argv_ptr] = self
+    _launch.Launch.__init__ = registered
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        if RECORD is not None:
+            blk = LAUNCH_OF[argv]
+            RECORD.append((fn, gx, bx, smem, blk.buf.tobytes()))
 
     runtime.getDevice = lambda: 0
     runtime.getDeviceCount = lambda: 1
@@ -101,13 +136,13 @@ def install() -> None:
         "multiProcessorCount": 132, "l2CacheSize": 60 << 20}
     runtime.deviceGetAttribute = lambda attr, i: 232448
     runtime.memsetAsync = lambda *args: None
-    driver.launchKernel = lambda *args: None
+    driver.launchKernel = launch_kernel
     cupy.cuda.alloc = cupy.cuda.memory.alloc = alloc
     cupy.empty, cupy.zeros, cupy.asarray = empty, empty, asarray
     cupy.cuda.Device = Device
     cupy.cuda.get_current_stream = lambda: Stream()
     from cuflash import _jit
-    _jit.get_kernel = lambda *args, **kw: Kernel()
+    _jit.get_kernel = get_kernel
 
 
 def cases(cuflash, L: int) -> dict[str, dict]:
@@ -167,6 +202,96 @@ def measure(calls: int, profile: str | None = None) -> list[dict]:
     return rows
 
 
+def launches(fn):
+    """``(fn(), the launches it made)``: RECORD's entries while it ran."""
+    global RECORD
+    RECORD = []
+    try:
+        result = fn()
+    finally:
+        record, RECORD = RECORD, None
+    return result, record
+
+
+def normalised(record, names: dict) -> list:
+    """Each launch with the device pointers in its argument block replaced by what they point
+    to: ``names`` (pointer -> the array's role: q, o, dq, ...), else ``workspace`` (memory a
+    call allocated for itself). Two calls of one plan then launch equal records."""
+    import numpy
+    base = ARENA_BASE
+    out = []
+    for fn, grid, block, smem, blob in record:
+        words = numpy.frombuffer(blob, "<u8")
+        labels = tuple(names.get(int(w), "workspace") if base <= int(w) < base + ARENA
+                       else None for w in words)
+        masked = numpy.where([lab is not None for lab in labels], 0, words)
+        out.append((fn, grid, block, smem, masked.tobytes(), labels))
+    return out
+
+
+def difference(general: list, fast: list) -> str | None:
+    """Where two normalised launch lists first differ, in words (None: equal)."""
+    if not fast:
+        return "the fast call launched nothing"
+    if len(general) != len(fast):
+        return f"{len(general)} launches on the general path, {len(fast)} on the fast one"
+    for i, (a, b) in enumerate(zip(general, fast)):
+        if a[:4] != b[:4]:
+            return f"launch {i}: (kernel, grid, block, smem) {a[:4]} vs {b[:4]}"
+        if a[5] != b[5]:
+            diff = [(w, x, y) for w, (x, y) in enumerate(zip(a[5], b[5])) if x != y]
+            return f"launch {i}: pointer words (word, general, fast) {diff[:6]}"
+        if a[4] != b[4]:
+            import numpy
+            x, y = numpy.frombuffer(a[4], "<u8"), numpy.frombuffer(b[4], "<u8")
+            return f"launch {i}: argument words differ at {numpy.nonzero(x != y)[0][:8].tolist()}"
+    return None
+
+
+def check_launches() -> list[str]:
+    """Per case, direction and (forward) return_lse: the first call after the caches are
+    cleared (the general path) and the second (the fast path, where the case has one) launch
+    the same kernels with the same grids and argument blocks, word for word, each pointer word
+    naming the same array (its own call's outputs for o, lse, dq, dk, dv, dbias). Returns the
+    mismatches, described."""
+    install()
+    import cupy
+    import ml_dtypes
+    import numpy
+    import cuflash
+    from cuflash import _api
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    q, k, v, do = (cupy.empty(SHAPE, bf16) for _ in range(4))
+    inputs = {"q": q, "k": k, "v": v, "do": do}
+    bad = []
+
+    def names(**arrays):
+        return {x.data.ptr: n for n, x in arrays.items() if x is not None}
+    for case, kw in cases(cuflash, SHAPE[2]).items():
+        mods = {"bias": kw["bias"]} if "bias" in kw else {}
+        runs = {}
+        for return_lse in (True, False):
+            _api.clear_plans()
+            for run in ("general", "fast"):
+                res, rec = launches(lambda: cuflash.attention(q, k, v, return_lse=return_lse,
+                                                              **kw))
+                o, lse = res if return_lse else (res, None)
+                runs[run] = normalised(rec, names(**inputs, **mods, o=o, lse=lse))
+            why = difference(runs["general"], runs["fast"])
+            if why:
+                bad.append(f"{case} fwd return_lse={return_lse}: {why}")
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        _api.clear_plans()
+        for run in ("general", "fast"):
+            grads, rec = launches(lambda: cuflash.attention_backward(do, q, k, v, o, lse, **kw))
+            outs = dict(zip(("dq", "dk", "dv", "dbias"), grads))
+            runs[run] = normalised(rec, names(**inputs, **mods, o=o, lse=lse, **outs))
+        why = difference(runs["general"], runs["fast"])
+        if why:
+            bad.append(f"{case} bwd: {why}")
+    return bad
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -174,7 +299,16 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="CASE:DIRECTION",
                     help="also print cProfile's 30 functions with the most own time, e.g. "
                          "block_mask:bwd")
+    ap.add_argument("--check", action="store_true",
+                    help="instead: compare each case's general-path and fast-path launches, "
+                         "word for word (check_launches); exit status 1 on a mismatch")
     args = ap.parse_args(argv)
+    if args.check:
+        bad = check_launches()
+        print("\n".join(bad) if bad else "launches: the fast paths' equal the general path's")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps({"mismatches": bad}, indent=1))
+        return 1 if bad else 0
     rows = measure(args.calls, args.profile)
     for r in rows:
         print(f"{r['case']:18s} {r['direction']}  {r['host_us']:7.1f} us  "

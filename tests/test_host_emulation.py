@@ -35,3 +35,20 @@ def test_repeated_calls_take_their_fast_path(tmp_path):
         assert r["hits"] == 1.0, r                     # one lookup a call, found
         assert r["general"] == (1.0 if case == "bias" else 0.0), r
         assert r["host_us"] > 0
+
+
+def test_fast_paths_launch_what_the_general_path_launches(tmp_path):
+    """Per case: the general path's launches (the first call) and the fast path's (the
+    second) are the same kernels, grids and argument blocks, word for word, every pointer word
+    naming the same array (checked to fail on dk and dv swapped in FastModified.backward, and
+    on k for v in the plain forward's fast path)."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("ml_dtypes")
+    out = tmp_path / "check.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "host_emulation.py"), "--check",
+                          "--json", str(out)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.is_file(), run.stderr[-3000:]
+    assert json.loads(out.read_text())["mismatches"] == []
+    assert run.returncode == 0, run.stdout[-3000:]
