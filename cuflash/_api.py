@@ -162,17 +162,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             fast = _FWD_PLANS.get(key)
         except TypeError:    # an unhashable argument: validation will say what is wrong
             fast = None
-        if fast is not None and return_lse.__class__ is bool:
-            cupy = sys.modules["cupy"]
-            if cupy.cuda.runtime.getDevice() == fast.device_id:
-                mem = cupy.cuda.alloc(fast.nbytes)
-                fast.plan.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr,
-                              v.data.ptr, mem.ptr, mem.ptr + fast.lse_offset)
-                o = cupy.ndarray(fast.o_shape, fast.dtype, memptr=mem)
-                if not return_lse:
-                    return o
-                return o, cupy.ndarray(fast.lse_shape, fast.lse_dtype,
-                                       memptr=mem + fast.lse_offset)
+        if fast is not None and return_lse.__class__ is bool \
+                and _get_device() == fast.device_id:
+            return fast(q, k, v, return_lse)
     fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
     if not plain and out is None and type(q) is _CUPY and type(k) is _CUPY \
             and type(v) is _CUPY and enable_gqa is False and return_lse.__class__ is bool:
