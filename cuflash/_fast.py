@@ -55,10 +55,15 @@ class FastForward:
         self.lse_shape, self.lse_dtype = lse.shape, lse.dtype
         self.lse_offset = -(-o.nbytes // 256) * 256
         self.nbytes = max(self.lse_offset + lse.nbytes, 1)
+        self._bind(plan)
+
+    def _bind(self, plan) -> None:
+        """What ``__call__`` uses besides the record: CuPy's functions, and the plan's launch
+        where it is one launch at offset 0 (plan.run's own test), which takes the pointers as
+        they are."""
         cupy = sys.modules["cupy"]
         self._alloc, self._stream, self._ndarray = (cupy.cuda.alloc, cupy.cuda.get_current_stream,
                                                     cupy.ndarray)
-        # (plan.run's own test: one launch at offset 0 takes the pointers as they are)
         one = len(plan.offsets) == 1 and not any(plan.offsets[0])
         self._launch = plan.launch if one else None
 
