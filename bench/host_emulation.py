@@ -22,7 +22,8 @@ after 20 warm-up calls (no driver time: a real launch adds ~4-6 us each, bench/h
 path's plan), and ``general``, the fraction of calls that took the general path (counted in
 ``_problem.make_problem``, which the fast paths skip).
 Cases: ``plain``, ``window`` (128, 0), ``softcap`` 50, ``block_mask`` (the mods suite's 8
-documents at L 256), ``block_mask_causal``, ``bias`` (a (L, L) bias: no fast path; the general
+documents at L 256), ``block_mask_causal``, ``score_mod_captured`` (a score_mod that reads a
+``cuflash.captured`` array), ``bias`` (a (L, L) bias: no fast path; the general
 path's cost).
 
 ``--check`` (``check_launches``): per case and direction, the launches of the first call (the
@@ -153,9 +154,14 @@ def cases(cuflash, L: int) -> dict[str, dict]:
     def document(b, h, q_idx, kv_idx):
         return (q_idx // (L // 8)) == (kv_idx // (L // 8))
     bm = cuflash.block_mask(document, (1, 1), L, L)
+    table = cuflash.captured(cupy.empty((SHAPE[1],), numpy.float32))
+
+    def head_bias(score, b, h, q_idx, kv_idx):       # reads a captured array
+        return score + table[h]
     return {"plain": {}, "window": {"window": (128, 0)}, "softcap": {"softcap": 50.0},
             "block_mask": {"block_mask": bm}, "block_mask_causal": {"block_mask": bm,
                                                                      "causal": True},
+            "score_mod_captured": {"score_mod": head_bias},
             "bias": {"bias": cupy.empty((L, L), numpy.dtype(ml_dtypes.bfloat16))}}
 
 
@@ -269,6 +275,17 @@ def check_launches() -> list[str]:
         return {x.data.ptr: n for n, x in arrays.items() if x is not None}
     for case, kw in cases(cuflash, SHAPE[2]).items():
         mods = {"bias": kw["bias"]} if "bias" in kw else {}
+        if "score_mod" in kw:         # its captured arrays (the cell's Captured objects)
+            from cuflash._trace import Captured
+            cells = [c.cell_contents for c in kw["score_mod"].__closure__ or ()]
+            mods.update({f"captured{i}": c.array for i, c in enumerate(cells)
+                         if isinstance(c, Captured)})
+
+        def lists():   # a block mask's tile lists on the "device" (made by the first call)
+            bm = kw.get("block_mask")
+            return {} if bm is None else {
+                f"block_lists{i}": x for i, x in enumerate(bm.__dict__.get("_device_lists",
+                                                                           {}).values())}
         runs = {}
         for return_lse in (True, False):
             _api.clear_plans()
@@ -276,7 +293,7 @@ def check_launches() -> list[str]:
                 res, rec = launches(lambda: cuflash.attention(q, k, v, return_lse=return_lse,
                                                               **kw))
                 o, lse = res if return_lse else (res, None)
-                runs[run] = normalised(rec, names(**inputs, **mods, o=o, lse=lse))
+                runs[run] = normalised(rec, names(**inputs, **mods, **lists(), o=o, lse=lse))
             why = difference(runs["general"], runs["fast"])
             if why:
                 bad.append(f"{case} fwd return_lse={return_lse}: {why}")
@@ -285,7 +302,7 @@ def check_launches() -> list[str]:
         for run in ("general", "fast"):
             grads, rec = launches(lambda: cuflash.attention_backward(do, q, k, v, o, lse, **kw))
             outs = dict(zip(("dq", "dk", "dv", "dbias"), grads))
-            runs[run] = normalised(rec, names(**inputs, **mods, o=o, lse=lse, **outs))
+            runs[run] = normalised(rec, names(**inputs, **mods, **lists(), o=o, lse=lse, **outs))
         why = difference(runs["general"], runs["fast"])
         if why:
             bad.append(f"{case} bwd: {why}")

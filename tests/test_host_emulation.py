@@ -29,7 +29,7 @@ def test_repeated_calls_take_their_fast_path(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["case"], r["direction"]): r for r in rows}
     assert set(cases) == {(c, d) for c in ("plain", "window", "softcap", "block_mask",
-                                           "block_mask_causal", "bias")
+                                           "block_mask_causal", "score_mod_captured", "bias")
                           for d in ("fwd", "bwd")}
     for (case, direction), r in cases.items():
         assert r["hits"] == 1.0, r                     # one lookup a call, found
@@ -40,8 +40,9 @@ def test_repeated_calls_take_their_fast_path(tmp_path):
 def test_fast_paths_launch_what_the_general_path_launches(tmp_path):
     """Per case: the general path's launches (the first call) and the fast path's (the
     second) are the same kernels, grids and argument blocks, word for word, every pointer word
-    naming the same array (checked to fail on dk and dv swapped in FastModified.backward, and
-    on k for v in the plain forward's fast path)."""
+    naming the same array (checked to fail on dk and dv swapped in FastModified.backward, on
+    k for v in the plain forward's fast path, and on FastModified's block-list and captured
+    pointers moved by 16 bytes)."""
     pytest.importorskip("cupy")
     pytest.importorskip("ml_dtypes")
     out = tmp_path / "check.json"
