@@ -246,7 +246,7 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=Non
     if not mkey:
         fwd.put(key, FastForward(plan, o, lse))
     elif fast_mods is not None:
-        fwd.put(key + fast_mods, FastModified(plan, mods, (o, lse)))
+        fwd.put(key + fast_mods, FastModified(plan, mods, (o, lse), forward=True))
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, scale: Any = None,

@@ -153,19 +153,35 @@ class FastModified:
     """A cached call with modifiers that carry no array (:func:`modifiers_key`): the plan, the
     call's validated ``Modifiers`` (the same for every call of this key: they hold no array of
     the call) and the shapes of what the call returns. Forward: ``(q, k, v, return_lse)``;
-    backward: ``(do, q, k, v, o, lse)``."""
-    __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty")
+    backward: ``(do, q, k, v, o, lse)``.
 
-    def __init__(self, plan, mods, outputs):
+    A forward plan of one launch at offset 0 is launched directly, with the modifiers' pointer
+    words (a block mask's lists, the captured arrays a user function reads) patched from
+    ``_extra``, computed once: with no array of the call among them, they are the same for
+    every call of the key (the lists are kept with the block mask, the captured arrays by the
+    functions the key holds), so neither the traces nor the lists are looked up again."""
+    __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty", "_launch", "_extra",
+                 "_stream")
+
+    def __init__(self, plan, mods, outputs, forward: bool = False):
         self.plan, self.mods, self.device_id = plan, mods, plan.device_id
         self.shapes = tuple(x.shape for x in outputs)
         self.dtypes = tuple(x.dtype for x in outputs)
-        self._empty = sys.modules["cupy"].empty
+        cupy = sys.modules["cupy"]
+        self._empty, self._stream = cupy.empty, cupy.cuda.get_current_stream
+        self._launch = self._extra = None
+        if forward and len(plan.offsets) == 1 and not any(plan.offsets[0]):
+            self._launch = plan.launch
+            self._extra = tuple(plan.mods.words(plan.mods.pointer_arrays(mods), mods))
 
     def forward(self, q, k, v, return_lse: bool):
         (so, sl), (do_, dl), empty = self.shapes, self.dtypes, self._empty
         o, lse = empty(so, do_), empty(sl, dl)
-        self.plan(q, k, v, o, lse, self.mods)
+        if self._launch is not None:
+            self._launch(self._stream().ptr, [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                                              lse.data.ptr], extra=self._extra)
+        else:
+            self.plan(q, k, v, o, lse, self.mods)
         return (o, lse) if return_lse else o
 
     def backward(self, do, q, k, v, o, lse):
