@@ -167,9 +167,15 @@ MOD_CASES = [dict(window=(40, 0), causal=True), dict(softcap=5.0),
 
 
 @pytest.mark.parametrize("kw", MOD_CASES, ids=lambda kw: "-".join(sorted(kw)))
-def test_modifier_fast_path_is_bitwise_the_full_path(kw):
+def test_modifier_fast_path_is_bitwise_the_full_path(kw, monkeypatch):
     """A repeated call with modifiers that carry no array takes the cached entry (forward and
-    backward); what it returns is bitwise what the full path (``out=``; the first call) did."""
+    backward: no call validates again, counted in _problem.make_problem); what it returns is
+    bitwise what the full path (``out=``; the first call) did."""
+    from cuflash import _problem
+    validated = []
+    make_problem = _problem.make_problem
+    monkeypatch.setattr(_problem, "make_problem",
+                        lambda *a, **k: validated.append(1) or make_problem(*a, **k))
     import cupy
     shape = (2, 3, 192, 64)
     q, k, v, do = (rand(shape, BF16, 20 + i) for i in range(4))
@@ -179,6 +185,8 @@ def test_modifier_fast_path_is_bitwise_the_full_path(kw):
     _api.clear_plans()
     ref_o, ref_lse = full_path(q, k, v, **kw)
     ref_grads = cuflash.attention_backward(do, q, k, v, ref_o, ref_lse, deterministic=True, **kw)
+    cuflash.attention(q, k, v, return_lse=True, **kw)       # (the forward's entry)
+    validated.clear()
     for _ in range(3):
         poison_pool()
         o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
@@ -191,6 +199,7 @@ def test_modifier_fast_path_is_bitwise_the_full_path(kw):
             assert a.shape == b.shape and a.dtype == b.dtype
             cupy.testing.assert_array_equal(a, b)
     assert not bool(cupy.isnan(ref_o).any())
+    assert validated == []                  # every call of the loop took its entry
     assert len(_fast_entries(_api._FWD_PLANS)) == 1
     assert len(_fast_entries(_api._BWD_PLANS)) == 1
 
