@@ -17,8 +17,8 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
-from cuflash._fast import FastBackward, FastForward, FastModified, layout as _layout, \
-    modifiers_key as _modifiers_key
+from cuflash._fast import FastBackward, FastForward, FastModified, forward_key as _forward_key, \
+    layout as _layout, modifiers_key as _modifiers_key
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
 _FWD_PLANS = _BWD_PLANS = None
@@ -156,10 +156,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
              and block_mask is None)
     if plain and out is None and type(q) is _CUPY and type(k) is _CUPY and type(v) is _CUPY \
             and enable_gqa is False:
-        key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
-               causal.__class__)
         try:
-            fast = _FWD_PLANS.get(key)
+            fast = _FWD_PLANS.get(_forward_key(q, k, v, scale, causal))
         except TypeError:    # an unhashable argument: validation will say what is wrong
             fast = None
         if fast is not None and return_lse.__class__ is bool \
@@ -172,8 +170,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
             fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask,
                                        score_mod, mask_mod, block_mask)
             fast = None if fast_mods is None else _FWD_PLANS.get(
-                (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal,
-                 causal.__class__) + fast_mods)
+                _forward_key(q, k, v, scale, causal) + fast_mods)
         except (TypeError, AttributeError):   # unhashable, or not a BlockMask: validation says
             fast, fast_mods = None, None
         if fast is not None and _get_device() == fast.device_id:
@@ -242,7 +239,7 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=Non
     plan(prob.q, prob.k, prob.v, o, lse, mods)
     if not cacheable or plan.copies or not all(type(x) is _CUPY for x in (q, k, v)):
         return
-    key = (_layout(q), _layout(k), _layout(v), scale, scale.__class__, causal, causal.__class__)
+    key = _forward_key(q, k, v, scale, causal)
     if not mkey:
         fwd.put(key, FastForward(plan, o, lse))
     elif fast_mods is not None:

@@ -15,6 +15,14 @@ def layout(x) -> tuple:
     return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
 
 
+def forward_key(q, k, v, scale, causal) -> tuple:
+    """The fast path's key of a plain forward call (a call with array-free modifiers adds
+    :func:`modifiers_key`): what :func:`layout` holds of q, k, v, then the keywords with their
+    types (``causal=1`` never hits an entry made by ``causal=True``). The lookup and the store
+    in ``_api`` both build it here."""
+    return (layout(q), layout(k), layout(v), scale, scale.__class__, causal, causal.__class__)
+
+
 def backward_key(do, q, k, v, o, lse, scale, causal, deterministic) -> tuple:
     """The fast path's key of a backward call: what :func:`layout` holds of each of the six
     arrays, in one flat tuple (one call and one tuple instead of six), then the keywords with
