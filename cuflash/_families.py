@@ -413,12 +413,12 @@ REGISTRY: tuple[Family, ...] = (
            select=_simt_select, instances=_simt_instances,
            summary="generic backward: exact float32/float64, any GPU, any strides"),
     # -- helper kernels of every backward (no tiles, no Variant)
-    Family("bwd_dot", "aux", "bwd_prep.cu", "cuflash::bwd_dot_do_o<{T}>",
+    Family("bwd_dot", "aux", "bwd_prep.cu", f"cuflash::bwd_dot_do_o<{{T}}, {_traits.DOT_ROWS}>",
            summary="D = rowsum(dO o O), line 4 of FA-2 Algorithm 2"),
-    Family("bwd_finish_dq", "aux", "bwd_prep.cu", "cuflash::bwd_finish_dq<{Acc}, {out}>",
-           instances=lambda fam, arch: ((None, {"out": out}) for out in ("T", "Acc")),
-           summary="dQ from its accumulation buffer (the partials of the deterministic "
-                   "bwd_simt summed in key-tile order), rounded once to the input dtype"),
+    Family("bwd_finish_dq", "aux", "bwd_prep.cu", "cuflash::bwd_finish_dq<{Acc}, {out}, {vec4}>",
+           instances=lambda fam, arch: ((None, {"out": o, "vec4": v})
+                                        for o in ("T", "Acc") for v in (False, True)),
+           summary="dQ from its accumulator (bwd_simt's per-key-tile partials in order), rounded once"),
     # -- inference (helper "inference"): split-KV decode over a dense or paged KV cache, its
     #    combine, and the in-place cache append (cuflash/_inference_gpu.py launches them)
     Family("decode_sm80", "decode", "decode_mma.cu",

@@ -15,8 +15,8 @@ import math
 
 import numpy
 
-from . import _families, _launch, _plan_one
-from ._families import FAMILIES, Shape
+from . import _families, _launch, _plan_aux, _plan_one
+from ._families import Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, OWN_D, Launch, batch_layout, pack
 from ._plan_cache import PlanCache  # noqa: F401  (the plan caches' type: _api, _inference, _varlen)
 from ._plan_mods import ModifierPatch, dbias_finish, dbias_plan, dbias_vec4
@@ -25,9 +25,6 @@ from ._variant import variant_params
 #: blockIdx -> (batch item, tile) order (common.cuh, grid_tile): 0 batch-major, 1 tile-major.
 #: Tile-major under a causal mask puts the heaviest tiles of every batch item first.
 CAUSAL_GRID_ORDER = 1
-#: bwd_dot_do_o: 256 threads a block, a query row a warp at least; at most 8 blocks an SM
-AUX_THREADS, DOT_ROWS_PER_BLOCK, DOT_BLOCKS_PER_SM = 256, 8, 8
-
 
 def grid_order(choice, causal: bool, block_mask: bool = False) -> int:
     """Tile-major under a causal mask for the tensor-core families (whose ordering is written
@@ -175,18 +172,6 @@ class ForwardPlan:
 # Backward
 # ---------------------------------------------------------------------------------------------
 
-#: the arguments of bwd_finish_dq(partial, dq, n, parts), packed for Launch
-FINISH_ARGS = numpy.dtype([("partial", "<u8"), ("dq", "<u8"), ("n", "<i8"), ("parts", "<i4")],
-                          align=True)
-FINISH_OFFSETS = tuple(FINISH_ARGS.fields[f][1] for f in FINISH_ARGS.names)
-
-
-#: the arguments of bwd_dot_do_o(p, zero_bytes): Params (which the main kernel, launched after
-#: it from the same block, reads alone), then the bytes of accumulators it zeroes
-DOT_ARGS = numpy.dtype([("p", _launch.PARAMS), ("zero_bytes", "<i8")], align=True)
-DOT_OFFSETS = tuple(DOT_ARGS.fields[f][1] for f in DOT_ARGS.names)
-
-
 def _align(n: int) -> int:
     return -(-n // 256) * 256
 
@@ -265,11 +250,11 @@ class BackwardPlan:
         # workspace kept per stream; else bwd_dot_do_o first, on a fresh workspace a call
         self.one_kernel = _plan_one.usable(self, o, do)
         self.zeroed_ws = _plan_one.ZeroedWorkspaces(self.workspace) if self.one_kernel else None
-        dot = FAMILIES["bwd_dot"]
-        self._dot = None if self.one_kernel else _launch.kernel(
-            dot.source, dot.expr(prob.dtype), prob.device_id, 0)
-        self.finish = None if self.fused_dq else self._finish_launch(prob, nbatch * Lq * d,
-                                                                     dev.num_sms)
+        self._dot = None if self.one_kernel else _plan_aux.dot_kernel(prob.dtype, prob.device_id)
+        # dQ's finishing (bwd_finish_dq): into dq itself, or into a buffer to sum
+        self.finish = None if self.fused_dq else _plan_aux.Finish(
+            prob.dtype, self.acc, "T" if self.dq_direct else "Acc", nbatch * Lq * d, self.parts,
+            prob.device_id, dev.num_sms)
         self.num_sms = dev.num_sms
         self.dbias_finish = None if self.dbias_sum is None else dbias_finish(
             self.dbias_sum, prob.device_id, dev.num_sms)
@@ -278,16 +263,6 @@ class BackwardPlan:
         self._one_launch = (len(self.offsets) == 1 and not any(self.offsets[0])
                             and self.direct and self.mods is None)
         self._ws_words = tuple(self.ws_offsets[n] for n in ("dpsum", "dq_acc", "dq_sem"))
-
-    def _finish_launch(self, prob, n: int, num_sms: int) -> Launch:
-        """bwd_finish_dq over the n elements of dQ: into dq itself, or into a buffer to sum."""
-        fin = FAMILIES["bwd_finish_dq"]
-        args = numpy.zeros((), FINISH_ARGS)
-        args["n"], args["parts"] = n, self.parts
-        grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
-        out = "T" if self.dq_direct else "Acc"
-        return Launch(_launch.kernel(fin.source, fin.expr(prob.dtype, out=out), prob.device_id, 0),
-                      grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_finish_dq")
 
     def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
@@ -305,11 +280,9 @@ class BackwardPlan:
                                   if self.parts > 1 else 0))
         if self.mods is not None:
             self.mods.pack_into(p, layout, len(tensors), mods)
-        dot_blocks = max(1, min(-(-n * prob.Lq // DOT_ROWS_PER_BLOCK),
-                                DOT_BLOCKS_PER_SM * self.num_sms))
         # -- 4: D = rowsum(dO o O) (and the accumulators zeroed), then 5-19: one block per
         #    (batch item, key tile)
-        args = numpy.zeros((), DOT_ARGS)
+        args = numpy.zeros((), _plan_aux.DOT_ARGS)
         # (with an outer loop of launches each would zero from its own offset: _run zeroes the
         # workspace once instead, with a memset)
         args["p"], args["zero_bytes"] = p, (0 if len(layout.outer) > 1 else self.zeroed)
@@ -317,7 +290,8 @@ class BackwardPlan:
             launch = Launch(self._main, n * self.num_n_blocks, t.threads, t.smem_bytes, p,
                             name=self.choice.expr)
         else:
-            launch = Launch(self._dot, dot_blocks, AUX_THREADS, 0, args, offsets=DOT_OFFSETS,
+            launch = Launch(self._dot, _plan_aux.dot_grid(n * prob.Lq, self.num_sms),
+                            _plan_aux.AUX_THREADS, 0, args, offsets=_plan_aux.DOT_OFFSETS,
                             name="bwd_dot_do_o").then(
                 self._main, n * self.num_n_blocks, t.threads, t.smem_bytes)
         a, Lq, Lk = self.acc.itemsize, prob.Lq, prob.Lk
@@ -381,7 +355,7 @@ class BackwardPlan:
             self.launch(stream, words, extra=((_DQ_WORD, dq),))
         else:
             self.launch(stream, words)
-            self.finish(stream, (base + dq_acc, dq))
+            self.finish.to(dq)(stream, (base + dq_acc, dq))
 
     def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
         if self.one_kernel:    # (the slow path's first call; run() is the same launch)
@@ -408,8 +382,8 @@ class BackwardPlan:
         if not self.fused_dq:
             # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
             # that _sum_broadcast sums over the broadcast dimensions (its first bytes)
-            self.finish(stream, [base + off["dq_acc"],
-                                 dq if self.dq_direct else base + off["dq_sum"]])
+            dst = dq if self.dq_direct else base + off["dq_sum"]
+            self.finish.to(dst)(stream, [base + off["dq_acc"], dst])
         return ws
 
     def _sum_broadcast(self, ws, dq, dk, dv) -> None:

@@ -157,19 +157,10 @@ def dbias_finish(dbias_sum, device_id: int, num_sms: int):
     dtype): the kernel's float32 slices of n elements added in item order, rounded once
     to the bias's dtype); its VEC4 build (16-byte loads) where n % 4 == 0 (the caller checks
     that dbias starts on 16 bytes: ``dbias_vec4``)."""
-    from ._families import FAMILIES
-    from ._launch import Launch
-    from ._plan import AUX_THREADS, FINISH_ARGS, FINISH_OFFSETS
+    from ._plan_aux import finish_launch
     parts, n, dtype = dbias_sum
-    fin = FAMILIES["bwd_finish_dq"]
-    args = numpy.zeros((), FINISH_ARGS)
-    args["n"], args["parts"] = n, parts
-    grid = max(1, min(-(-n // AUX_THREADS), 8 * num_sms))
-    expr = fin.expr(dtype, out="T")
-    if dbias_vec4(dbias_sum):
-        expr = expr[:-1] + ", true>"
-    return Launch(_launch.kernel(fin.source, expr, device_id, 0),
-                  grid, AUX_THREADS, 0, args, offsets=FINISH_OFFSETS, name="bwd_sum_dbias")
+    return finish_launch(dtype, "T", n, parts, device_id, num_sms, vec4=dbias_vec4(dbias_sum),
+                         name="bwd_sum_dbias")
 
 
 def dbias_vec4(dbias_sum) -> bool:

@@ -256,6 +256,11 @@ def small_grid(t: Traits) -> Traits:
 # * Shared memory stays under 64 KB, which every GPU from sm_70 grants a block.
 # Measured on the H200 (float32, L = 4096): d=64 27.4, d=128 27.9, d=256 25.3 TFLOP/s, ~41% of
 # the 67 TFLOP/s fp32 FMA peak (naive CuPy SGEMM-softmax-SGEMM: d=64 8.9, d=128 16.2).
+#: bwd_dot_do_o's ROWS (bwd_prep.cu): the rows a lane group of its 16-bit builds loads before
+#: it reduces any (bytes in flight a warp = ROWS x 32 x 32); 1 is the loop of sessions 1-13.
+#: Measured on the H200 by bench/probes/bwd_passes.py (bench/NOTES.md, session 14)
+DOT_ROWS = 4
+
 SIMT_BUCKETS = (32, 64, 128, 256)
 
 
