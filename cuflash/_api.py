@@ -17,7 +17,7 @@ from typing import Any
 import numpy
 
 from cuflash import _modifiers, _numpy, _problem
-from cuflash._fast import FastBackward, FastForward, FastModified, forward_key as _forward_key, \
+from cuflash._fast import FastBackward, FastForward, FastModified, \
     layout as _layout, modifiers_key as _modifiers_key
 
 #: Plans of forward and backward calls (built on first use; see _plan.PlanCache)
@@ -28,18 +28,22 @@ _CUPY: Any = None
 #: reads: every backward call then takes the general path, which is correct, only slower) and
 #: cupy.cuda.runtime.getDevice, looked up once
 bwd_key: Any = None
+#: the forward fast path's key function (_fast.forward_key, or forward_key_strides)
+_forward_key: Any = None
 _get_device: Any = None
 
 
 def _caches():
-    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key, _get_device
+    global _FWD_PLANS, _BWD_PLANS, _CUPY, bwd_key, _forward_key, _get_device
     if _FWD_PLANS is None:
         from cuflash import _fast
         from cuflash._plan import PlanCache
         _FWD_PLANS, _BWD_PLANS = PlanCache(), PlanCache()
         nd = sys.modules["cupy"].ndarray
         _get_device = sys.modules["cupy"].cuda.runtime.getDevice
-        bwd_key = _fast.backward_key if _fast.has_contiguous_flag(nd) else None
+        flag = _fast.has_contiguous_flag(nd)
+        bwd_key = _fast.backward_key if flag else None
+        _forward_key = _fast.forward_key if flag else _fast.forward_key_strides
         _CUPY = nd   # (last: the fast paths test it first)
     return _FWD_PLANS, _BWD_PLANS
 

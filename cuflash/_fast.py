@@ -17,9 +17,20 @@ def layout(x) -> tuple:
 
 def forward_key(q, k, v, scale, causal) -> tuple:
     """The fast path's key of a plain forward call (a call with array-free modifiers adds
-    :func:`modifiers_key`): what :func:`layout` holds of q, k, v, then the keywords with their
-    types (``causal=1`` never hits an entry made by ``causal=True``). The lookup and the store
-    in ``_api`` both build it here."""
+    :func:`modifiers_key`): what :func:`layout` holds of q, k, v in one flat tuple, a
+    C-contiguous array's strides as ``True`` (:func:`backward_key`'s reasoning and its
+    AttributeError where CuPy lacks the flag: ``_api`` then uses :func:`forward_key_strides`),
+    then the keywords with their types (``causal=1`` never hits an entry made by
+    ``causal=True``). The lookup and the store in ``_api`` both build it here."""
+    a, b, c = q.data, k.data, v.data
+    return (q.shape, q._c_contiguous or q.strides, q.dtype, a.ptr & 15, a.device_id,
+            k.shape, k._c_contiguous or k.strides, k.dtype, b.ptr & 15, b.device_id,
+            v.shape, v._c_contiguous or v.strides, v.dtype, c.ptr & 15, c.device_id,
+            scale, scale.__class__, causal, causal.__class__)
+
+
+def forward_key_strides(q, k, v, scale, causal) -> tuple:
+    """:func:`forward_key` for a CuPy without the contiguity flag: the strides themselves."""
     return (layout(q), layout(k), layout(v), scale, scale.__class__, causal, causal.__class__)
 
 
