@@ -17,12 +17,15 @@ blocks with cuflash's workspace of this probe (CUDA events around single launche
 30, back to back):
 
 - ``dot``: ROWS in 1 (sessions 1-13), 2, 4, 8 x blocks an SM in 2, 4, 8, 16 (the grid's cap;
-  8 before): us, TB/s of zeroed + read bytes, and whether D is bitwise ROWS = 1's;
+  8 before, 16 since this probe's first run): us, TB/s of zeroed + read bytes, and whether D
+  is bitwise ROWS = 1's;
 - ``finish``: VEC4 off (before) / on x blocks an SM in 2, 4, 8, 16: us, TB/s, dQ bitwise;
 - ``copy``: cupy's device-to-device copy of the same bytes as ``dot`` (the ceiling);
 - ``bwd``: the whole ``attention_backward`` (fast path, 2 input sets) with the plan's passes
-  as built (``new``: _traits.DOT_ROWS, VEC4) and swapped back to ROWS = 1 and the scalar
-  finish (``old``), arms alternated 3 times: the end-to-end gain.
+  as built (``new``: _traits.DOT_ROWS, VEC4, _plan_aux's grids) and swapped back to ROWS = 1
+  and the scalar finish (``old``; the grids stay the plan's), arms alternated 3 times.
+
+Session 14's run (H200): bench/results/h200/bwd_passes.json, bench/NOTES.md.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import argparse
 import pathlib
 import statistics
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     dev = cupy.cuda.Device().id
     rows_out = []
+    t0 = time.perf_counter()
     for B, H, L, d in SHAPES[:1] if args.quick else SHAPES:
         rs = cupy.random.RandomState(L + d)
         sets = [[rs.standard_normal((B, H, L, d), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
@@ -165,7 +170,9 @@ def main(argv=None) -> int:
               f"{statistics.median(times['new']):.1f} us (new/old "
               f"{statistics.median(times['new']) / statistics.median(times['old']):.4f}); max "
               f"|new - old| over dq, dk, dv {diff:.3g} (dQ's atomics reorder sums)", flush=True)
-    return write({"suite": "bwd_passes", "dot_rows_default": DOT_ROWS}, rows_out, args.json)
+    meta = {"suite": "bwd_passes", "dot_rows_default": DOT_ROWS,
+            "seconds": time.perf_counter() - t0}
+    return write(meta, rows_out, args.json)
 
 
 if __name__ == "__main__":
