@@ -126,3 +126,33 @@ def test_dbias_plan_refuses_32_bit_overflow_on_bwd_sm90():
     with pytest.raises(ValueError, match="65536 \\* 32768"):
         dbias_plan(var, mods, prob, True, "bwd_sm90")
     assert dbias_plan(var, mods, prob, True, "bwd_sm80")[0]
+
+
+@pytest.mark.parametrize("acc, n, vec4", [(numpy.float32, 4096, True), (numpy.float32, 4098, False),
+                                          (numpy.float64, 4096, False)])
+def test_finish_takes_vec4_where_it_may_and_the_scalar_build_off_16_bytes(monkeypatch, acc, n,
+                                                                          vec4):
+    """dQ's finishing (_plan_aux.Finish): the VEC4 build for a float32 accumulator and
+    n % 4 == 0; a destination off 16 bytes gets the scalar build (made once), never the VEC4
+    build's 8- or 16-byte stores."""
+    from cuflash import _plan_aux
+    made = []
+
+    def fake(dtype, out, n_, parts, device_id, num_sms, vec4, name="bwd_finish_dq"):
+        made.append(vec4)
+        return ("launch", vec4)
+    monkeypatch.setattr(_plan_aux, "finish_launch", fake)
+    fin = _plan_aux.Finish(numpy.float16, acc, "T", n, 1, 0, 132)
+    assert fin.vec4 is vec4 and made == [vec4]
+    assert fin.to(1 << 20) == ("launch", vec4)
+    assert fin.to((1 << 20) + 8) == ("launch", False)
+    assert fin.to((1 << 20) + 2) == ("launch", False)
+    assert made == ([True, False] if vec4 else [False])   # the scalar build made once
+
+
+def test_aux_grids():
+    """bwd_dot_do_o's grid: a block per 8 rows, capped at DOT_BLOCKS_PER_SM an SM."""
+    from cuflash import _plan_aux
+    assert _plan_aux.dot_grid(1, 132) == 1
+    assert _plan_aux.dot_grid(8 * 100, 132) == 100
+    assert _plan_aux.dot_grid(1 << 30, 132) == _plan_aux.DOT_BLOCKS_PER_SM * 132
