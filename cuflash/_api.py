@@ -441,8 +441,10 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     the H200 profile). With ``backward=True`` it explains :func:`attention_backward` (with
     ``deterministic``). Nothing is compiled or launched; no GPU is needed for a profile.
     ``python -m cuflash info --explain 4,16,1024,128`` prints the same. Modifier keywords
-    are validated; the text names them and shows the CUDA source traced from ``score_mod`` /
-    ``mask_mod``.
+    are validated; the text names them, shows the CUDA source traced from ``score_mod`` /
+    ``mask_mod``, then the kernel chosen for them (its Variant is in the name expression), or
+    what the GPU path lacks. (A plan may still fall back at its first call where the chosen
+    build spills on the real device: ``_spills``; this reads the tables only.)
     """
     from cuflash import _families
     from cuflash._plan import explain_choice
@@ -452,8 +454,9 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
     mods = _modifiers.check_modifiers(xp=prob.xp, device_id=prob.device_id,
                                       batch_shape=prob.batch_shape, Lq=prob.Lq, Lk=prob.Lk,
                                       **modifiers)
-    if mods.features:
-        return _modifiers.explain(mods, "attention_backward" if backward else "attention")
+    what, dmax = ("attention_backward" if backward else "attention"), max(prob.d, prob.dv)
+    if mods.features and _modifiers.gpu_missing(mods, what, prob.dtype, dmax):
+        return _modifiers.explain(mods, what, prob.dtype, dmax)   # (it names what is missing)
     _problem.check_deterministic(deterministic)
     if device is None:
         device = prob.device_id if prob.device_id is not None else "h200"
@@ -467,16 +470,22 @@ def explain(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         dev = _families.device_info(device)
     else:
         raise TypeError(f"device must be a profile name, a device id or None, got {device!r}")
-    shape = _families.Shape.of(prob, bool(deterministic))
-    choice = _families.choose("bwd" if backward else "fwd", shape, dev)
+    pre = _modifiers.explain(mods, what, prob.dtype, dmax) + "\n" if mods.features else ""
+    try:
+        shape = _families.Shape.of(prob, bool(deterministic), mods if mods.features else None)
+        choice = _families.choose("bwd" if backward else "fwd", shape, dev)
+    except (TypeError, ValueError) as exc:   # (a function that cannot be traced: pre says
+        if not pre:                            # so; no family runs these modifiers here)
+            raise
+        return pre.rstrip("\n") if isinstance(exc, TypeError) else pre + str(exc)
     t = choice.traits
     blocks = shape.nbatch * (-(-prob.Lk // t.block_n) if backward else -(-prob.Lq // t.block_m))
-    head = (f"{'attention_backward' if backward else 'attention'}: q {tuple(q.shape)}, "
+    head = (f"{what}: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, {prob.dtype}, "
             f"{'causal ' + ('bottom-right' if prob.causal_offset == prob.Lk - prob.Lq else 'top-left') if prob.causal else 'not causal'}"
             f"{', deterministic' if deterministic and backward else ''}; on {dev.name or dev.arch} "
             f"(sm_{dev.cc}, {dev.num_sms} SMs)")
-    text = head + "\n" + explain_choice(choice, blocks)
+    text = pre + head + "\n" + explain_choice(choice, blocks)
     if backward:    # dq is the result itself unless q is broadcast (its gradient then summed)
         q_whole = math.prod(prob.batch_shape) * prob.Lq * prob.d == math.prod(q.shape)
         fused = _families.fuse_dq_finish(choice, q_whole, 1)

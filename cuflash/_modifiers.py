@@ -367,15 +367,17 @@ def check_gpu_support(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> 
             f"cuflash.reference.{what} computes them in float64")
 
 
-def explain(mods: Modifiers, what: str) -> str:
-    """What ``cuflash.explain`` says of a call with modifiers: which are on, where they run,
-    and the CUDA source traced from the user functions (what the GPU Variant will compile)."""
+def explain(mods: Modifiers, what: str, dtype=None, dmax: int = 0) -> str:
+    """What ``cuflash.explain`` says of a call with modifiers: which are on, where they run
+    (for inputs of ``dtype`` and head dim ``dmax`` where given), and the CUDA source traced
+    from the user functions (what the GPU Variant will compile)."""
     from cuflash import _trace
     lines = [f"{what} with modifiers: {', '.join(sorted(mods.features))}"]
-    missing = gpu_missing(mods, what)
+    missing = gpu_missing(mods, what, dtype, dmax)
     if missing:
-        lines.append(f"GPU: not implemented yet for {', '.join(missing)} (NotImplementedError); "
-                     f"NumPy inputs run them on the CPU path")
+        on = f" for {numpy.dtype(dtype).name} inputs with head dim {dmax}" if dtype else ""
+        lines.append(f"GPU: not implemented yet for {', '.join(missing)}{on} "
+                     f"(NotImplementedError); NumPy inputs run them on the CPU path")
     for role, fn in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         if fn is None:
             continue

@@ -340,6 +340,27 @@ def test_explain_and_its_command():
     assert main(["info", "--explain", "2,8,512,64", "2,3,512,64", "--enable-gqa"]) == 2
 
 
+def test_explain_with_modifiers_names_the_kernel_built_for_them():
+    """With modifiers, explain shows them (and a traced function's source), then the kernel
+    the dispatcher picks for their Variant; where the GPU path lacks them (a float32 backward),
+    only what it lacks, no kernel."""
+    import cuflash
+    q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
+    text = cuflash.explain(q, q, q, causal=True, window=(256, 0))
+    assert text.startswith("attention with modifiers: window\nattention: q (4, 16, 1024, 128)")
+    assert "kernel: cuflash::sm90::fwd_sm90<" in text and "why:" in text
+    assert "Variant<true, true" in text                  # causal, window
+    assert "Variant<true>" not in cuflash.explain(q, q, q, causal=True, softcap=30.0)
+    text = cuflash.explain(q, q, q, backward=True, mask_mod=lambda b, h, i, j: i >= j)
+    assert "struct MaskMod_" in text and "kernel: cuflash::bwd_sm80<" in text   # (d 128)
+    assert "bwd_sm90: not used, does not implement mask_mod" in text and "dQ rounded by" in text
+    text = cuflash.explain(q, q, q, backward=True, device="a100", softcap=30.0)
+    assert "kernel: cuflash::bwd_sm80<" in text
+    q32 = numpy.zeros((1, 1, 64, 64), numpy.float32)
+    text = cuflash.explain(q32, q32, q32, backward=True, softcap=30.0)
+    assert "GPU: not implemented yet for softcap" in text and "kernel:" not in text
+
+
 def test_forward_with_a_bias_keeps_the_table_warpgroups(monkeypatch):
     """fwd_sm90 runs a dense bias (alone, with causal or the sink) at its table's warpgroups
     (3 at d = 128; session 8), CUFLASH_FWD_BIAS_WARPGROUPS=2 gives it 2 as before, and a bias
