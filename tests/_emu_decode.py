@@ -36,7 +36,6 @@ inline float2 __bfloat1622float2(__nv_bfloat162 h) {
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline int __any_sync(unsigned, int pred) {
   ::emu::my_xchg()[0] = pred != 0;
   const int parity = ::emu::warp_sync();

@@ -158,19 +158,40 @@ namespace cuflash { alignas(128) unsigned char smem[::emu::kSmemBytes]; }
 
 
 def _entry_points(kernels: list[tuple[str, str]]) -> str:
-    """extern "C" launchers: kernels are (kind, name expression), kind 'bwd' or 'fwd'; every
-    kernel takes one cuflash::Params."""
+    """extern "C" launchers: kernels are (kind, name expression). Kinds 'bwd' and 'fwd' take
+    one cuflash::Params; 'dot' (bwd_dot_do_o) and 'finish' (bwd_finish_dq) take the argument
+    blocks ``cuflash._plan_aux`` packs (DOT_ARGS, FINISH_ARGS), read at their offsets."""
+    from cuflash import _plan_aux
+    dot_zero = _plan_aux.DOT_OFFSETS[1]
+    f_dq, f_n, f_parts = _plan_aux.FINISH_OFFSETS[1:]
     cases = []
-    for i, (_kind, expr) in enumerate(kernels):
-        call = f"{expr}(*static_cast<const cuflash::Params*>(params));"
+    for i, (kind, expr) in enumerate(kernels):
+        if kind == "dot":
+            call = (f"{expr}(*static_cast<const cuflash::Params*>(params), "
+                    f"*reinterpret_cast<const long long*>(a + {dot_zero}));")
+        elif kind == "finish":
+            call = (f"call_finish(&{expr}, *reinterpret_cast<void* const*>(a), "
+                    f"*reinterpret_cast<void* const*>(a + {f_dq}), "
+                    f"*reinterpret_cast<const long long*>(a + {f_n}), "
+                    f"*reinterpret_cast<const int*>(a + {f_parts}));")
+        else:
+            call = f"{expr}(*static_cast<const cuflash::Params*>(params));"
         cases.append(f"    case {i}: body = [=] {{ {call} }}; break;")
     return """
+template <typename A, typename O>
+static void call_finish(void (*f)(const A*, O*, long long, int), void* partial, void* dq,
+                        long long n, int parts) {
+  f(static_cast<const A*>(partial), static_cast<O*>(dq), n, parts);
+}
 extern "C" int emu_launch(int which, const void* params, int grid, int threads, unsigned smem_bytes) {
   std::function<void()> body;
+  const char* const a = static_cast<const char*>(params);
+  (void)a;
   switch (which) {
 %s
     default: return 2;
   }
+  ::emu::st().ngrid = unsigned(grid);
   for (int b = 0; b < grid; ++b)
     if (!::emu::run_block(threads, {unsigned(b), 0, 0}, cuflash::smem, smem_bytes, body)) return 1;
   return 0;

@@ -46,8 +46,10 @@ using std::min;
 struct uint3_emu { unsigned x, y, z; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 namespace emu {
 
@@ -69,6 +71,7 @@ struct State {
   unsigned char* smem = nullptr;   // the kernel's extern __shared__ array
   unsigned dyn_smem = 0;           // dynamic shared memory of this launch
   int nthreads = 0;
+  unsigned ngrid = 1;              // blocks of the launch (gridDim.x)
   int cur = 0;
   uint3_emu bid{0, 0, 0};
   ucontext_t sched;
@@ -263,6 +266,8 @@ inline bool run_block(int nthreads, uint3_emu bid, unsigned char* smem, unsigned
 
 #define threadIdx (::emu::thread_idx())
 #define blockIdx (::emu::st().bid)
+#define blockDim (::uint3_emu{unsigned(::emu::st().nthreads), 1u, 1u})
+#define gridDim (::uint3_emu{::emu::st().ngrid, 1u, 1u})
 #define __syncthreads() ((void)::emu::block_sync_or(0))
 #define __syncthreads_or(pred) ::emu::block_sync_or(pred)
 #define __trap() ::emu::fail("__trap()")
