@@ -208,9 +208,40 @@ def measure(calls: int, profile: str | None = None) -> list[dict]:
     return rows
 
 
+#: what :func:`launches` writes over every device pointer left in an argument block
+STALE = 0x5EA1_DEAD_0000_0000
+
+
+def _pointer_words(nbytes: int) -> list[int]:
+    """The 8-byte words of an argument block that hold device pointers: a Params block (alone,
+    or bwd_dot_do_o's, which begins with one): its leading pointers, the modifiers' arrays,
+    block lists, dL/dbias and captured arrays; bwd_finish_dq's: partial and dq."""
+    from cuflash import _launch, _modifier_params as mp, _plan_aux
+    if nbytes == _plan_aux.FINISH_ARGS.itemsize:
+        return [0, 1]
+    if nbytes < _launch.PARAMS.itemsize:
+        return []
+    base = _launch.PARAMS.fields["mod"][1]
+    mod = [(base + mp.MODIFIER_PARAMS.fields[n][1]) // 8
+           for n in (*mp.POINTER_FIELDS, "block_list", "dbias")]
+    cap = base + mp.MODIFIER_PARAMS.fields["captured"][1]
+    size = mp.MODIFIER_PARAMS["captured"].base.itemsize
+    return list(range(len(_launch.POINTERS))) + mod + [(cap + k * size) // 8 for k in range(4)]
+
+
 def launches(fn):
-    """``(fn(), the launches it made)``: RECORD's entries while it ran."""
+    """``(fn(), the launches it made)``: RECORD's entries while it ran. First every device
+    pointer an argument block still holds from an earlier call is overwritten by ``STALE``
+    (as another call of the same plan, on other arrays, would have left it): a call that
+    launches without patching a pointer it reads records STALE there, not a right-looking
+    leftover."""
+    import numpy
     global RECORD
+    for blk in LAUNCH_OF.values():
+        words = blk.buf.view(numpy.uint64)
+        at = numpy.array(_pointer_words(words.nbytes), numpy.int64)
+        at = at[at < words.size]
+        words[at] = numpy.where(words[at] != 0, STALE, 0)   # (0: a pointer the kernel skips)
     RECORD = []
     try:
         result = fn()
