@@ -178,7 +178,9 @@ class FastModified:
     words (a block mask's lists, the captured arrays a user function reads) patched from
     ``_extra``, computed once: with no array of the call among them, they are the same for
     every call of the key (the lists are kept with the block mask, the captured arrays by the
-    functions the key holds), so neither the traces nor the lists are looked up again."""
+    functions the key holds), so neither the traces nor the lists are looked up again. A
+    backward plan whose gradients need no broadcast sum, with lse contiguous, is launched the
+    same way (``BackwardPlan.run_modified``)."""
     __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty", "_launch", "_extra",
                  "_stream")
 
@@ -191,6 +193,10 @@ class FastModified:
         self._launch = self._extra = None
         if forward and len(plan.offsets) == 1 and not any(plan.offsets[0]):
             self._launch = plan.launch
+        elif not forward and plan.direct and plan.lse_contiguous and not plan.copies \
+                and len(plan.offsets) == 1:
+            self._launch = plan.run_modified
+        if self._launch is not None:
             self._extra = tuple(plan.mods.words(plan.mods.pointer_arrays(mods), mods))
 
     def forward(self, q, k, v, return_lse: bool):
@@ -206,5 +212,10 @@ class FastModified:
     def backward(self, do, q, k, v, o, lse):
         empty = self._empty
         dq, dk, dv = (empty(s, t) for s, t in zip(self.shapes, self.dtypes))
-        self.plan(do, q, k, v, o, lse, dq, dk, dv, self.mods, {})
+        if self._launch is not None:
+            self._launch(self._stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                         o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+                         self._extra)
+        else:
+            self.plan(do, q, k, v, o, lse, dq, dk, dv, self.mods, {})
         return dq, dk, dv

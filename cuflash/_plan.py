@@ -357,7 +357,17 @@ class BackwardPlan:
             self.launch(stream, words)
             self.finish.to(dq)(stream, (base + dq_acc, dq))
 
-    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None):
+    def run_modified(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int,
+                     dq: int, dk: int, dv: int, mod_words) -> None:
+        """Launch with raw device pointers a plan with modifiers that carry no array of the
+        call (``_fast.FastModified``: direct gradients, lse contiguous, no copies), the
+        modifiers' pointer words (``ModifierPatch.words``: a block mask's lists, captured
+        arrays) computed once by the caller."""
+        self._run((self.launch, self.offsets), stream, do, q, k, v, o, lse, dq, dk, dv,
+                  mod_words=mod_words)
+
+    def _run(self, launches, stream, do, q, k, v, o, lse, dq, dk, dv, keep=None, mods=None,
+             mod_words=None):
         if self.one_kernel:    # (the slow path's first call; run() is the same launch)
             self.run(stream, do, q, k, v, o, lse, dq, dk, dv)
             return None
@@ -371,13 +381,15 @@ class BackwardPlan:
             dk if self.dk_direct else base + off["dk_acc"],
             dv if self.dv_direct else base + off["dv_acc"], base + off["dq_sem"]]
         extra = [(_DQ_WORD, dq)] if self.fused_dq else []   # the main kernel rounds dQ into it
-        if keep is None and not extra:
+        if keep is None and mod_words is None and not extra:
             _run(*launches, stream, words)
         else:   # (fused_dq: one launch, _families.fuse_dq_finish; modifiers: one, pack_into)
             if keep is not None:
                 extra += self.mods.words(keep, mods)
                 if self.mods.has_bias:   # the kernel's dL/dbias of every (item, i, j)
                     extra.append((self.mods.dbias_word, base + self._dbias_offset()))
+            elif mod_words is not None:
+                extra += mod_words
             launches[0](stream, words, extra=extra)
         if not self.fused_dq:
             # dQ from its accumulation buffer, rounded once: into dq itself, or into a buffer
