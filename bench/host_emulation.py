@@ -162,7 +162,8 @@ def cases(cuflash, L: int) -> dict[str, dict]:
             "block_mask": {"block_mask": bm}, "block_mask_causal": {"block_mask": bm,
                                                                      "causal": True},
             "score_mod_captured": {"score_mod": head_bias},
-            "bias": {"bias": cupy.empty((L, L), numpy.dtype(ml_dtypes.bfloat16))}}
+            "bias": {"bias": cupy.empty((L, L), numpy.dtype(ml_dtypes.bfloat16))},
+            "alibi": {"alibi_slopes": cupy.empty((SHAPE[1],), numpy.float32), "causal": True}}
 
 
 def measure(calls: int, profile: str | None = None) -> list[dict]:
@@ -207,6 +208,9 @@ def measure(calls: int, profile: str | None = None) -> list[dict]:
                          "general": (validated[0] - general) / (3 * calls)})
     return rows
 
+
+#: the modifier keywords that carry an array of the call
+ARRAY_KW = ("bias", "mask", "alibi_slopes", "sink")
 
 #: what :func:`launches` writes over every device pointer left in an argument block
 STALE = 0x5EA1_DEAD_0000_0000
@@ -304,8 +308,16 @@ def check_launches() -> list[str]:
 
     def names(**arrays):
         return {x.data.ptr: n for n, x in arrays.items() if x is not None}
-    for case, kw in cases(cuflash, SHAPE[2]).items():
-        mods = {"bias": kw["bias"]} if "bias" in kw else {}
+    for case, kw0 in cases(cuflash, SHAPE[2]).items():
+        kw = kw0
+
+        def fresh(run):   # the fast call gets arrays of its own (the same layouts): a fast
+            out = dict(kw0)   # path must patch the call's pointers, not keep the first call's
+            if run == "fast":
+                out.update({n: cupy.empty(kw0[n].shape, kw0[n].dtype) for n in ARRAY_KW
+                            if n in kw0})
+            return out, {n: out[n] for n in ARRAY_KW if n in out}
+        mods = {}
         if "score_mod" in kw:         # its captured arrays (the cell's Captured objects)
             from cuflash._trace import Captured
             cells = [c.cell_contents for c in kw["score_mod"].__closure__ or ()]
@@ -321,19 +333,23 @@ def check_launches() -> list[str]:
         for return_lse in (True, False):
             _api.clear_plans()
             for run in ("general", "fast"):
+                kw, arrays = fresh(run)
                 res, rec = launches(lambda: cuflash.attention(q, k, v, return_lse=return_lse,
                                                               **kw))
                 o, lse = res if return_lse else (res, None)
-                runs[run] = normalised(rec, names(**inputs, **mods, **lists(), o=o, lse=lse))
+                runs[run] = normalised(rec, names(**inputs, **mods, **arrays, **lists(), o=o,
+                                                  lse=lse))
             why = difference(runs["general"], runs["fast"])
             if why:
                 bad.append(f"{case} fwd return_lse={return_lse}: {why}")
-        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw0)
         _api.clear_plans()
         for run in ("general", "fast"):
+            kw, arrays = fresh(run)
             grads, rec = launches(lambda: cuflash.attention_backward(do, q, k, v, o, lse, **kw))
             outs = dict(zip(("dq", "dk", "dv", "dbias"), grads))
-            runs[run] = normalised(rec, names(**inputs, **mods, **lists(), o=o, lse=lse, **outs))
+            runs[run] = normalised(rec, names(**inputs, **mods, **arrays, **lists(), o=o,
+                                              lse=lse, **outs))
         why = difference(runs["general"], runs["fast"])
         if why:
             bad.append(f"{case} bwd: {why}")

@@ -167,18 +167,18 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
         if fast is not None and return_lse.__class__ is bool \
                 and _get_device() == fast.device_id:
             return fast(q, k, v, return_lse)
-    fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
+    fast_mods = None   # the key part of the call's modifiers (_fast.FastModified)
     if not plain and out is None and type(q) is _CUPY and type(k) is _CUPY \
             and type(v) is _CUPY and enable_gqa is False and return_lse.__class__ is bool:
         try:
             fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask,
-                                       score_mod, mask_mod, block_mask)
+                                       score_mod, mask_mod, block_mask, arrays=True)
             fast = None if fast_mods is None else _FWD_PLANS.get(
                 _forward_key(q, k, v, scale, causal) + fast_mods)
-        except (TypeError, AttributeError):   # unhashable, or not a BlockMask: validation says
-            fast, fast_mods = None, None
+        except (TypeError, AttributeError):   # unhashable, not a BlockMask, an array not
+            fast, fast_mods = None, None      # CuPy's: validation says
         if fast is not None and _get_device() == fast.device_id:
-            return fast.forward(q, k, v, return_lse)
+            return fast.forward(q, k, v, return_lse, (alibi_slopes, sink, bias, mask))
 
     call = _problem.Call(q, k, v, enable_gqa, out=out)  # any framework's arrays; GQA views
     q, k, v, out = call.q, call.k, call.v, call.out
@@ -246,7 +246,7 @@ def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=Non
     key = _forward_key(q, k, v, scale, causal)
     if not mkey:
         fwd.put(key, FastForward(plan, o, lse))
-    elif fast_mods is not None:
+    elif fast_mods is not None and FastModified.usable(plan, mods, forward=True):
         fwd.put(key + fast_mods, FastModified(plan, mods, (o, lse), forward=True))
 
 

@@ -138,12 +138,15 @@ class FastBackward:
 
 
 def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, mask_mod,
-                  block_mask) -> tuple | None:
+                  block_mask, arrays: bool = False) -> tuple | None:
     """The key part of a call's modifiers for the fast path of calls with modifiers that carry
     no array of their own (``window``, ``softcap``, ``score_mod``, ``mask_mod``,
     ``block_mask``): None where ``alibi_slopes``, ``sink``, ``bias`` or ``mask`` is given
-    (their pointers, dtype conversions and gradients stay on the general path) or a user
-    function's dependencies cannot be keyed (``_trace.function_key``).
+    (the backward's: their gradients and conversions stay on the general path) or a user
+    function's dependencies cannot be keyed (``_trace.function_key``). ``arrays`` (the
+    forward's): those four are keyed too, each by its class and :func:`layout` (what
+    validation and the plan read of it: no value is checked), so a hit may patch their
+    pointers; AttributeError for one that is not a CuPy array (the caller validates).
 
     What validation and the plan depend on, with the values' types (``(128.0, 0)`` equals
     ``(128, 0)`` but is rejected by validation: the key tells them apart): ``window`` and
@@ -152,7 +155,9 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
     a ``block_mask`` by identity, with its mask_mod's key. An entry holds the call's validated
     ``Modifiers``, which holds the functions and the block mask, so no identity in a live key
     can be reused by another object. TypeError where a value is unhashable."""
-    if alibi_slopes is not None or sink is not None or bias is not None or mask is not None:
+    given = (alibi_slopes, sink, bias, mask)
+    if not arrays and not (alibi_slopes is None and sink is None and bias is None
+                           and mask is None):
         return None
     from cuflash._trace import function_key
     key: tuple = ("mods", window, window.__class__,
@@ -164,6 +169,8 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
             key += (None,) if fn is None else ((id(fn), function_key(fn)),)
     except (KeyError, AttributeError, ValueError):   # cached_trace's own rule: not keyable
         return None
+    if arrays:
+        key += tuple(None if x is None else (x.__class__, layout(x)) for x in given)
     hash(key)
     return key + (None if block_mask is None else id(block_mask),)
 
@@ -182,7 +189,7 @@ class FastModified:
     backward plan whose gradients need no broadcast sum, with lse contiguous, is launched the
     same way (``BackwardPlan.run_modified``)."""
     __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty", "_launch", "_extra",
-                 "_stream")
+                 "_stream", "_arrays")
 
     def __init__(self, plan, mods, outputs, forward: bool = False):
         self.plan, self.mods, self.device_id = plan, mods, plan.device_id
@@ -191,20 +198,45 @@ class FastModified:
         cupy = sys.modules["cupy"]
         self._empty, self._stream = cupy.empty, cupy.cuda.get_current_stream
         self._launch = self._extra = None
+        self._arrays = ()
         if forward and len(plan.offsets) == 1 and not any(plan.offsets[0]):
             self._launch = plan.launch
         elif not forward and plan.direct and plan.lse_contiguous and not plan.copies \
                 and len(plan.offsets) == 1:
             self._launch = plan.run_modified
         if self._launch is not None:
-            self._extra = tuple(plan.mods.words(plan.mods.pointer_arrays(mods), mods))
+            # the words fixed for the key (a block mask's lists, captured arrays); the call's
+            # own arrays (bias, mask, slopes, sink: the forward only, :meth:`usable`) patched a
+            # call, each as (word, index in (alibi_slopes, sink, bias, mask))
+            self._extra = tuple(plan.mods.words([], mods))
+            order = ("alibi_slopes", "sink", "bias", "mask")
+            self._arrays = tuple((plan.mods.word[n], order.index(n)) for n in plan.mods.names)
+            if self._arrays:   # (the entry keeps no array of a call: only the functions and
+                self.mods = None   # the block mask, which its key names by identity, are kept)
 
-    def forward(self, q, k, v, return_lse: bool):
+    @staticmethod
+    def usable(plan, mods, forward: bool) -> bool:
+        """Whether a call of these modifiers may have an entry: one with arrays of its own
+        (the forward's bias, mask, slopes, sink) only where it is launched directly and its
+        slopes and sink are in the accumulation type already (the kernel reads them as they
+        are; a conversion a call stays on the general path)."""
+        if not (mods.bias is not None or mods.mask is not None
+                or mods.alibi_slopes is not None or mods.sink is not None):
+            return True
+        return (forward and len(plan.offsets) == 1 and not any(plan.offsets[0])
+                and all(getattr(mods, n) is None or getattr(mods, n).dtype == plan.mods.acc
+                        for n in ("alibi_slopes", "sink")))
+
+    def forward(self, q, k, v, return_lse: bool, arrays=()):
+        """``arrays``: the call's (alibi_slopes, sink, bias, mask), of the key's layouts."""
         (so, sl), (do_, dl), empty = self.shapes, self.dtypes, self._empty
         o, lse = empty(so, do_), empty(sl, dl)
         if self._launch is not None:
+            extra = self._extra
+            if self._arrays:
+                extra = extra + tuple((w, arrays[i].data.ptr) for w, i in self._arrays)
             self._launch(self._stream().ptr, [q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
-                                              lse.data.ptr], extra=self._extra)
+                                              lse.data.ptr], extra=extra)
         else:
             self.plan(q, k, v, o, lse, self.mods)
         return (o, lse) if return_lse else o

@@ -204,11 +204,58 @@ def test_modifier_fast_path_is_bitwise_the_full_path(kw, monkeypatch):
     assert len(_fast_entries(_api._BWD_PLANS)) == 1
 
 
+def _array_case(name: str, seed: int) -> dict:
+    """Modifier arrays of one layout and new values for each seed."""
+    import cupy
+    L, H = 192, 3
+    rng = numpy.random.default_rng(seed)
+    return {
+        "bias": lambda: dict(bias=rand((L, L), BF16, seed)),
+        "bias_float32_full": lambda: dict(bias=rand((2, H, L, L), numpy.float32, seed)),
+        "mask": lambda: dict(mask=cupy.asarray(rng.random((L, L)) < 0.7)),
+        "alibi": lambda: dict(alibi_slopes=cupy.asarray(rng.random(H, numpy.float32)),
+                              causal=True),
+        "alibi_bf16": lambda: dict(alibi_slopes=rand((H,), BF16, seed), causal=True),
+        "sink_bf16": lambda: dict(sink=rand((H,), BF16, seed)),
+        "bias_window": lambda: dict(bias=rand((L, L), BF16, seed), window=(50, 0)),
+    }[name]()
+
+
+@pytest.mark.parametrize("case", ["bias", "bias_float32_full", "mask", "alibi", "alibi_bf16",
+                                  "sink_bf16", "bias_window"])
+def test_forward_fast_path_patches_each_calls_modifier_arrays(case, monkeypatch):
+    """A forward with modifier arrays (bias, mask, slopes, sink) takes its entry on repeated
+    calls (no validation), and each call reads its own arrays: new values of the same layout
+    give bitwise the full path's result on them. Slopes and sinks of bfloat16 (converted to
+    float32 a call) keep the general path: no entry, validated every call, the same bits."""
+    entry = not case.endswith("_bf16")
+    import cupy
+    from cuflash import _problem
+    validated = []
+    make_problem = _problem.make_problem
+    monkeypatch.setattr(_problem, "make_problem",
+                        lambda *a, **k: validated.append(1) or make_problem(*a, **k))
+    q, k, v = (rand((2, 3, 192, 64), BF16, 50 + i) for i in range(3))
+    _api.clear_plans()
+    cuflash.attention(q, k, v, **_array_case(case, 0))          # (the entry)
+    for seed in (1, 2, 3):
+        kw = _array_case(case, seed)
+        poison_pool()
+        before = len(validated)
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        assert len(validated) == before + (0 if entry else 1)    # the entry, not validation
+        ref_o, ref_lse = full_path(q, k, v, **kw)
+        cupy.testing.assert_array_equal(o, ref_o)
+        cupy.testing.assert_array_equal(lse, ref_lse)
+        assert not bool(cupy.isnan(o).any())
+    assert len(_fast_entries(_api._FWD_PLANS)) == int(entry)
+
+
 def test_modifier_fast_path_sees_what_validation_and_tracing_see(monkeypatch):
     """After an entry exists: a value validation rejects still raises (a float window bound
     equals an int one, and hashes alike), a user function whose global changed is traced
-    again (the full path's new result, not the entry's), and modifiers with arrays (bias)
-    never take an entry."""
+    again (the full path's new result, not the entry's), and a bias takes an entry of its
+    own, which an array of another kind or shape does not hit."""
     import cupy
     shape = (1, 2, 128, 64)
     q, k, v = (rand(shape, BF16, 30 + i) for i in range(3))
@@ -232,4 +279,8 @@ def test_modifier_fast_path_sees_what_validation_and_tracing_see(monkeypatch):
     bias = rand((128, 128), BF16, 40)
     for _ in range(2):
         cuflash.attention(q, k, v, bias=bias)
-    assert len(_fast_entries(_api._FWD_PLANS)) == n
+    assert len(_fast_entries(_api._FWD_PLANS)) == n + 1    # (the forward keys a bias's layout)
+    with pytest.raises(TypeError):                          # a NumPy bias: not an entry's
+        cuflash.attention(q, k, v, bias=cupy.asnumpy(bias))
+    with pytest.raises(ValueError):                         # a bias that does not broadcast
+        cuflash.attention(q, k, v, bias=rand((128, 64), BF16, 41))

@@ -29,20 +29,24 @@ def test_repeated_calls_take_their_fast_path(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     cases = {(r["case"], r["direction"]): r for r in rows}
     assert set(cases) == {(c, d) for c in ("plain", "window", "softcap", "block_mask",
-                                           "block_mask_causal", "score_mod_captured", "bias")
+                                           "block_mask_causal", "score_mod_captured", "bias",
+                                           "alibi")
                           for d in ("fwd", "bwd")}
     for (case, direction), r in cases.items():
         assert r["hits"] == 1.0, r                     # one lookup a call, found
-        assert r["general"] == (1.0 if case == "bias" else 0.0), r
+        # (the backward of a call with modifier arrays keeps the general path: its gradients)
+        general = case in ("bias", "alibi") and direction == "bwd"
+        assert r["general"] == (1.0 if general else 0.0), r
         assert r["host_us"] > 0
 
 
 def test_fast_paths_launch_what_the_general_path_launches(tmp_path):
     """Per case: the general path's launches (the first call) and the fast path's (the
-    second) are the same kernels, grids and argument blocks, word for word, every pointer word
-    naming the same array (checked to fail on dk and dv swapped in FastModified.backward, on
-    k for v in the plain forward's fast path, and on FastModified's block-list and captured
-    pointers moved by 16 bytes)."""
+    second, with modifier arrays of its own) are the same kernels, grids and argument blocks,
+    word for word, every pointer word naming the same array (checked to fail on dk and dv
+    swapped in FastModified.backward, on k for v in the plain forward's fast path, on
+    FastModified's block-list and captured pointers moved by 16 bytes, and on its modifier
+    words, or a call's bias / slopes words, left unpatched)."""
     pytest.importorskip("cupy")
     pytest.importorskip("ml_dtypes")
     out = tmp_path / "check.json"
