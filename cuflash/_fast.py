@@ -211,8 +211,10 @@ class FastModified:
             self._extra = tuple(plan.mods.words([], mods))
             order = ("alibi_slopes", "sink", "bias", "mask")
             self._arrays = tuple((plan.mods.word[n], order.index(n)) for n in plan.mods.names)
-            if self._arrays:   # (the entry keeps no array of a call: only the functions and
-                self.mods = None   # the block mask, which its key names by identity, are kept)
+            if self._arrays:   # the entry keeps no array of a call (a bias can be GBs), but
+                import dataclasses  # keeps the functions and the block mask: its key names
+                self.mods = dataclasses.replace(   # them by identity, which must stay unused
+                    mods, alibi_slopes=None, sink=None, bias=None, mask=None)
 
     @staticmethod
     def usable(plan, mods, forward: bool) -> bool:

@@ -218,11 +218,12 @@ def _array_case(name: str, seed: int) -> dict:
         "alibi_bf16": lambda: dict(alibi_slopes=rand((H,), BF16, seed), causal=True),
         "sink_bf16": lambda: dict(sink=rand((H,), BF16, seed)),
         "bias_window": lambda: dict(bias=rand((L, L), BF16, seed), window=(50, 0)),
+        "bias_score_mod": lambda: dict(bias=rand((L, L), BF16, seed), score_mod=_scaled),
     }[name]()
 
 
 @pytest.mark.parametrize("case", ["bias", "bias_float32_full", "mask", "alibi", "alibi_bf16",
-                                  "sink_bf16", "bias_window"])
+                                  "sink_bf16", "bias_window", "bias_score_mod"])
 def test_forward_fast_path_patches_each_calls_modifier_arrays(case, monkeypatch):
     """A forward with modifier arrays (bias, mask, slopes, sink) takes its entry on repeated
     calls (no validation), and each call reads its own arrays: new values of the same layout
@@ -248,7 +249,11 @@ def test_forward_fast_path_patches_each_calls_modifier_arrays(case, monkeypatch)
         cupy.testing.assert_array_equal(o, ref_o)
         cupy.testing.assert_array_equal(lse, ref_lse)
         assert not bool(cupy.isnan(o).any())
-    assert len(_fast_entries(_api._FWD_PLANS)) == int(entry)
+    entries = _fast_entries(_api._FWD_PLANS)
+    assert len(entries) == int(entry)
+    for e in entries:   # no array of a call kept; the function its key names by id kept alive
+        assert e.mods.bias is None and e.mods.mask is None and e.mods.alibi_slopes is None
+        assert e.mods.score_mod is (_scaled if case == "bias_score_mod" else None)
 
 
 def test_modifier_fast_path_sees_what_validation_and_tracing_see(monkeypatch):
