@@ -209,9 +209,6 @@ def measure(calls: int, profile: str | None = None) -> list[dict]:
     return rows
 
 
-#: the modifier keywords that carry an array of the call
-ARRAY_KW = ("bias", "mask", "alibi_slopes", "sink")
-
 #: what :func:`launches` writes over every device pointer left in an argument block
 STALE = 0x5EA1_DEAD_0000_0000
 
@@ -301,6 +298,7 @@ def check_launches() -> list[str]:
     import numpy
     import cuflash
     from cuflash import _api
+    from cuflash._fast import ARRAY_MODIFIERS as ARRAY_KW   # (a call's own arrays)
     bf16 = numpy.dtype(ml_dtypes.bfloat16)
     q, k, v, do = (cupy.empty(SHAPE, bf16) for _ in range(4))
     inputs = {"q": q, "k": k, "v": v, "do": do}

@@ -15,6 +15,17 @@ def layout(x) -> tuple:
     return (x.shape, x.strides, x.dtype, mem.ptr & 15, mem.device_id)
 
 
+def one_launch(plan) -> bool:
+    """Whether a plan is one launch at offset 0 (no outer loop over batch dimensions): its
+    Launch then takes a call's pointers as they are."""
+    return len(plan.offsets) == 1 and not any(plan.offsets[0])
+
+
+#: the modifier keywords that carry an array of the call, in the order a forward entry is
+#: handed them (``FastModified.forward``'s ``arrays``) and keyed (:func:`modifiers_key`)
+ARRAY_MODIFIERS = ("alibi_slopes", "sink", "bias", "mask")
+
+
 def forward_key(q, k, v, scale, causal) -> tuple:
     """The fast path's key of a plain forward call (a call with array-free modifiers adds
     :func:`modifiers_key`): what :func:`layout` holds of q, k, v in one flat tuple, a
@@ -83,8 +94,7 @@ class FastForward:
         cupy = sys.modules["cupy"]
         self._alloc, self._stream, self._ndarray = (cupy.cuda.alloc, cupy.cuda.get_current_stream,
                                                     cupy.ndarray)
-        one = len(plan.offsets) == 1 and not any(plan.offsets[0])
-        self._launch = plan.launch if one else None
+        self._launch = plan.launch if one_launch(plan) else None
 
     def __call__(self, q, k, v, return_lse: bool):
         mem = self._alloc(self.nbytes)
@@ -199,7 +209,7 @@ class FastModified:
         self._empty, self._stream = cupy.empty, cupy.cuda.get_current_stream
         self._launch = self._extra = None
         self._arrays = ()
-        if forward and len(plan.offsets) == 1 and not any(plan.offsets[0]):
+        if forward and one_launch(plan):
             self._launch = plan.launch
         elif not forward and plan.direct and plan.lse_contiguous and not plan.copies \
                 and len(plan.offsets) == 1:
@@ -207,10 +217,10 @@ class FastModified:
         if self._launch is not None:
             # the words fixed for the key (a block mask's lists, captured arrays); the call's
             # own arrays (bias, mask, slopes, sink: the forward only, :meth:`usable`) patched a
-            # call, each as (word, index in (alibi_slopes, sink, bias, mask))
+            # call, each as (word, index in ARRAY_MODIFIERS)
             self._extra = tuple(plan.mods.words([], mods))
-            order = ("alibi_slopes", "sink", "bias", "mask")
-            self._arrays = tuple((plan.mods.word[n], order.index(n)) for n in plan.mods.names)
+            self._arrays = tuple((plan.mods.word[n], ARRAY_MODIFIERS.index(n))
+                                 for n in plan.mods.names)
             if self._arrays:   # the entry keeps no array of a call (a bias can be GBs), but
                 import dataclasses  # keeps the functions and the block mask: its key names
                 self.mods = dataclasses.replace(   # them by identity, which must stay unused
@@ -222,15 +232,14 @@ class FastModified:
         (the forward's bias, mask, slopes, sink) only where it is launched directly and its
         slopes and sink are in the accumulation type already (the kernel reads them as they
         are; a conversion a call stays on the general path)."""
-        if not (mods.bias is not None or mods.mask is not None
-                or mods.alibi_slopes is not None or mods.sink is not None):
+        if not mods.features.intersection(ARRAY_MODIFIERS):
             return True
-        return (forward and len(plan.offsets) == 1 and not any(plan.offsets[0])
+        return (forward and one_launch(plan)
                 and all(getattr(mods, n) is None or getattr(mods, n).dtype == plan.mods.acc
                         for n in ("alibi_slopes", "sink")))
 
     def forward(self, q, k, v, return_lse: bool, arrays=()):
-        """``arrays``: the call's (alibi_slopes, sink, bias, mask), of the key's layouts."""
+        """``arrays``: the call's ARRAY_MODIFIERS, of the key's layouts."""
         (so, sl), (do_, dl), empty = self.shapes, self.dtypes, self._empty
         o, lse = empty(so, do_), empty(sl, dl)
         if self._launch is not None:

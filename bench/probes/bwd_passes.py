@@ -42,7 +42,8 @@ SHAPES = [(4, 16, 4096, 128), (4, 32, 4096, 64), (1, 16, 16384, 128)]
 ROWS, BLOCKS = (1, 2, 4, 8), (2, 4, 8, 16)
 
 
-def _events_us(cupy, launch, iters: int = 30) -> float:
+def _events_us(launch, iters: int = 30) -> float:
+    """GPU time of one ``launch()`` (CUDA events around each, median), us."""
     from suite_common import median_event_ms
     return median_event_ms(lambda i: launch(), iters=iters, warmup=3, warm_ms=20) * 1e3
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
                 def go(kern=kern, grid=grid):
                     drv.launchKernel(kern.kernel.ptr, grid, 1, 1, 256, 1, 1, 0, stream,
                                      plan.launch.argv_ptr, 0)
-                us = _events_us(cupy, go)
+                us = _events_us(go)
                 go()
                 if ref_D is None:
                     ref_D = D.copy()
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                 def go(kern=kern, grid=grid):
                     drv.launchKernel(kern.kernel.ptr, grid, 1, 1, 256, 1, 1, 0, stream,
                                      fin.argv_ptr, 0)
-                us = _events_us(cupy, go)
+                us = _events_us(go)
                 go()
                 if ref_dq is None:
                     ref_dq = dq.copy()
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
                       flush=True)
         src = cupy.empty(dot_bytes // 2, cupy.uint16)
         dst = cupy.empty_like(src)
-        us = _events_us(cupy, lambda: cupy.copyto(dst, src))
+        us = _events_us(lambda: cupy.copyto(dst, src))
         rows_out.append(dict(point, kernel="copy", us=us, tbps=2 * dot_bytes / us * 1e-6))
         print(f"{B}x{H}x{L}x{d} copy of {dot_bytes / 1e6:.0f} MB: {us:.1f} us "
               f"{2 * dot_bytes / us * 1e-6:.2f} TB/s (read + write)", flush=True)
