@@ -57,6 +57,12 @@ env_lines() {
   git status --porcelain --untracked-files=no 2>/dev/null | sed 's/^/dirty: /'
 }
 
+# The test and fuzz processes run side by side (15 of them on 16 cores), each checking against
+# float64 NumPy: one BLAS thread each. Left alone, OpenBLAS starts a thread per core in every
+# process (~240 threads on 16 cores). Session 14's test_gpu_window_persist took 29-44 s a test
+# on the H200 machine; its oracle check takes 2.6-4.2 s on one core of the CPU machine.
+ONE_BLAS=(env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1)
+
 part_tests() {
   local log="$OUT/tests.log"
   { env_lines; "$PY" -m cuflash info; } > "$log" 2>&1
@@ -66,7 +72,7 @@ part_tests() {
   # In a process group of its own (setsid), killed whole afterwards: pytest-xdist workers left
   # running after the time limit loaded the machine under session 7's next (timed) call.
   HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} setsid timeout -s INT "${TESTS_TIMEOUT:-560}" \
-    "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider \
+    "${ONE_BLAS[@]}" "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider \
     "${TESTS_VERBOSITY:--q}" --tb=short -rfE --durations=40 "${ids[@]}" \
     >> "$log" 2>&1 &
   local pg=$!
@@ -144,7 +150,7 @@ fuzz_campaign() {
   local secs=$1 shards=$2 n=$3 seed0=$4 pids=() i dir="$OUT/fuzz_shards"
   mkdir -p "$dir"
   for i in $(seq "$seed0" $((seed0 + shards - 1))); do
-    "$PY" -m cuflash fuzz --examples $(( (n + shards - 1) / shards )) --device gpu --seed "$i" \
+    "${ONE_BLAS[@]}" "$PY" -m cuflash fuzz --examples $(( (n + shards - 1) / shards )) --device gpu --seed "$i" \
       --quiet --time-limit "$secs" --report "$dir/fuzz_shard$i.json" \
       > "$dir/fuzz_shard$i.log" 2>&1 &
     pids+=($!)
