@@ -168,6 +168,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,
                 and _get_device() == fast.device_id:
             return fast(q, k, v, return_lse)
     fast_mods = None   # the key part of the call's modifiers (_fast.FastModified)
+    if not plain and _CUPY is None and "cupy" in sys.modules:
+        _caches()   # the process's first call: the names below, so that it makes its entry
     if not plain and out is None and type(q) is _CUPY and type(k) is _CUPY \
             and type(v) is _CUPY and enable_gqa is False and return_lse.__class__ is bool:
         try:
@@ -213,7 +215,8 @@ def _mods_key(mods) -> tuple:
     """What a plan depends on in the modifiers: their values and their arrays' layouts."""
     if not mods.features:
         return ()
-    key = ("mods", mods.window, mods.softcap) + tuple(
+    # (bias_shape: a bias and its expanded view look alike broadcast; only one dbias is summed)
+    key = ("mods", mods.window, mods.softcap, mods.bias_shape) + tuple(
         None if x is None else _layout(x)
         for x in (mods.bias, mods.mask, mods.alibi_slopes, mods.sink))
     if mods.block_mask is not None:   # its tile sizes and counts are packed into the plan
@@ -232,8 +235,7 @@ def _mods_key(mods) -> tuple:
 def _gpu_forward(prob, q, k, v, scale, causal, o, lse, cacheable: bool, mods=None,
                  fast_mods=None) -> None:
     """The slow path of a CuPy forward: the plan from the cache (or built), run on arrays;
-    then the fast path's entry: plain calls (``FastForward``), and calls whose modifiers carry
-    no array (``fast_mods``, their key part: ``FastModified``)."""
+    then the fast path's entry (``FastForward``; ``FastModified``, ``fast_mods`` its key)."""
     fwd, _ = _caches()
     from cuflash._plan import ForwardPlan
     mkey = _mods_key(mods) if mods is not None else ()
@@ -334,6 +336,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
             if _get_device() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
     fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
+    if not plain and _CUPY is None and "cupy" in sys.modules:
+        _caches()   # (attention's first call)
     if not plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False and bwd_key is not None:
         try:
@@ -389,9 +393,11 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     _, bwd = _caches()
     from cuflash._plan import BackwardPlan
     mkey = _mods_key(mods) if mods is not None else ()
+    # (and the gradients' sizes: an input that broadcasts and its expanded stride-0 view look
+    # alike as prob.v, but only the first's gradient is summed: dq/dk/dv_direct of the plan)
     key = ("plan", _layout(do), _layout(prob.q), _layout(prob.k), _layout(prob.v), _layout(o),
            _layout(lse), prob.scale, prob.causal_offset if prob.causal else None,
-           deterministic) + mkey
+           deterministic, dq.size, dk.size, dv.size) + mkey
     plan = bwd.get_or_build(key, lambda: BackwardPlan(prob, do, o, lse, dq, dk, dv,
                                                       deterministic, mods))
     plan(do, prob.q, prob.k, prob.v, o, lse, dq, dk, dv, mods, extra_grads)

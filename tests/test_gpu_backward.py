@@ -70,8 +70,9 @@ def check_grads(qd, kd, vd, do, causal, grads):
                             (2, 2, 1, 101, 111), seed=1, causal=True)
          ).via("GQA, ragged, bottom-right causal with rows that see no key, d = 111")
 @example(AttentionCase.make("float16", (2, 1, 5, 1), (1, 2, 256, 1), (2, 1, 256, 96), seed=0)
-         ).via("failed once (dv) in session 7's gpu-profile run under a loaded machine; not "
-               "reproduced in ~36,000 reruns (bench/NOTES.md, session 7 call 4)")
+         ).via("failed (dv) in session 7's gpu-profile run, not reproduced alone: a plan "
+               "made for an expanded v and reused for a broadcast one (found in session 15, "
+               "test_broadcast_and_expanded_inputs_get_their_own_plans)")
 def test_matches_reference(case):
     import cupy
     target(check_case(case.with_xp(cupy)))
@@ -117,6 +118,34 @@ def test_more_batch_dims_than_the_kernel_takes(dtype):
     k = make_array(rng, (2, 1, 2, 1, 2, 41, 32), dtype)
     v = make_array(rng, (1, 3, 1, 3, 1, 41, 16), dtype)
     run_and_check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("order", ["expanded_first", "broadcast_first"])
+def test_broadcast_and_expanded_inputs_get_their_own_plans(order):
+    """A v (and a bias) that broadcasts over the batch and the same array given expanded (a
+    stride-0 view of the batch's shape) are alike after broadcasting, but only the first's
+    gradient is summed. Called one after the other in one process, each must get its own
+    plan: one plan for both wrote the expanded call's whole batch of dV into the other's
+    one-item dv (session 15: the dV failures of test_matches_reference in sessions 7 and 15,
+    which needed an earlier example of the expanded kind in the same worker)."""
+    import cupy
+    from cuflash import _api
+    from cuflash.testing import AttentionCase
+    _api.clear_plans()
+    rng = numpy.random.default_rng(15)
+    q, k, do = (cupy.asarray(make_array(rng, s, BF16)) for s in
+                ((2, 3, 61, 31), (2, 3, 31, 31), (2, 3, 61, 31)))
+    v1 = cupy.asarray(make_array(rng, (1, 1, 31, 31), BF16))
+    b1 = cupy.asarray(make_array(rng, (3, 61, 31), BF16))
+    calls = [(cupy.broadcast_to(v1, (2, 3, 31, 31)), cupy.broadcast_to(b1, (2, 3, 61, 31))),
+             (v1, b1)]
+    for v, bias in (calls if order == "expanded_first" else calls[::-1]) * 2:
+        for kw in ({}, {"bias": bias}):
+            case = AttentionCase.from_arrays(q, k, v, do=do, **kw)
+            o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+            grads = cuflash.attention_backward(do, q, k, v, o, lse, **kw)
+            assert grads[2].shape == v.shape and (not kw or grads[3].shape == bias.shape)
+            assert_attention_close(None, case, grads=grads, check_dtype=True)
 
 
 # -- properties --------------------------------------------------------------------------------
