@@ -156,7 +156,8 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
     function's dependencies cannot be keyed (``_trace.function_key``). ``arrays`` (the
     forward's): those four are keyed too, each by its class and :func:`layout` (what
     validation and the plan read of it: no value is checked), so a hit may patch their
-    pointers; AttributeError for one that is not a CuPy array (the caller validates).
+    pointers; None where one is not a CuPy array (the general path validates it: a NumPy
+    array's ``data`` is a memoryview, which for bfloat16 raises ValueError, not a key).
 
     What validation and the plan depend on, with the values' types (``(128.0, 0)`` equals
     ``(128, 0)`` but is rejected by validation: the key tells them apart): ``window`` and
@@ -180,7 +181,10 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
     except (KeyError, AttributeError, ValueError):   # cached_trace's own rule: not keyable
         return None
     if arrays:
-        key += tuple(None if x is None else (x.__class__, layout(x)) for x in given)
+        nd = sys.modules["cupy"].ndarray
+        if any(x is not None and x.__class__ is not nd for x in given):
+            return None
+        key += tuple(None if x is None else (nd, layout(x)) for x in given)
     hash(key)
     return key + (None if block_mask is None else id(block_mask),)
 
