@@ -9,7 +9,7 @@
 #             (TESTS_VERBOSITY=-v names every test that passed, so a run cut by TESTS_TIMEOUT can
 #             be completed by a second one: TESTS_IDS_FILE=left.txt, the ids it did not reach;
 #             bench/tests_left.py writes that file from the first run's log)
-#             ~4-5 min (413 tests in 269 s on 15 processes, session 4); --dist load, not
+#             ~7 min (1099 tests in 397 s on 15 processes, session 15); --dist load, not
 #             setup.cfg's loadfile, which sends a whole file (test_gpu_modifiers.py: 100+ tests
 #             of compile-heavy variants) to one worker
 #   gate      the whole compile gate, every specialisation of every arch (python -m cuflash
