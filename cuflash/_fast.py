@@ -154,10 +154,10 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
     ``block_mask``): None where ``alibi_slopes``, ``sink``, ``bias`` or ``mask`` is given
     (the backward's: their gradients and conversions stay on the general path) or a user
     function's dependencies cannot be keyed (``_trace.function_key``). ``arrays`` (the
-    forward's): those four are keyed too, each by its class and :func:`layout` (what
-    validation and the plan read of it: no value is checked), so a hit may patch their
-    pointers; None where one is not a CuPy array (the general path validates it: a NumPy
-    array's ``data`` is a memoryview, which for bfloat16 raises ValueError, not a key).
+    forward's): those four are keyed too, each by its :func:`layout` (what validation and the
+    plan read of it: no value is checked), so a hit may patch their pointers; None where one
+    is not a CuPy array (the general path validates it: a NumPy array's ``data`` is a
+    memoryview, which for bfloat16 raises ValueError, not a key).
 
     What validation and the plan depend on, with the values' types (``(128.0, 0)`` equals
     ``(128, 0)`` but is rejected by validation: the key tells them apart): ``window`` and
@@ -184,22 +184,22 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
         nd = sys.modules["cupy"].ndarray
         if any(x is not None and x.__class__ is not nd for x in given):
             return None
-        key += tuple(None if x is None else (nd, layout(x)) for x in given)
+        key += tuple(None if x is None else layout(x) for x in given)
     hash(key)
     return key + (None if block_mask is None else id(block_mask),)
 
 
 class FastModified:
-    """A cached call with modifiers that carry no array (:func:`modifiers_key`): the plan, the
-    call's validated ``Modifiers`` (the same for every call of this key: they hold no array of
-    the call) and the shapes of what the call returns. Forward: ``(q, k, v, return_lse)``;
-    backward: ``(do, q, k, v, o, lse)``.
+    """A cached call with modifiers (:func:`modifiers_key`): the plan, the call's validated
+    ``Modifiers`` without the call's own arrays (the same for every call of this key) and the
+    shapes of what the call returns. Forward: ``(q, k, v, return_lse)``, with the modifier
+    arrays of the call (:meth:`usable`); backward: ``(do, q, k, v, o, lse)``, array-free
+    modifiers only.
 
     A forward plan of one launch at offset 0 is launched directly, with the modifiers' pointer
-    words (a block mask's lists, the captured arrays a user function reads) patched from
-    ``_extra``, computed once: with no array of the call among them, they are the same for
-    every call of the key (the lists are kept with the block mask, the captured arrays by the
-    functions the key holds), so neither the traces nor the lists are looked up again. A
+    words fixed for the key (a block mask's lists, the captured arrays a user function reads)
+    in ``_extra``, computed once (the lists are kept with the block mask, the captured arrays by
+    the functions the key holds), and the call's bias, mask, slopes and sink patched a call. A
     backward plan whose gradients need no broadcast sum, with lse contiguous, is launched the
     same way (``BackwardPlan.run_modified``)."""
     __slots__ = ("plan", "mods", "device_id", "shapes", "dtypes", "_empty", "_launch", "_extra",
