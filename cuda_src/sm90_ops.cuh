@@ -23,6 +23,46 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[t][i])::"memory");
 }
 
+// mbarriers (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"),
+// for the warp-specialised forward (fwd_sm90ws.cu): an 8-byte object in shared memory whose
+// phase completes once `count` arrivals have been made; a waiter names the phase's parity.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Spin until the phase of parity `parity` has completed (try_wait suspends the thread for a
+// system-chosen time before it returns false, so the loop does not hammer the barrier).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// An arrival made when every cp.async this thread has issued so far has landed (.noinc: the
+// arrival counts towards the barrier's expected count, which mbar_init set to include it).
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Give up (dec) or take (inc) registers for this warpgroup (setmaxnreg: a multiple of 8 in
+// 24..256; every warp of the warpgroup executes it).
+template <int N> __device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+// A barrier of `threads` threads on hardware barrier `id` (0 is __syncthreads'): one
+// warpgroup's epilogue without stopping the others.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// ... and an arrival at one without waiting (the other threads of the count sync on it)
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // A ROWS x COLS tile of 2-byte elements in wgmma's 128-byte-swizzle layout: the columns are
 // cut into 64-element (128-byte) column blocks stored one after the other (kBlockBytes apart);
 // inside a block, row r is the 128 bytes at r * 128, and its 16-byte chunk c sits at chunk
