@@ -1,12 +1,10 @@
 """The kernel-family registry: one record per family, and the dispatcher that reads it.
 
-A *family* is one CUDA kernel template in ``cuda_src/`` (fwd_sm90, fwd_sm80, fwd_simt, bwd_*,
-and the backward's helper kernels). Its record says everything the rest of the package needs
-to know about it: the source file, the architectures, dtypes, head dims and features it
-supports, its traits table (tile sizes, each with the reason it was chosen), and how its
-template arguments are spelled. The dispatcher (:func:`choose`), the launcher (``_launch``),
-the compile gate (:func:`specialisations`, :func:`check`) and ``python -m cuflash info
---explain`` all read these records; adding a family is adding a record here and a .cu file.
+A *family* is one CUDA kernel template in ``cuda_src/`` (fwd_sm90ws, fwd_sm90, fwd_sm80,
+fwd_simt, bwd_*, decode*, the backward's helpers). Its record says all the package needs to know
+about it: source, architectures, dtypes, head dims, features, traits table (tile sizes with their
+reasons), template spelling. The dispatcher (:func:`choose`), the launcher, the compile gate and
+``python -m cuflash info --explain`` read these records; a new family is a record and a .cu file.
 
 The tile tables themselves, with their reasons, are in ``_traits.py``.
 """
@@ -45,8 +43,7 @@ def acc_ctype(dtype) -> str:
     return "double" if numpy.dtype(dtype) == numpy.float64 else "float"
 
 
-def _bool(x: bool) -> str:
-    return "true" if x else "false"
+def _bool(x: bool) -> str: return "true" if x else "false"  # noqa: E704
 
 
 def _spelled(args: dict) -> dict:
@@ -353,11 +350,14 @@ def _bwd_sm80_instances(fam, arch):
 
 
 # -- decode, decode_sm80 (helper "inference"): select / instances in _inference_select.py
-from . import _inference_select as _isel  # noqa: E402
+from . import _fwd_ws as _fws, _inference_select as _isel  # noqa: E402  (fwd_sm90ws: _fwd_ws)
 
 
 REGISTRY: tuple[Family, ...] = (
     # -- forward, best first
+    Family("fwd_sm90ws", "fwd", "fwd_sm90ws.cu", _fws.TEMPLATE, min_cc=90, max_cc=90, dtypes=HALF,
+           head_dims=(33, 128), tensor_core_rows=True, features=FWD_FEATURES, smem_expr=_fws.SMEM,
+           select=_fws.fwd_sm90ws_select, instances=_fws.fwd_sm90ws_instances, summary=_fws.SUMMARY),
     Family("fwd_sm90", "fwd", "fwd_sm90.cu",
            "cuflash::sm90::fwd_sm90<{T}, {head_dim}, {block_n}, {warpgroups}, {min_blocks}, "
            "{variant}, {even}{persist}>",

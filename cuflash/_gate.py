@@ -2,8 +2,8 @@
 
 Every specialisation the dispatcher can select (:func:`specialisations`) is what
 ``python -m cuflash check`` compiles, for each architecture, with NVRTC and no GPU: 1,413 of
-them on sm_70 + sm_80 + sm_90a today (the mods suite's built-in modifier builds of fwd_sm90 and
-bwd_sm90 included, below; the other modifier and the varlen builds are compiled on first use
+them on sm_70 + sm_80 + sm_90a today (the mods suite's built-in modifier builds of fwd_sm90ws,
+fwd_sm90 and bwd_sm90 included, below; the other modifier and the varlen builds are compiled on first use
 and by their own slow tests, not here), about ten CPU-minutes.
 
 CI's two cores cannot afford that on every run, so the test suite compiles a *covering set*
@@ -24,10 +24,10 @@ the same registers by construction; sm_80 vs sm_90a code of one family differs l
 whole set stays the release check: ``python -m cuflash check`` (bench/gpu_run.sh runs it on the
 GPU machine's 16 cores).
 
-The modifier builds of the mods suite's built-in modifiers in fwd_sm90 and bwd_sm90
-(:func:`modifier_records`, about 70 on sm_90a) are in ``check`` but outside the two rules: CI
-compiles only the softcap at d = 128 without causal of both families (the build that spilled
-unseen in session 7).
+The modifier builds of the mods suite's built-in modifiers in the wgmma families
+(:func:`modifier_records`, about 90 on sm_90a) are in ``check`` but outside the two rules: CI
+compiles only the softcap at d = 128 without causal of each (the build that spilled unseen in
+session 7).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def records(arch: str) -> list[Spec]:
 
 #: The wgmma families whose modifier builds the gate compiles (:func:`modifier_records`), and
 #: the mods suite's built-in modifiers (bench/suite_mods.py; the user functions need a trace)
-MODIFIER_FAMILIES = ("fwd_sm90", "bwd_sm90")
+MODIFIER_FAMILIES = ("fwd_sm90ws", "fwd_sm90", "bwd_sm90")
 
 
 def modifier_variants() -> list:
@@ -116,7 +116,7 @@ def modifier_variants() -> list:
 
 def modifier_records() -> list[Spec]:
     """The builds of :func:`modifier_variants` that the dispatcher picks on the H200 for
-    fwd_sm90 and bwd_sm90, bfloat16 (float16 has the same registers by construction), d = 64
+    the ``MODIFIER_FAMILIES``, bfloat16 (float16 has the same registers by construction), d = 64
     and 128, L = 4096 (the forward's EVEN build and, with Lk = 4000, its predicated one); a
     Variant the family sends elsewhere (bwd_sm90 with a bias) is skipped. About 60 builds."""
     from ._families import FAMILIES, PROFILES, Shape

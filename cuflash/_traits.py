@@ -80,6 +80,15 @@ def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, lean=0, rea
                    min_blocks=min_blocks, reason=reason)
 
 
+def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, reason=""):
+    """WsTraits (fwd_sm90ws.cu): a producer warpgroup, ``consumers`` of 64 rows (taking turns at
+    the tensor cores if ``pingpong``); Q + ``stages`` stages of K, V + mbarriers + 1 KB to align."""
+    bm, names = 64 * consumers, ("head_dim", "block_n", "consumers", "stages", "pingpong")
+    return _traits("fwd_sm90ws", names, locals(), head_dim=head_dim, block_m=bm, block_n=block_n,
+                   threads=128 * (consumers + 1), reason=reason, smem_bytes=(
+                       (bm + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 4 * stages) + 1024))
+
+
 def fwd_sm80(head_dim, block_n, warps, slices, min_blocks=1, allow_even=True, reason=""):
     """Sm80Traits: 16-row slices, SLICES a warp; Q (reused for O) + two stages of K, V."""
     bm = 16 * slices * warps
@@ -175,7 +184,7 @@ def decode_sm80_smem(head_dim: int, stages: int = 3) -> int:
 
 
 MAKE: dict[str, Callable[..., Traits]] = {
-    "fwd_sm90": fwd_sm90, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
+    "fwd_sm90": fwd_sm90, "fwd_sm90ws": fwd_sm90ws, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
     "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt, "decode": decode,
     "decode_sm80": decode_sm80,   # helper "inference"
 }
@@ -204,6 +213,13 @@ FWD_SM90 = {
     256: fwd_sm90(256, 64, 2, reason=(
         "O alone is 128 registers: 64-key tiles, 2 warpgroups (shared memory: Q 64 KB + "
         "2 x (K + V) 128 KB)")),
+}
+# fwd_sm90ws (cuda_src/fwd_sm90ws.cu) by head-dim bucket; dispatch in cuflash/_fwd_ws.py
+FWD_SM90WS = {
+    64: fwd_sm90ws(64, 128, 3, 3, reason="3 consumers (192 rows, 160 registers each: S 64, O 32, "
+                   "P 32), 128-key tiles, 3 stages (1-3% over 2, session 16: Q 24 KB + 96 KB)"),
+    128: fwd_sm90ws(128, 128, 2, 2, reason="2 consumers (128 rows, 232 registers each: S 64, O "
+                    "64, P 32), 128-key tiles, 2 stages (3 lost 0-12%: Q 32 KB + 128 KB)"),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +495,6 @@ DECODE = {
 _DM = "head-dim bucket {0}: 16 packed rows as the MMA's M, 64 keys an iteration, {1} blocks an SM"
 DECODE_SM80 = {hd: decode_sm80(hd, mb, reason=_DM.format(hd, mb)) for hd, mb in ((64, 4), (128, 2))}
 
-TABLES = {"fwd_sm90": FWD_SM90, "fwd_sm80": FWD_SM80, "fwd_simt": FWD_SIMT,
-          "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT,
+TABLES = {"fwd_sm90": FWD_SM90, "fwd_sm90ws": FWD_SM90WS, "fwd_sm80": FWD_SM80,
+          "fwd_simt": FWD_SIMT, "bwd_sm90": BWD_SM90, "bwd_sm80": BWD_SM80, "bwd_simt": BWD_SIMT,
           "decode": DECODE, "decode_sm80": DECODE_SM80}

@@ -16,3 +16,18 @@ def backward_sources(monkeypatch) -> list:
 
     monkeypatch.setattr(_families, "choose", spy)
     return seen
+
+
+def forward_sources(monkeypatch) -> list:
+    """:func:`backward_sources` for the forward families."""
+    from cuflash import _families
+    seen, choose = [], _families.choose
+
+    def spy(kind, *args, **kwargs):
+        choice = choose(kind, *args, **kwargs)
+        if kind == "fwd":
+            seen.append(choice.family.source)
+        return choice
+
+    monkeypatch.setattr(_families, "choose", spy)
+    return seen

@@ -19,7 +19,8 @@ VOLTA = DeviceInfo(70, 80, 98304)
 
 @pytest.fixture(autouse=True)
 def _no_overrides(monkeypatch):
-    for var in ("CUFLASH_FWD", "CUFLASH_BWD", "CUFLASH_TILES", "CUFLASH_GRID_ORDER"):
+    for var in ("CUFLASH_FWD", "CUFLASH_BWD", "CUFLASH_TILES", "CUFLASH_GRID_ORDER",
+                "CUFLASH_FWD90_WS"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -42,10 +43,50 @@ def bwd(dev=H200, **kw):
 @pytest.mark.parametrize("d, bucket", [(33, 64), (64, 64), (72, 128), (128, 128), (129, 192),
                                        (256, 256)])
 def test_forward_hopper_takes_wgmma(dtype, d, bucket):
+    # (the warp-specialised build where session 16 measured it faster: d 128 at this shape)
+    name = "fwd_sm90ws" if bucket == 128 else "fwd_sm90"
     c = fwd(dtype=dtype, d=d)
-    assert c.family.name == "fwd_sm90" and c.traits.head_dim == bucket
-    assert c.expr.startswith(f"cuflash::sm90::fwd_sm90<{_families.ctype(dtype)}, {bucket},")
+    assert c.family.name == name and c.traits.head_dim == bucket
+    assert c.expr.startswith(f"cuflash::sm90::{name}<{_families.ctype(dtype)}, {bucket},")
     assert c.traits.smem_bytes <= H200.smem_optin
+
+
+def _ws_shape(d=128, nbatch=64, L=4096, **variant):
+    return Shape("bfloat16", nbatch, L, L, d, d, Variant(**variant))
+
+
+def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
+    """fwd_sm90ws's default rule (cuflash/_fwd_ws.py, session 16's probe): d 128 on a grid that
+    fills the SMs; d 64 without a window where a block walks >= 16 key tiles on average."""
+    ws = lambda **kw: _families.choose("fwd", _ws_shape(**kw), H200)   # noqa: E731
+    assert ws().family.name == "fwd_sm90ws" and ws(causal=True).family.name == "fwd_sm90ws"
+    assert ws(causal=True, softcap=True, sink=True).family.name == "fwd_sm90ws"
+    assert ws(causal=True, window=True).family.name == "fwd_sm90ws"
+    assert ws(d=64, causal=True, window=True).family.name == "fwd_sm90"
+    assert ws(nbatch=2, L=1024).family.name == "fwd_sm90"             # 16 blocks
+    assert ws(d=64).family.name == "fwd_sm90ws"                         # 32 tiles a block
+    assert ws(d=64, causal=True).family.name == "fwd_sm90ws"            # 16 on average
+    assert ws(d=64, causal=True, L=2048, nbatch=128).family.name == "fwd_sm90"   # 8
+    assert ws(d=64, L=16384, nbatch=8, causal=True).family.name == "fwd_sm90ws"
+    assert ws(d=64, softcap=True, L=16384).family.name == "fwd_sm90"    # spills there
+    assert ws(d=256).family.name == "fwd_sm90"                          # no tiles
+    assert ws(bias="bfloat16").family.name == "fwd_sm90"
+    why = "\n".join(ws(d=64, causal=True, window=True).reasons)
+    assert "fwd_sm90ws: not used, the window at d = 64 measured" in why and "WS=1 takes it" in why
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "1")
+    assert ws(d=64, causal=True, window=True).family.name == "fwd_sm90ws"
+    assert ws(nbatch=2, L=1024).family.name == "fwd_sm90ws"
+    assert ws(d=64, softcap=True).family.name == "fwd_sm90"             # never: it spills
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "0")
+    assert ws().family.name == "fwd_sm90"
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "yes")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90_WS='yes': expected 0, 1 or auto"):
+        ws()
+    monkeypatch.delenv("CUFLASH_FWD90_WS")
+    monkeypatch.setenv("CUFLASH_FWD", "sm90ws")
+    assert ws(d=64, causal=True).family.name == "fwd_sm90ws"
+    monkeypatch.setenv("CUFLASH_FWD", "sm90")
+    assert ws().family.name == "fwd_sm90"
 
 
 def test_forward_other_gpus_and_small_heads_take_mma_sync_or_simt():
@@ -66,7 +107,8 @@ def test_forward_even_only_for_whole_key_tiles():
     assert fwd(dev=A100, d=128).flag == {"even": False}       # allow_even=False entry
 
 
-def test_forward_small_grids_use_smaller_blocks():
+def test_forward_small_grids_use_smaller_blocks(monkeypatch):
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "0")   # (fwd_sm90's rule; fwd_sm90ws has one block size)
     big, small = fwd(nbatch=256), fwd(nbatch=2)
     assert small.family is big.family and small.traits.block_m == 64 < big.traits.block_m
     assert fwd(dev=A100, nbatch=2).traits.block_m == 64 < fwd(dev=A100).traits.block_m
@@ -171,7 +213,7 @@ def test_family_overrides(monkeypatch):
     monkeypatch.setenv("CUFLASH_BWD", "sm80")
     assert bwd(d=256).family.name == "bwd_simt"                # falls through
     monkeypatch.setenv("CUFLASH_FWD", "bogus")
-    with pytest.raises(ValueError, match=r"CUFLASH_FWD='bogus'.*'auto', 'sm90', 'sm80', 'simt'"):
+    with pytest.raises(ValueError, match=r"CUFLASH_FWD='bogus'.*'auto', 'sm90ws', 'sm90', 'sm80', 'simt'"):
         fwd()
 
 
@@ -284,7 +326,7 @@ def test_gate_lists_families_per_arch():
                            "decode.cu", "combine.cu"}   # inference: plain FMA, any arch
     assert src["sm_80"] == src["sm_70"] | {"fwd_sm80.cu", "bwd_sm80.cu",
                                            "decode_mma.cu"}   # inference: tensor-core decode
-    assert src["sm_90a"] == src["sm_80"] | {"fwd_sm90.cu", "bwd_sm90.cu"}
+    assert src["sm_90a"] == src["sm_80"] | {"fwd_sm90ws.cu", "fwd_sm90.cu", "bwd_sm90.cu"}
     for a in src:
         sp = _families.specialisations(a)
         assert len(sp) == len(set(sp))
@@ -330,7 +372,7 @@ def test_explain_and_its_command():
     from cuflash.__main__ import main
     q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
     text = cuflash.explain(q, q, q, causal=True)
-    assert "fwd_sm90<__nv_bfloat16, 128, 64, 3, 1, cuflash::Variant<true>, true>" in text
+    assert "fwd_sm90ws<__nv_bfloat16, 128, 128, 2, 2, 1, cuflash::Variant<true>, true>" in text
     assert "why:" in text and "H200" in text
     text = cuflash.explain(q, q, q, backward=True, deterministic=True, device="a100")
     assert "bwd_sm80<" in text and "bwd_sm90: not used, needs compute capability 9.0" in text
@@ -348,7 +390,7 @@ def test_explain_with_modifiers_names_the_kernel_built_for_them():
     q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
     text = cuflash.explain(q, q, q, causal=True, window=(256, 0))
     assert text.startswith("attention with modifiers: window\nattention: q (4, 16, 1024, 128)")
-    assert "kernel: cuflash::sm90::fwd_sm90<" in text and "why:" in text
+    assert "kernel: cuflash::sm90::fwd_sm90ws<" in text and "why:" in text
     assert "Variant<true, true" in text                  # causal, window
     assert "Variant<true>" not in cuflash.explain(q, q, q, causal=True, softcap=30.0)
     text = cuflash.explain(q, q, q, backward=True, mask_mod=lambda b, h, i, j: i >= j)
@@ -399,6 +441,7 @@ def test_fwd_sm90_runs_the_window_persistent(monkeypatch):
     attention keeps its name expression."""
     for var in ("CUFLASH_FWD90_PERSIST", "CUFLASH_FWD90_PERSIST_GRID"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "0")   # (fwd_sm90's schedule; d 128 is fwd_sm90ws's)
     assert persistent_by_default(monkeypatch) == (False, False)
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST", "auto")
     assert persistent_by_default(monkeypatch) == (False, True)

@@ -17,6 +17,14 @@ import _naive_modifiers as naive
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def _fwd_sm90_only(monkeypatch):
+    """These are fwd_sm90's builds: keep the dispatcher off fwd_sm90ws, which takes d 128
+    (and long d 64) problems by default since session 16."""
+    monkeypatch.setenv("CUFLASH_FWD90_WS", "0")
+
+
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
 
 MASKS = {

@@ -1,0 +1,91 @@
+"""The warp-specialised Hopper forward's dispatch (``fwd_sm90ws``, cuda_src/fwd_sm90ws.cu): when
+the registry's first forward family takes a problem, with which tiles, and the builds the compile
+gate instantiates.
+
+Where (session 16, ``bench/probes/fwd_ws.py``, ``bench/results/h200/fwd_ws.json``: H200, bf16,
+TFLOP/s of fwd_sm90ws over fwd_sm90's in one process): at d 128 faster at every point (plain
+1.41-1.51, causal 1.26-1.30, window 1024 1.12-1.20, softcap 1.39 at L 1k-16k); at d 64 faster
+where a block walks many key tiles (plain 4k 1.16, 16k 1.27, causal 4k 1.03, 16k 1.24) and
+slower where it walks few (causal 1k 0.80; plain 1k 1.02) or for the window (0.85-0.93: its
+blocks of 192 rows walk 9-10 key tiles), where fwd_sm90's two blocks an SM overlap one's
+prologue with the other's loop. So by default: a grid that fills the SMs and, at d 64, no window
+and at least ``D64_MIN_TILES`` key tiles a block on average. ``CUFLASH_FWD90_WS=1`` takes every
+problem it can run, ``0`` none (``CUFLASH_FWD=sm90ws`` starts the search there, as ``1``)."""
+
+from __future__ import annotations
+
+import os
+
+from . import _traits
+
+#: the Variants' modifiers the kernel runs: the analytic masks and the per-element transforms
+#: without an array of scores (a dense bias / mask and the user functions stay on fwd_sm90,
+#: whose register budgets for them were measured; a block mask needs fwd_sm90's list walk)
+WS_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "sink"})
+#: at d 64, the mean key tiles (of 128 keys) a block visits from which fwd_sm90ws is the default
+D64_MIN_TILES = 16
+
+
+def ws_switch() -> str:
+    """``"1"`` (everywhere it runs), ``"0"`` (nowhere) or ``"auto"`` (the measured rule)."""
+    value = os.environ.get("CUFLASH_FWD90_WS", "").strip().lower() or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"CUFLASH_FWD90_WS={value!r}: expected 0, 1 or auto")
+    from ._families import family_override
+    return "1" if family_override("fwd") == "sm90ws" else value
+
+
+def default_declines(shape, t, dev) -> str | None:
+    """Why the measured rule keeps ``shape`` on fwd_sm90 (None: it takes fwd_sm90ws)."""
+    if shape.variant.window and t.head_dim == 64:
+        return "the window at d = 64 measured 0.85-0.93x fwd_sm90's"
+    blocks = shape.nbatch * -(-shape.Lq // t.block_m)
+    if blocks < dev.num_sms:
+        return f"{blocks} blocks leave SMs idle (fwd_sm90 takes fewer rows a block)"
+    tiles = shape.Lk / t.block_n / (2 if shape.variant.causal else 1)
+    if t.head_dim == 64 and tiles < D64_MIN_TILES:
+        return (f"{tiles:.0f} key tiles a block on average (< {D64_MIN_TILES}): at d = 64 "
+                "fwd_sm90's two blocks an SM measured faster")
+    return None
+
+
+def fwd_sm90ws_select(fam, shape, dev):
+    """(traits, flags, reasons) of ``shape``, or the reason fwd_sm90ws does not take it."""
+    switch = ws_switch()
+    if switch == "0":
+        return "off (CUFLASH_FWD90_WS=0)"
+    bucket = -(-shape.dmax // 64) * 64
+    if bucket not in _traits.FWD_SM90WS:
+        return f"no tiles for head-dim bucket {bucket} (_traits.FWD_SM90WS: {sorted(_traits.FWD_SM90WS)})"
+    if shape.variant.block_mask:
+        return "a block mask's list walk is fwd_sm90's"
+    extra = shape.variant.features - WS_FEATURES
+    if extra:
+        return f"does not run {', '.join(sorted(extra))} (fwd_sm90's measured register budgets do)"
+    if bucket == 64 and shape.variant.softcap:
+        return "the softcap's predicated builds spill at d = 64 (3 consumers, 160 registers)"
+    from ._families import _table_traits
+    t = _table_traits(fam, bucket, bucket)
+    if t.smem_bytes > dev.smem_optin:
+        return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
+    if switch == "auto":
+        declined = default_declines(shape, t, dev)
+        if declined:
+            return declined + " (CUFLASH_FWD90_WS=1 takes it)"
+    even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
+    why = [f"head-dim bucket {bucket}: {t.reason}",
+           "EVEN=true: whole key tiles and no padded columns" if even else
+           "EVEN=false: the last key tile or the head dim is partial (predicated loads)"]
+    return t, {"even": even}, why
+
+
+def fwd_sm90ws_instances(fam, arch):
+    for t in _traits.FWD_SM90WS.values():
+        for even in (False, True):
+            yield t, {"even": even}
+
+
+TEMPLATE = ("cuflash::sm90::fwd_sm90ws<{T}, {head_dim}, {block_n}, {consumers}, {stages}, "
+            "{pingpong}, {variant}, {even}>")
+SMEM = "cuflash::sm90::WsTraits<{T}, {head_dim}, {block_n}, {consumers}, {stages}>::kSmemBytes"
+SUMMARY = "Hopper wgmma forward, warp-specialised (a cp.async producer warpgroup, mbarriers)"
