@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Question (session 16, issues 10 and the next wave's warp specialisation): where does the
+warp-specialised forward (fwd_sm90ws: a cp.async producer warpgroup, consumers on mbarriers,
+FlashAttention-3's intra-warpgroup overlap) beat fwd_sm90, and by how much? Where it does, it
+becomes the dispatcher's default there (cuflash/_fwd_ws.py); the window rows answer issue 10's
+"window 1024 at 16k >= 0.85x plain causal" with fewer rows a block (128 at d 128, not 192).
+
+    PYTHONPATH=. python bench/probes/fwd_ws.py [--json out.json] [--d 64,128] [--L 1024,4096,16384]
+        [--no-peers]
+
+One process; the fwd suite's shapes (bf16, B = 16384 / L, H = 2048 / d): plain, causal, the
+window of 1024 keys (causal) at 4k and 16k, softcap 50 at 4k (d 128; at d 64 the ws build of the
+softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared around each):
+``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles), ``ws_pp0``
+(the same without the consumers' ping-pong) and ``ws_s3`` (3 K/V stages); and, unless --no-peers,
+SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
+TFLOP/s count visible pairs (4 B H d pairs). Before timing, each point's outputs of the two arms
+are compared (max |ws - sm90|, bf16: different tile orders, not bitwise). Prints one line a point
+and writes ``{"meta", "rows"}`` to --json after every point.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from suite_common import dump_probe, median_event_ms, time_arm, warm_arms  # noqa: E402
+
+ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": {"CUFLASH_FWD90_WS": "1"},
+        # the table's tiles without the consumers' ping-pong, and with 3 K/V stages
+        "ws_pp0": {"CUFLASH_FWD90_WS": "1",
+                   "CUFLASH_TILES": "fwd_sm90ws:128=128:2:2:0;fwd_sm90ws:64=128:3:2:0"},
+        "ws_s3": {"CUFLASH_FWD90_WS": "1",
+                  "CUFLASH_TILES": "fwd_sm90ws:128=128:2:3:1;fwd_sm90ws:64=128:3:3:1"}}
+TOKENS, WIDTH, WINDOW = 16384, 2048, 1024
+
+
+def visible_pairs(L: int, causal: bool, window: int | None) -> int:
+    if not causal:
+        return L * L
+    if window is None:
+        return L * (L + 1) // 2
+    w = window + 1          # keys i - window .. i
+    return w * (w + 1) // 2 + (L - w) * w if L > w else L * (L + 1) // 2
+
+
+def points(ds, Ls):
+    for d in ds:
+        for L in Ls:
+            for causal in (False, True):
+                yield d, L, "plain" if not causal else "causal", dict(causal=causal)
+            if L >= 4096:
+                yield d, L, "window", dict(causal=True, window=(WINDOW, 0))
+            if L == 4096 and d == 128:
+                yield d, L, "softcap", dict(softcap=50.0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--L", default="1024,4096,16384")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args(argv)
+    import cupy
+    import ml_dtypes
+    import numpy
+    import cuflash
+    ds = [int(x) for x in args.d.split(",")]
+    Ls = [int(x) for x in args.L.split(",")]
+    pts = list(points(ds, Ls))
+    rng = numpy.random.default_rng(0)
+    arrays = {}
+    for d, L, _, _ in pts:
+        if (d, L) not in arrays:
+            shape = (TOKENS // L, WIDTH // d, L, d)
+            arrays[d, L] = tuple(cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
+                                 for _ in range(3))
+    t0 = time.perf_counter()
+    jobs = [(lambda a=arrays[d, L], kw=kw: cuflash.attention(*a, **kw)) for d, L, _, kw in pts]
+    warm_arms(list(ARMS), ARMS, jobs)
+    torch = None
+    if not args.no_peers:
+        try:
+            import torch
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except Exception as exc:       # pragma: no cover - a machine without torch
+            print(f"# no peers: {exc}")
+            torch = None
+    rows = []
+    for d, L, name, kw in pts:
+        q, k, v = arrays[d, L]
+        B, H = TOKENS // L, WIDTH // d
+        flops = 4.0 * B * H * d * visible_pairs(L, kw.get("causal", False),
+                                                kw.get("window", (None,))[0])
+        row = dict(d=d, L=L, mod=name, causal=bool(kw.get("causal")))
+        outs, ms = {}, {}
+        import bench_attention
+        for arm, env in ARMS.items():
+            with bench_attention.env(**env):
+                outs[arm] = cuflash.attention(q, k, v, **kw).astype(cupy.float32)
+            ms[arm], r = time_arm(arm, env, lambda i: cuflash.attention(q, k, v, **kw), flops, row)
+            rows.append(r)
+        diff = float(cupy.abs(outs["ws"] - outs["sm90"]).max())
+        tf = {a: (flops / m / 1e9 if m else float("nan")) for a, m in ms.items()}
+        line = (f"d {d:3d} L {L:5d} {name:8s} " + " ".join(f"{a} {tf[a]:6.1f}" for a in ARMS)
+                + f"  ws/sm90 {tf['ws'] / tf['sm90']:.3f}  max|diff| {diff:.2e}")
+        rows[-1]["max_abs_diff_vs_sm90"] = diff
+        if torch is not None and name in ("plain", "causal"):
+            tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                f = lambda i: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                    tq, tk, tv, is_causal=kw["causal"])
+                try:
+                    f(0)
+                    cms = median_event_ms(f, 1, 10, 2)
+                    rows.append(dict(row, impl="sdpa_cudnn", ms=cms, tflops=flops / cms / 1e9))
+                    line += f"  cuDNN {flops / cms / 1e9:6.1f} (ws/cuDNN {tf['ws'] * cms * 1e9 / flops:.3f})"
+                except Exception as exc:
+                    line += f"  cuDNN: {type(exc).__name__}"
+        print(line, flush=True)
+        dump_probe(args.json, "fwd_ws", ARMS, rows, False)
+    dump_probe(args.json, "fwd_ws", ARMS, rows, True)
+    print(f"# {len(rows)} rows in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
