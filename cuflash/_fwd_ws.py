@@ -62,8 +62,11 @@ def fwd_sm90ws_select(fam, shape, dev):
     extra = shape.variant.features - WS_FEATURES
     if extra:
         return f"does not run {', '.join(sorted(extra))} (fwd_sm90's measured register budgets do)"
-    if bucket == 64 and shape.variant.softcap:
-        return "the softcap's predicated builds spill at d = 64 (3 consumers, 160 registers)"
+    if bucket == 64 and (shape.variant.softcap or (shape.variant.alibi_slopes
+                                                   and not shape.variant.alibi_raw)):
+        # (the compile gate: 12 bytes for the softcap's predicated build, 24 for ALiBi's
+        # CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
+        return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
     from ._families import _table_traits
     t = _table_traits(fam, bucket, bucket)
     if t.smem_bytes > dev.smem_optin:

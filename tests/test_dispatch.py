@@ -69,6 +69,8 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
     assert ws(d=64, causal=True, L=2048, nbatch=128).family.name == "fwd_sm90"   # 8
     assert ws(d=64, L=16384, nbatch=8, causal=True).family.name == "fwd_sm90ws"
     assert ws(d=64, softcap=True, L=16384).family.name == "fwd_sm90"    # spills there
+    assert ws(d=64, alibi_slopes=True, alibi_raw=False).family.name == "fwd_sm90"   # likewise
+    assert ws(d=64, alibi_slopes=True).family.name == "fwd_sm90ws"
     assert ws(d=256).family.name == "fwd_sm90"                          # no tiles
     assert ws(bias="bfloat16").family.name == "fwd_sm90"
     why = "\n".join(ws(d=64, causal=True, window=True).reasons)
