@@ -105,7 +105,8 @@ __device__ __forceinline__ void producer_copy(unsigned sbase, const T* __restric
   }
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG, typename Var, bool EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG, int POLY,
+          typename Var, bool EVEN>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh)
@@ -188,6 +189,12 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
                     : (Var::kNatural && !Var::kAlibiRawUnits) ? 1.4426950408889634f : static_cast<float>(p.var.scale_log2);
   const auto item = Var::template item<float>(p, b);
   const float mo = Var::kFixedOffset ? softcap_offset(sl2, p.Lk) : 0.f;
+  // The softcap's tanh.approx makes the special-function unit the bottleneck (two operations a
+  // score): the 8-column tiles of S whose exponentials run on the FMA pipe instead (ex2_poly):
+  // the Variant's share (variant.cuh kPolyShare, tuned on fwd_sm90) or, POLY > 0, POLY of them
+  // where the Variant has a share at all (an A/B knob: CUFLASH_TILES' last value).
+  constexpr int kVarPoly = Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>;
+  constexpr int kPoly = (kVarPoly > 0 && POLY > 0) ? (POLY < Tr::kNTilesS ? POLY : Tr::kNTilesS) : kVarPoly;
 
   const unsigned long long desc_q = make_desc(sQ + cw * 64 * 128, 16, 1024);
   const unsigned long long desc_k = make_desc(sKV, 16, 1024);
@@ -270,9 +277,9 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       mask_scores<Var::kKeyLo>(s, first, last);
     }
     if constexpr (Var::kFixedOffset)
-      fixed_offset_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, l_i, sl2, mo);
+      fixed_offset_softmax_scores<Tr::kNTilesS, kPoly>(s, l_i, sl2, mo);
     else
-      online_softmax_scores<Tr::kNTilesS, Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>>(s, m_i, l_i, alpha, sl2);
+      online_softmax_scores<Tr::kNTilesS, kPoly>(s, m_i, l_i, alpha, sl2);
   };
   auto to_p = [&](const float (&alpha)[2]) {   // O rescaled (its product landed), P in pa
     if constexpr (!Var::kFixedOffset) rescale_rows(o, alpha);

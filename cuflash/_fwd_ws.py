@@ -89,6 +89,6 @@ def fwd_sm90ws_instances(fam, arch):
 
 
 TEMPLATE = ("cuflash::sm90::fwd_sm90ws<{T}, {head_dim}, {block_n}, {consumers}, {stages}, "
-            "{pingpong}, {variant}, {even}>")
+            "{pingpong}, {poly}, {variant}, {even}>")
 SMEM = "cuflash::sm90::WsTraits<{T}, {head_dim}, {block_n}, {consumers}, {stages}>::kSmemBytes"
 SUMMARY = "Hopper wgmma forward, warp-specialised (a cp.async producer warpgroup, mbarriers)"

@@ -80,10 +80,10 @@ def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, lean=0, rea
                    min_blocks=min_blocks, reason=reason)
 
 
-def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, reason=""):
-    """WsTraits (fwd_sm90ws.cu): a producer warpgroup, ``consumers`` of 64 rows (taking turns at
-    the tensor cores if ``pingpong``); Q + ``stages`` stages of K, V + mbarriers + 1 KB to align."""
-    bm, names = 64 * consumers, ("head_dim", "block_n", "consumers", "stages", "pingpong")
+def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, poly=0, reason=""):
+    """WsTraits (fwd_sm90ws.cu): a producer and ``consumers`` warpgroups (turns: ``pingpong``; the
+    softcap's exp2 tiles on FMAs: ``poly``, 0 the Variant's); Q, ``stages`` K/V, mbarriers, 1 KB."""
+    bm, names = 64 * consumers, ("head_dim", "block_n", "consumers", "stages", "pingpong", "poly")
     return _traits("fwd_sm90ws", names, locals(), head_dim=head_dim, block_m=bm, block_n=block_n,
                    threads=128 * (consumers + 1), reason=reason, smem_bytes=(
                        (bm + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 4 * stages) + 1024))

@@ -166,8 +166,8 @@ def test_softcap_at_d64_stays_on_fwd_sm90(ws):
     assert set(ws) == {"fwd_sm90.cu"}, ws
 
 
-@pytest.mark.parametrize("tiles", ["fwd_sm90ws:128=128:2:2:0", "fwd_sm90ws:128=128:2:3:1",
-                                   "fwd_sm90ws:64=128:3:2:0", "fwd_sm90ws:64=128:3:2:1"])
+@pytest.mark.parametrize("tiles", ["fwd_sm90ws:128=128:2:2:0:0", "fwd_sm90ws:128=128:2:3:1:0",
+                                   "fwd_sm90ws:64=128:3:2:0:0", "fwd_sm90ws:64=128:3:2:1:0"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_variants(tiles, causal, ws, monkeypatch):
     """The probe's other arms (no ping-pong; 3 K/V stages) compute the same function."""
@@ -204,3 +204,16 @@ def test_fwd_sm90_keeps_the_d128_built_ins(mods, monkeypatch):
     check_case(case.with_xp(cupy))
     _api.clear_plans()
     assert seen and set(seen) == {"fwd_sm90.cu"}, seen
+
+
+@pytest.mark.parametrize("poly", [8, 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_poly_shares(poly, causal, ws, monkeypatch):
+    """The probe's --poly arms (more of the softcap's exponentials on the FMA pipe: ex2_poly)
+    compute the same function (within the kit's tolerance)."""
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_TILES", f"fwd_sm90ws:128=128:2:2:1:{poly}")
+    _api.clear_plans()
+    case = AttentionCase.make("bfloat16", (2, 4, 700, 128), (2, 4, 700, 128), (2, 4, 700, 128),
+                              seed=11, causal=causal, softcap=50.0)
+    _check(case, ws)

@@ -12,7 +12,9 @@ One process; the fwd suite's shapes (bf16, B = 16384 / L, H = 2048 / d): plain, 
 window of 1024 keys (causal) at 4k and 16k, softcap 50 at 4k (d 128; at d 64 the ws build of the
 softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared around each):
 ``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles), ``ws_pp0``
-(the same without the consumers' ping-pong) and ``ws_s3`` (3 K/V stages); and, unless --no-peers,
+(the same without the consumers' ping-pong) and ``ws_stages`` (the other K/V stage count); with
+``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
+eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
 TFLOP/s count visible pairs (4 B H d pairs). Before timing, each point's outputs of the two arms
 are compared (max |ws - sm90|, bf16: different tile orders, not bitwise). Prints one line a point
@@ -29,11 +31,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from suite_common import dump_probe, median_event_ms, time_arm, warm_arms  # noqa: E402
 
 ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": {"CUFLASH_FWD90_WS": "1"},
-        # the table's tiles without the consumers' ping-pong, and with 3 K/V stages
+        # the table's tiles without the consumers' ping-pong, and with the other stage count
+        # (3 at d 128, 2 at d 64: the table has 2 and 3)
         "ws_pp0": {"CUFLASH_FWD90_WS": "1",
-                   "CUFLASH_TILES": "fwd_sm90ws:128=128:2:2:0;fwd_sm90ws:64=128:3:2:0"},
-        "ws_s3": {"CUFLASH_FWD90_WS": "1",
-                  "CUFLASH_TILES": "fwd_sm90ws:128=128:2:3:1;fwd_sm90ws:64=128:3:3:1"}}
+                   "CUFLASH_TILES": "fwd_sm90ws:128=128:2:2:0:0;fwd_sm90ws:64=128:3:3:0:0"},
+        "ws_stages": {"CUFLASH_FWD90_WS": "1",
+                      "CUFLASH_TILES": "fwd_sm90ws:128=128:2:3:1:0;fwd_sm90ws:64=128:3:2:1:0"}}
+
+
+def poly_arms(shares):
+    """--poly: the table's d 128 tiles with K of the 16 eight-column tiles of S taking the
+    softcap's exponentials on the FMA pipe (the Variant's share is 4)."""
+    return {"sm90": ARMS["sm90"], "ws": ARMS["ws"],
+            **{f"ws_poly{k}": {"CUFLASH_FWD90_WS": "1", "CUFLASH_TILES": f"fwd_sm90ws:128=128:2:2:1:{k}"}
+               for k in shares}}
 TOKENS, WIDTH, WINDOW = 16384, 2048, 1024
 
 
@@ -46,7 +57,12 @@ def visible_pairs(L: int, causal: bool, window: int | None) -> int:
     return w * (w + 1) // 2 + (L - w) * w if L > w else L * (L + 1) // 2
 
 
-def points(ds, Ls):
+def points(ds, Ls, poly=False):
+    if poly:   # the softcap's cost over plain attention of the same shape (issue 10: <= 10%)
+        for L in Ls:
+            yield 128, L, "plain", dict(causal=False)
+            yield 128, L, "softcap", dict(softcap=50.0)
+        return
     for d in ds:
         for L in Ls:
             for causal in (False, True):
@@ -63,14 +79,19 @@ def main(argv=None) -> int:
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--L", default="1024,4096,16384")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
+                                   "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
+    global ARMS
+    if args.poly:
+        ARMS = poly_arms([int(k) for k in args.poly.split(",")])
     import cupy
     import ml_dtypes
     import numpy
     import cuflash
     ds = [int(x) for x in args.d.split(",")]
     Ls = [int(x) for x in args.L.split(",")]
-    pts = list(points(ds, Ls))
+    pts = list(points(ds, Ls, bool(args.poly)))
     rng = numpy.random.default_rng(0)
     arrays = {}
     for d, L, _, _ in pts:
