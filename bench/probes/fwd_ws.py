@@ -19,6 +19,13 @@ SDPA's cuDNN backend on the plain and causal points (torch, the same arrays thro
 TFLOP/s count visible pairs (4 B H d pairs). Before timing, each point's outputs of the two arms
 are compared (max |ws - sm90|, bf16: different tile orders, not bitwise). Prints one line a point
 and writes ``{"meta", "rows"}`` to --json after every point.
+
+Answer so far (session 16, H200; bench/NOTES.md "Session 16"): with the producer's copies at ~4
+instructions each (call 4, ``fwd_ws.json``) fwd_sm90ws is 1.26-1.51x fwd_sm90 at d 128 (plain
+16k 646 TFLOP/s, cuDNN 625), 1.03-1.27x at d 64 from 16 key tiles a block, slower for d 64's
+short rows and window; ping-pong is worth 3-12% at d 128, 3 stages nothing there (1-3% at d 64);
+``--poly`` (call 7, ``fwd_ws_poly.json``): the Variant's share of 4 of 16 tiles stays best
+(6-12 lose 2-10%).
 """
 from __future__ import annotations
 
