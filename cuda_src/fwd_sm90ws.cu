@@ -11,17 +11,20 @@
 //     loop: each waits for the tile it needs and releases K_j once S is computed, V_j once
 //     P V is; and each overlaps its softmax of S_j with its own P_{j-1} V_{j-1} on the tensor
 //     cores (FlashAttention-3's intra-warpgroup pipelining: the key loop below).
+//   - PINGPONG: the consumers take turns to issue their products (named barriers), so that one's
+//     softmax runs while another's products hold the tensor cores.
 // Why: in fwd_sm90 every warpgroup issues its share of the next tile's copies and all of them
-// meet at a __syncthreads every key tile, so they move in lockstep (bench/NOTES.md, "the
-// window forward's 0.85 ..."); here a consumer that skips a tile (its rows see none of it) runs
-// ahead instead of waiting, and the copies' address arithmetic leaves the consumers' issue
-// slots. The producer gives up registers (setmaxnreg.dec) for the consumers (setmaxnreg.inc):
-// at 2 consumers that is 232 a consumer thread, room for 128-key tiles at d = 128 (S 64, O 64,
-// P 32 registers), where fwd_sm90's 3-warpgroup cap of 168 keeps it at 64-key tiles.
+// meet at a __syncthreads every key tile, so they move in lockstep, their element-wise work and
+// their products alternating instead of overlapping (bench/NOTES.md, "the window forward's
+// 0.85 ..."). The producer gives up registers (setmaxnreg.dec) for the consumers
+// (setmaxnreg.inc): at 2 consumers that is 232 a consumer thread, room for 128-key tiles at
+// d = 128 (S 64, O 64, P 32 registers), where fwd_sm90's 3-warpgroup cap of 168 keeps it at
+// 64-key tiles. Measured (H200, session 16): 1.26-1.51x fwd_sm90 at d 128, level with cuDNN
+// at 16k; the producer must stay cheap (producer_copy, below), it shares the issue slots.
 //
-// Not here (yet): TMA (the copies are cp.async, so Params and the plans stay as they are), the
-// consumers' ping-pong (named barriers ordering their products), block masks (the dispatcher
-// keeps those on fwd_sm90), the PERSIST / LEAN schedules.
+// Not here (yet): TMA (the copies are cp.async, so Params and the plans stay as they are), a
+// persistent schedule (fwd_sm90's PERSIST: what short causal and window blocks need), block
+// masks (the dispatcher keeps those on fwd_sm90), the LEAN builds.
 //
 // Requirements the launcher guarantees: as fwd_sm90 (rows contiguous and 16-byte aligned, d and
 // dv multiples of 8, at most HEAD_DIM, HEAD_DIM % 64 == 0).
@@ -55,7 +58,8 @@ struct WsTraits {
   static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes + 8 * kBarriers + 1024;
   // Registers: one block an SM holds the whole file (65536), kLaunchRegs a thread at launch
   // (the __launch_bounds__ cap ptxas compiles to); the producer keeps kProducerRegs (its
-  // copies' addresses and the loop) and hands the rest to the consumers.
+  // copies' addresses and the loop: 40, or 32 at 3 consumers, whose S, O and P at d = 64 need
+  // the 160 that leaves them) and hands the rest to the consumers.
   static constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
   static constexpr int kProducerRegs = CONSUMERS >= 3 ? 32 : 40;
   static constexpr int kConsumerRegs = ((65536 - 128 * kProducerRegs) / (128 * CONSUMERS)) & ~7;
