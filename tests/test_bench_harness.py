@@ -715,3 +715,23 @@ def test_median_event_ms_warms_for_a_least_time_then_times_iters_calls(monkeypat
     monkeypatch.setattr(sc, "WARM_CALLS", 7)
     sc.median_event_ms(lambda i: fn(i, 0.0), 1, iters=2, warmup=3, warm_ms=10.0)
     assert len([x for x in log if x != "sync"]) == 7 + 2      # bounded when time stands still
+
+
+def test_fwd_ws_probe_logic():
+    """bench/probes/fwd_ws.py's pure parts: visible pairs (causal, the window), the rotated arm
+    orders of --rounds (every arm first once in as many rounds as arms), the --poly points."""
+    sys.path.insert(0, str(ROOT / "bench" / "probes"))
+    try:
+        import fwd_ws
+    finally:
+        sys.path.pop(0)
+    assert fwd_ws.visible_pairs(8, False, None) == 64
+    assert fwd_ws.visible_pairs(8, True, None) == 36
+    # window of 2 keys back: rows see 1, 2, 3, 3, 3, ...
+    assert fwd_ws.visible_pairs(8, True, 2) == 1 + 2 + 3 * 6
+    assert fwd_ws.visible_pairs(3, True, 5) == 6          # the window longer than the rows
+    orders = fwd_ws.arm_orders(["a", "b", "c"], 3)
+    assert [o[0] for o in orders] == ["a", "b", "c"] and all(sorted(o) == ["a", "b", "c"] for o in orders)
+    pts = list(fwd_ws.points([64, 128], [4096], poly=True))
+    assert [(d, name) for d, _, name, _ in pts] == [(128, "plain"), (128, "softcap")]
+    assert {"ws", "sm90", "ws_poly8"} <= set(fwd_ws.poly_arms([8]))

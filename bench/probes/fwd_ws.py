@@ -16,9 +16,11 @@ softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared a
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
-TFLOP/s count visible pairs (4 B H d pairs). Before timing, each point's outputs of the two arms
-are compared (max |ws - sm90|, bf16: different tile orders, not bitwise). Prints one line a point
-and writes ``{"meta", "rows"}`` to --json after every point.
+TFLOP/s count visible pairs (4 B H d pairs); each arm is timed ``--rounds`` times a point (3), the
+arms' order rotated a round, and the printed figure is the median (rows: one a round). Before
+timing, each point's outputs of the two arms are compared (max |ws - sm90|, bf16: different
+tile orders, not bitwise). Prints one line a point and writes ``{"meta", "rows"}`` to --json
+after every point.
 
 Answer so far (session 16, H200; bench/NOTES.md "Session 16"): with the producer's copies at ~4
 instructions each (call 4, ``fwd_ws.json``) fwd_sm90ws is 1.26-1.51x fwd_sm90 at d 128 (plain
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import time
 
@@ -80,12 +83,21 @@ def points(ds, Ls, poly=False):
                 yield d, L, "softcap", dict(softcap=50.0)
 
 
+def arm_orders(arms: list, rounds: int) -> list:
+    """The arms' order in each of ``rounds`` rounds, rotated by one a round: at ~650 TFLOP/s the
+    H200's clock sags under sustained load (session 16, call 7: the same build read 689 then
+    584-616 TFLOP/s in five arms in a row), so a fixed order favours the first arm."""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--L", default="1024,4096,16384")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timings of each arm a point, in rotated orders; the line shows medians")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
@@ -124,13 +136,20 @@ def main(argv=None) -> int:
         flops = 4.0 * B * H * d * visible_pairs(L, kw.get("causal", False),
                                                 kw.get("window", (None,))[0])
         row = dict(d=d, L=L, mod=name, causal=bool(kw.get("causal")))
-        outs, ms = {}, {}
+        outs = {}
         import bench_attention
         for arm, env in ARMS.items():
             with bench_attention.env(**env):
                 outs[arm] = cuflash.attention(q, k, v, **kw).astype(cupy.float32)
-            ms[arm], r = time_arm(arm, env, lambda i: cuflash.attention(q, k, v, **kw), flops, row)
-            rows.append(r)
+        times = {arm: [] for arm in ARMS}
+        for rnd, order in enumerate(arm_orders(list(ARMS), args.rounds)):
+            for arm in order:
+                ms_, r = time_arm(arm, ARMS[arm], lambda i: cuflash.attention(q, k, v, **kw), flops,
+                                  dict(row, round=rnd))
+                rows.append(r)
+                if ms_:
+                    times[arm].append(ms_)
+        ms = {a: (statistics.median(t) if t else None) for a, t in times.items()}
         diff = float(cupy.abs(outs["ws"] - outs["sm90"]).max())
         tf = {a: (flops / m / 1e9 if m else float("nan")) for a, m in ms.items()}
         line = (f"d {d:3d} L {L:5d} {name:8s} " + " ".join(f"{a} {tf[a]:6.1f}" for a in ARMS)
