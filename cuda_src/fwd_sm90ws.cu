@@ -41,7 +41,6 @@ namespace sm90 {
 // FWD_SM90WS in cuflash/_traits.py.
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
 struct WsTraits {
-  static constexpr int kConsumers = CONSUMERS;
   static constexpr int kThreads = 128 * (CONSUMERS + 1);   // + the producer warpgroup
   static constexpr int kBlockM = 64 * CONSUMERS;            // 64 rows a consumer (the wgmma M)
   static constexpr int kKSteps = HEAD_DIM / 16;
@@ -50,7 +49,6 @@ struct WsTraits {
   static constexpr int kNTilesO = HEAD_DIM / 8;
   using QTile = Sm90Tile<kBlockM, HEAD_DIM>;
   using KVTile = Sm90Tile<BLOCK_N, HEAD_DIM>;
-  static constexpr int kStages = STAGES;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
   // the mbarriers, after the tiles: Q landed; per stage K landed, V landed, K released, V released
   static constexpr int kBarriers = 1 + 4 * STAGES;
@@ -261,7 +259,9 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(st) + ((kk * 16 * 128) >> 4), 1);
     wgmma_commit();
   };
-  // -- the Variant's score pipeline and masks (fwd_sm90's non-lean path), then the online
+  // -- the Variant's score pipeline and masks (fwd_sm90's non-lean path, repeated rather than
+  //    shared: moving it into one function changed the machine code of 24 fwd_sm90 builds,
+  //    plain attention's among them, session 16, tools/sass_identity.py), then the online
   //    softmax of S (key tile j) up to, not including, O's rescale by alpha
   auto softmax = [&](int j, float (&alpha)[2]) {
     const int n0 = j * BLOCK_N;
