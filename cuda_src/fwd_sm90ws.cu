@@ -22,8 +22,8 @@
 // 64-key tiles. Measured (H200, session 16): 1.26-1.51x fwd_sm90 at d 128, level with cuDNN
 // at 16k; the producer must stay cheap (producer_copy, below), it shares the issue slots.
 //
-// Not here (yet): TMA (the copies are cp.async, so Params and the plans stay as they are), a
-// persistent schedule (fwd_sm90's PERSIST: what short causal and window blocks need), block
+// PERSIST (session 17, below): a grid of one block an SM, each running query tiles in turn.
+// Not here (yet): TMA (the copies are cp.async, so Params and the plans stay as they are), block
 // masks (the dispatcher keeps those on fwd_sm90), the LEAN builds.
 //
 // Requirements the launcher guarantees: as fwd_sm90 (rows contiguous and 16-byte aligned, d and
@@ -39,7 +39,7 @@ namespace sm90 {
 
 // Tile constants of one specialisation; the per-head-dim choice with its reasons is the table
 // FWD_SM90WS in cuflash/_traits.py.
-template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES>
+template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int PERSIST = 0>
 struct WsTraits {
   static constexpr int kThreads = 128 * (CONSUMERS + 1);   // + the producer warpgroup
   static constexpr int kBlockM = 64 * CONSUMERS;            // 64 rows a consumer (the wgmma M)
@@ -50,10 +50,13 @@ struct WsTraits {
   using QTile = Sm90Tile<kBlockM, HEAD_DIM>;
   using KVTile = Sm90Tile<BLOCK_N, HEAD_DIM>;
   static constexpr int kStageBytes = 2 * KVTile::kBytes;   // K_j then V_j
-  // the mbarriers, after the tiles: Q landed; per stage K landed, V landed, K released, V released
-  static constexpr int kBarriers = 1 + 4 * STAGES;
+  // PERSIST: a second Q buffer (after the stages), the next item's Q lands in it
+  static constexpr int kQBuffers = PERSIST ? 2 : 1;
+  // the mbarriers, after the tiles: Q landed; per stage K landed, V landed, K released, V
+  // released; PERSIST: the second buffer's Q landed, each buffer's Q released
+  static constexpr int kBarriers = 1 + 4 * STAGES + (PERSIST ? 3 : 0);
   // + 1024: the dynamic shared memory base is aligned up to the 1024-byte swizzle atom
-  static constexpr int kSmemBytes = QTile::kBytes + STAGES * kStageBytes + 8 * kBarriers + 1024;
+  static constexpr int kSmemBytes = kQBuffers * QTile::kBytes + STAGES * kStageBytes + 8 * kBarriers + 1024;
   // Registers: one block an SM holds the whole file (65536), kLaunchRegs a thread at launch
   // (the __launch_bounds__ cap ptxas compiles to); the producer keeps kProducerRegs (its
   // copies' addresses and the loop: 40, or 32 at 3 consumers, whose S, O and P at d = 64 need
@@ -67,6 +70,7 @@ struct WsTraits {
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N and the k16 steps of P V");
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "at most 4 warpgroups a block");
   static_assert(STAGES >= 2, "a stage computes while the next one loads");
+  static_assert(PERSIST >= 0 && PERSIST <= 2, "0: one item a block; 1: round-robin; 2: zigzag");
   static_assert((kBlockM * QTile::kChunks) % 128 == 0 && (BLOCK_N * KVTile::kChunks) % 128 == 0,
                 "the producer's 128 threads copy whole rounds of 16-byte chunks");
   static_assert(QTile::kBytes % 1024 == 0 && KVTile::kBytes % 1024 == 0, "atoms stay 1024-aligned");
@@ -107,12 +111,33 @@ __device__ __forceinline__ void producer_copy(unsigned sbase, const T* __restric
   }
 }
 
+// PERSIST (a persistent schedule, session 17): the grid holds fewer blocks than (batch item, Q
+// tile) items (one an SM: cuflash/_fwd_schedule.fwd_sm90_grid) and block bid runs its items
+// one after another: round qi of gridDim.x items, taken in block order (PERSIST 1) or, on odd
+// rounds, in reverse (PERSIST 2: with the items heaviest first, a block that took a heavy one
+// in one round takes a light one in the next, so causal blocks end together). The producer
+// copies the next item's Q into the other Q buffer and its first K/V into the ring as soon as
+// stages free up, the tile counter t running on across items, so the next item's first S
+// waits for nothing and a block's prologue and epilogue overlap its neighbour items' loops
+// (without it, blocks of few key tiles, causal's and the window's, paid them alone: one block
+// an SM). A Q buffer is released (q_free) once its item's epilogue, which stages O over it,
+// has been read back. Not for varlen builds (a block's work item is its sequence's).
+template <int PERSIST>
+__device__ __forceinline__ unsigned ws_item(unsigned qi, unsigned bid, unsigned grid) {
+  return (PERSIST == 2 && (qi & 1u)) ? qi * grid + (grid - 1u - bid) : qi * grid + bid;
+}
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG, int POLY,
-          typename Var, bool EVEN>
+          typename Var, bool EVEN, int PERSIST = 0>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh)
-  using Tr = WsTraits<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES>;
+#ifdef CUFLASH_VARLEN
+  constexpr bool kLoop = false;
+#else
+  constexpr bool kLoop = PERSIST != 0;
+#endif
+  using Tr = WsTraits<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PERSIST>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM;
@@ -121,10 +146,13 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned raw = smem_u32(smem_raw);
-  const unsigned sQ = (raw + 1023u) & ~1023u;
-  const unsigned sKV = sQ + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
-  const unsigned bars = sKV + STAGES * Tr::kStageBytes;
-  const unsigned bar_q = bars;
+  const unsigned sQ0 = (raw + 1023u) & ~1023u;
+  const unsigned sKV = sQ0 + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
+  // PERSIST: the other Q buffer after the stages, the barriers after it
+  const unsigned bars = sKV + STAGES * Tr::kStageBytes + (PERSIST ? QTile::kBytes : 0);
+  auto q_buf = [&](unsigned qi) { return kLoop && (qi & 1u) ? sKV + STAGES * Tr::kStageBytes : sQ0; };
+  auto bar_q = [&](unsigned qi) { return kLoop && (qi & 1u) ? bars + 8u * (1 + 4 * STAGES) : bars; };
+  auto bar_qfree = [&](unsigned qi) { return bars + 8u * (2 + 4 * STAGES + (qi & 1u)); };
   auto bar_k = [&](int s) { return bars + 8u * (1 + s); };
   auto bar_v = [&](int s) { return bars + 8u * (1 + STAGES + s); };
   auto bar_kfree = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
@@ -132,51 +160,83 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
 
   const int wg = threadIdx.x / 128;   // 0: the producer; 1..CONSUMERS: consumer wg - 1
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 128);   // one arrival a producer thread, made by its copies
+    mbar_init(bar_q(0), 128);   // one arrival a producer thread, made by its copies
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_k(s), 128);
       mbar_init(bar_v(s), 128);
       mbar_init(bar_kfree(s), 128 * CONSUMERS);   // every consumer thread releases K_j ...
       mbar_init(bar_vfree(s), 128 * CONSUMERS);   // ... and V_j
     }
+    if constexpr (kLoop) {
+      mbar_init(bar_q(1), 128);
+      mbar_init(bar_qfree(0), 128 * CONSUMERS);   // ... and, PERSIST, its item's Q buffer
+      mbar_init(bar_qfree(1), 128 * CONSUMERS);
+    }
   }
   __syncthreads();   // (the barriers initialised before anyone waits on or arrives at them)
 
-  const BlockTile tile = block_tile(p);
-  const int b = tile.b;
-  const int m0 = tile.m_block * kBlockM;
-  const BatchOffsets off = batch_offsets(p, b);
-  const BatchPtrs<T> gmem = batch_ptrs<T>(p, off);
-  // Key tiles [j0, n_blocks) of the block: those holding keys one of its rows can see (all, or
-  // under the causal mask up to its last row's diagonal, under a window from its first row's
-  // far edge). n_blocks <= j0 (every row masked): O = 0 and lse = -inf.
-  const int n_end = Var::key_end(p.var, p.mod, m0 + kBlockM, p.Lk);
-  const int n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
-  const int j0 = Var::kKeyLo ? Var::key_begin(p.var, p.mod, m0) / BLOCK_N : 0;
+  // The block's work item: (batch item, Q tile) and its key tiles [j0, n_blocks), those holding
+  // keys one of its rows can see (all, or under the causal mask up to its last row's diagonal,
+  // under a window from its first row's far edge). n_blocks <= j0 (every row masked): O = 0
+  // and lse = -inf.
+  struct Work { int b, m0, j0, n_blocks; BatchOffsets off; BatchPtrs<T> gmem; };
+  auto work_at = [&](unsigned it) {
+    Work w;
+    const BlockTile tile = block_tile(p, it);
+    w.b = tile.b;
+    w.m0 = tile.m_block * kBlockM;
+    w.off = batch_offsets(p, w.b);
+    w.gmem = batch_ptrs<T>(p, w.off);
+    const int n_end = Var::key_end(p.var, p.mod, w.m0 + kBlockM, p.Lk);
+    w.n_blocks = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+    w.j0 = Var::kKeyLo ? Var::key_begin(p.var, p.mod, w.m0) / BLOCK_N : 0;
+    return w;
+  };
+  // The block's qi-th item (blockIdx.x without PERSIST); >= n_items: none left. Each role
+  // computes its item's Work after setmaxnreg, from qi alone: only qi and the tile counter stay
+  // live from item to item (a Work carried across the loop made the d = 64 builds spill).
+  // (Without PERSIST the one item's Work is computed once, before the roles split.)
+  const unsigned n_items = unsigned(p.nbatch) * unsigned(p.num_m_blocks);
+  auto item_of = [&](unsigned qi) { return kLoop ? ws_item<PERSIST>(qi, blockIdx.x, gridDim.x) : blockIdx.x; };
+  const Work w0 = work_at(blockIdx.x);
 
   if (wg == 0) {
-    // ---- producer: Q_i, then K_j, V_j for j = j0 .. n_blocks - 1, tile t into stage t % STAGES
+    // ---- producer: per item Q_i, then K_j, V_j for j = j0 .. n_blocks - 1, tile t (counted
+    //      over the block's items) into stage t % STAGES
     regs_dec<Tr::kProducerRegs>();
     const int tid = threadIdx.x;
-    producer_copy<QTile, kBlockM, false>(sQ, gmem.q, p.q_row_stride, m0, p.Lq, p.d, tid);
-    mbar_arrive_on_copies(bar_q);
-    for (int j = j0, t = 0; j < n_blocks; ++j, ++t) {
-      const int s = t % STAGES;
-      // the stage's previous K (V), tile t - STAGES's, released by every consumer
-      const unsigned sK = sKV + s * Tr::kStageBytes;
-      if (t >= STAGES) mbar_wait(bar_kfree(s), ((t / STAGES) - 1) & 1);
-      producer_copy<KVTile, BLOCK_N, EVEN>(sK, gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d, tid);
-      mbar_arrive_on_copies(bar_k(s));
-      if (t >= STAGES) mbar_wait(bar_vfree(s), ((t / STAGES) - 1) & 1);
-      producer_copy<KVTile, BLOCK_N, EVEN>(sK + KVTile::kBytes, gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv, tid);
-      mbar_arrive_on_copies(bar_v(s));
+    int t = 0;
+    for (unsigned qi = 0; !kLoop || item_of(qi) < n_items; ++qi) {
+      const Work w = kLoop ? work_at(item_of(qi)) : w0;
+      // (PERSIST: the buffer's previous item, qi - 2, stored its O from it)
+      if (kLoop && qi >= 2) mbar_wait(bar_qfree(qi), ((qi >> 1) - 1) & 1);
+      producer_copy<QTile, kBlockM, false>(q_buf(qi), w.gmem.q, p.q_row_stride, w.m0, p.Lq, p.d, tid);
+      mbar_arrive_on_copies(bar_q(qi));
+      for (int j = w.j0; j < w.n_blocks; ++j, ++t) {
+        const int s = t % STAGES;
+        // the stage's previous K (V), tile t - STAGES's, released by every consumer
+        const unsigned sK = sKV + s * Tr::kStageBytes;
+        if (t >= STAGES) mbar_wait(bar_kfree(s), ((t / STAGES) - 1) & 1);
+        producer_copy<KVTile, BLOCK_N, EVEN>(sK, w.gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d, tid);
+        mbar_arrive_on_copies(bar_k(s));
+        if (t >= STAGES) mbar_wait(bar_vfree(s), ((t / STAGES) - 1) & 1);
+        producer_copy<KVTile, BLOCK_N, EVEN>(sK + KVTile::kBytes, w.gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv, tid);
+        mbar_arrive_on_copies(bar_v(s));
+      }
+      if constexpr (!kLoop) break;
     }
     cp_async_wait<0>();   // (nothing left in flight when the warpgroup exits)
     return;
   }
 
-  // ---- consumers
+  // ---- consumers (the declarations inside the item loop in session 16's order: without
+  //      PERSIST it runs once, and that build's machine code stays as it was measured)
   regs_inc<Tr::kConsumerRegs>();
+  int t = 0;   // the key tile's number over the block's items (its stage: t % STAGES)
+  for (unsigned qi = 0; !kLoop || item_of(qi) < n_items; ++qi) {
+  const Work w = kLoop ? work_at(item_of(qi)) : w0;
+  const unsigned sQ = q_buf(qi);
+  const int b = w.b, m0 = w.m0, j0 = w.j0, n_blocks = w.n_blocks;
   const int cw = wg - 1;                              // rows 64 cw .. 64 cw + 63 of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int wg_row_first = m0 + 64 * cw;
@@ -223,6 +283,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   // products hold the tensor cores, instead of all of them waiting for the same tile at once.
   // Every consumer then walks the block's whole [j0, n_blocks) (the turns must pair up): a tile
   // its rows do not see is computed and masked (exp2(-inf) = 0 leaves l and O as they were).
+  // (PERSIST: every consumer takes n_blocks - j0 + 1 turns an item: they pair up across items)
   constexpr int kPingBar = 1 + CONSUMERS;   // (ids 1..CONSUMERS are the epilogues')
   const int ja = PINGPONG ? j0 : (Var::kKeyLo ? max(j0, j_first_wg) : j0);
   const int jb = PINGPONG ? n_blocks : min(n_blocks, n_wg);
@@ -230,7 +291,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   auto next_turn = [&]() {
     if constexpr (PINGPONG != 0) named_barrier_arrive(kPingBar + (cw + 1) % CONSUMERS, 256);
   };
-  if (cw == CONSUMERS - 1) next_turn();   // consumer 0 goes first
+  if (qi == 0 && cw == CONSUMERS - 1) next_turn();   // consumer 0 goes first
   unsigned pa[Tr::kPVSteps][4];
   auto skip = [&](int t) {   // a tile outside [ja, jb): its copies landed, the stage released
     mbar_wait(bar_k(t % STAGES), (t / STAGES) & 1);
@@ -291,8 +352,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
   };
 
-  mbar_wait(bar_q, 0);   // (also before the epilogue writes O over Q, when there is no key tile)
-  int t = 0;
+  mbar_wait(bar_q(qi), (qi >> 1) & 1);   // (also before the epilogue writes O over Q, when there is no key tile)
   for (int j = j0; j < min(ja, n_blocks); ++j, ++t) skip(t);
   if (ja < jb) {
     {   // the first tile: S_t alone
@@ -362,8 +422,8 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
   }
   named_barrier(1 + cw, 128);   // this warpgroup's rows staged
-  T* out = gmem.o;
-  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && off.o % 8 == 0 &&
+  T* out = w.gmem.o;
+  const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && w.off.o % 8 == 0 &&
                    p.o % 16 == 0 && p.dv % 8 == 0;
   const unsigned char* stile = smem_raw + (sQ - raw);
   constexpr int kChunks = QTile::kChunks;
@@ -378,6 +438,11 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       const T* e = reinterpret_cast<const T*>(src);
       for (int u = 0; u < 8 && c * 8 + u < p.dv; ++u) out[gi * p.o_row_stride + (c * 8 + u) * p.o_col_stride] = e[u];
     }
+  }
+  if constexpr (!kLoop) break;
+  // PERSIST: the staged rows are read back (in registers, stored): the buffer is free for the
+  // item after the next one
+  mbar_arrive(bar_qfree(qi));
   }
 }
 

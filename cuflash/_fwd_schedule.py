@@ -65,7 +65,7 @@ def fwd_sm90_grid(t, items: int, dev) -> int:
     """The forward's grid for ``items`` (batch item, Q tile) blocks of work: one block each, or
     for a persistent build (``persist``) ``CUFLASH_FWD90_PERSIST_GRID``: "slots" (default:
     ``min_blocks`` blocks an SM, the resident ones) or k (k items a block: ceil(items / k))."""
-    if t.family != "fwd_sm90" or not t["persist"]:
+    if t.family not in ("fwd_sm90", "fwd_sm90ws") or not t["persist"]:
         return items
     value = os.environ.get("CUFLASH_FWD90_PERSIST_GRID", "").strip() or "slots"
     if value == "slots":

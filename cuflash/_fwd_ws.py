@@ -24,6 +24,9 @@ from . import _traits
 WS_FEATURES = frozenset({"causal", "window", "softcap", "alibi_slopes", "sink"})
 #: at d 64, the mean key tiles (of 128 keys) a block visits from which fwd_sm90ws is the default
 D64_MIN_TILES = 16
+#: the head-dim buckets with a persistent build (session 17): at d 64 the 3 consumers' 160
+#: registers are full, and the item loop's two counters spilled 16-64 bytes (ptxas, NVRTC 13)
+PERSIST_BUCKETS = frozenset({128})
 
 
 def ws_switch() -> str:
@@ -79,16 +82,54 @@ def fwd_sm90ws_select(fam, shape, dev):
     why = [f"head-dim bucket {bucket}: {t.reason}",
            "EVEN=true: whole key tiles and no padded columns" if even else
            "EVEN=false: the last key tile or the head dim is partial (predicated loads)"]
-    return t, {"even": even}, why
+    return persistent(t, shape, dev, why), {"even": even}, why
+
+
+def persist_switch() -> str:
+    """``CUFLASH_FWD90WS_PERSIST`` (plan time): "0" (one block a query tile), "1" / "2" (a
+    persistent grid, items round-robin / zigzag, wherever the grid has more items than SMs) or
+    "auto" (the default: :func:`persist_default`)."""
+    value = os.environ.get("CUFLASH_FWD90WS_PERSIST", "").strip().lower() or "auto"
+    if value not in ("0", "1", "2", "auto"):
+        raise ValueError(f"CUFLASH_FWD90WS_PERSIST={value!r}: expected 0, 1, 2 or auto")
+    return value
+
+
+def persist_default(shape, t) -> int:
+    """The persistent schedule the measured rule gives ``shape`` (0: none)."""
+    v = shape.variant
+    return 2 if (v.causal or v.window) else 0
+
+
+def persistent(t, shape, dev, why: list):
+    """``t`` with its ``persist`` schedule (a block runs (batch item, Q tile) items in turn:
+    fwd_sm90ws.cu, PERSIST) where :func:`persist_switch` asks for it, the grid
+    (``_fwd_schedule.fwd_sm90_grid``: an SM's block, or ``CUFLASH_FWD90_PERSIST_GRID``) holds
+    fewer blocks than items and the second Q buffer fits; a ``persist`` from CUFLASH_TILES stays."""
+    from ._fwd_schedule import fwd_sm90_grid
+    switch = persist_switch()
+    mode = t["persist"] or (0 if switch == "0" else persist_default(shape, t) if switch == "auto"
+                            else int(switch))
+    if t.head_dim not in PERSIST_BUCKETS:
+        mode = 0
+    items = shape.nbatch * -(-shape.Lq // t.block_m)
+    p = t.replace(persist=mode)
+    if not mode or p.smem_bytes > dev.smem_optin or items <= fwd_sm90_grid(p, items, dev):
+        return t.replace(persist=0)
+    why.append(f"persistent ({'zigzag' if mode == 2 else 'round-robin'}): {fwd_sm90_grid(p, items, dev)} "
+               f"blocks run the {items} query tiles in turn, each one's Q and first K/V loaded "
+               "during the one before (CUFLASH_FWD90WS_PERSIST)")
+    return p
 
 
 def fwd_sm90ws_instances(fam, arch):
     for t in _traits.FWD_SM90WS.values():
-        for even in (False, True):
-            yield t, {"even": even}
+        for persist in (0, 2) if t.head_dim in PERSIST_BUCKETS else (0,):
+            for even in (False, True):
+                yield t.replace(persist=persist), {"even": even}
 
 
 TEMPLATE = ("cuflash::sm90::fwd_sm90ws<{T}, {head_dim}, {block_n}, {consumers}, {stages}, "
-            "{pingpong}, {poly}, {variant}, {even}>")
-SMEM = "cuflash::sm90::WsTraits<{T}, {head_dim}, {block_n}, {consumers}, {stages}>::kSmemBytes"
+            "{pingpong}, {poly}, {variant}, {even}{persist}>")
+SMEM = "cuflash::sm90::WsTraits<{T}, {head_dim}, {block_n}, {consumers}, {stages}{persist}>::kSmemBytes"
 SUMMARY = "Hopper wgmma forward, warp-specialised (a cp.async producer warpgroup, mbarriers)"

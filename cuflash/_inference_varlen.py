@@ -107,6 +107,8 @@ def choose(prob, dev, choice=None):
     if change and dev.cc >= min_cc:
         t = t.replace(**change)
         reasons.append(f"  varlen build: {change} (the plain tiles spill there)")
+    if dict(t.args).get("persist"):
+        t = t.replace(persist=0)       # (a block's work item is its sequence's: no persistent grid)
     flags = dict(choice.flags)
     if "even" in flags:
         flags["even"] = False          # per-sequence bounds: never the EVEN build

@@ -44,9 +44,9 @@ class Traits:
     def with_values(self, values: tuple[int, ...]) -> "Traits":
         """Replace the arguments after ``head_dim`` by ``values``, in order (CUFLASH_TILES)."""
         names = [n for n, _ in self.args if n != "head_dim"]
-        if self.family == "fwd_sm90" and len(values) in (len(names) - 2, len(names) - 1):
-            # (persist, lean: a schedule, not tiles; kept where left out)
-            values = (*values, *(self["persist"], self["lean"])[len(values) - len(names) + 2:])
+        sched = [n for n in ("persist", "lean") if n in names]   # (a schedule, not tiles:
+        if 0 < len(names) - len(values) <= len(sched):           # kept where left out)
+            values = (*values, *(self[n] for n in sched[len(values) - len(names):]))
         if len(values) != len(names):
             raise ValueError(f"CUFLASH_TILES for {self.family} needs {len(names)} values "
                              f"({':'.join(names)}), got {values}")
@@ -80,13 +80,16 @@ def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, lean=0, rea
                    min_blocks=min_blocks, reason=reason)
 
 
-def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, poly=0, reason=""):
+def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, poly=0, persist=0, reason=""):
     """WsTraits (fwd_sm90ws.cu): a producer and ``consumers`` warpgroups (turns: ``pingpong``; the
-    softcap's exp2 tiles on FMAs: ``poly``, 0 the Variant's); Q, ``stages`` K/V, mbarriers, 1 KB."""
-    bm, names = 64 * consumers, ("head_dim", "block_n", "consumers", "stages", "pingpong", "poly")
+    softcap's exp2 tiles on FMAs: ``poly``, 0 the Variant's); Q, ``stages`` K/V, mbarriers, 1 KB;
+    ``persist`` (session 17; 1 round-robin, 2 zigzag): a block runs query tiles in turn, 2 Q buffers."""
+    bm, q = 64 * consumers, 2 if persist else 1
+    names = ("head_dim", "block_n", "consumers", "stages", "pingpong", "poly", "persist")
     return _traits("fwd_sm90ws", names, locals(), head_dim=head_dim, block_m=bm, block_n=block_n,
                    threads=128 * (consumers + 1), reason=reason, smem_bytes=(
-                       (bm + 2 * stages * block_n) * head_dim * 2 + 8 * (1 + 4 * stages) + 1024))
+                       (q * bm + 2 * stages * block_n) * head_dim * 2
+                       + 8 * (1 + 4 * stages + (3 if persist else 0)) + 1024))
 
 
 def fwd_sm80(head_dim, block_n, warps, slices, min_blocks=1, allow_even=True, reason=""):
@@ -183,11 +186,8 @@ def decode_sm80_smem(head_dim: int, stages: int = 3) -> int:
     return tile + 4 * stages * 2 * tile
 
 
-MAKE: dict[str, Callable[..., Traits]] = {
-    "fwd_sm90": fwd_sm90, "fwd_sm90ws": fwd_sm90ws, "fwd_sm80": fwd_sm80, "fwd_simt": fwd_simt,
-    "bwd_sm90": bwd_sm90, "bwd_sm80": bwd_sm80, "bwd_simt": bwd_simt, "decode": decode,
-    "decode_sm80": decode_sm80,   # helper "inference"
-}
+MAKE: dict[str, Callable[..., Traits]] = {f.__name__: f for f in (
+    fwd_sm90, fwd_sm90ws, fwd_sm80, fwd_simt, bwd_sm90, bwd_sm80, bwd_simt, decode, decode_sm80)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,8 +349,7 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: The Variants fwd_sm90 runs PERSISTENT (session 10; ``_families.persist_wanted``,
 #: ``CUFLASH_FWD90_PERSIST`` read at plan time: "0" the default since session 10's call 2,
-#: "auto", "window", "all"): a grid
-#: of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
+#: "auto", "window", "all"): a grid of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
 #: with the next item's Q and first K/V loaded during the current one's last key tile. For the
 #: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so each one's
 #: prologue (Q, K_0, V_0 from memory) and epilogue (O staged and stored) recur every 18 tiles,

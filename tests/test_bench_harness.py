@@ -735,3 +735,6 @@ def test_fwd_ws_probe_logic():
     pts = list(fwd_ws.points([64, 128], [4096], poly=True))
     assert [(d, name) for d, _, name, _ in pts] == [(128, "plain"), (128, "softcap")]
     assert {"ws", "sm90", "ws_poly8"} <= set(fwd_ws.poly_arms([8]))
+    # every ws arm but the persistent ones runs one block a query tile (session 16's schedule)
+    assert all(env.get("CUFLASH_FWD90WS_PERSIST") == "0" for a, env in fwd_ws.ARMS.items() if a != "sm90")
+    assert [fwd_ws.PERSIST_ARMS[a]["CUFLASH_FWD90WS_PERSIST"] for a in ("ws", "ws_p1", "ws_p2")] == ["0", "1", "2"]

@@ -217,3 +217,49 @@ def test_softcap_poly_shares(poly, causal, ws, monkeypatch):
     case = AttentionCase.make("bfloat16", (2, 4, 700, 128), (2, 4, 700, 128), (2, 4, 700, 128),
                               seed=11, causal=causal, softcap=50.0)
     _check(case, ws)
+
+
+@pytest.mark.parametrize("persist", [1, 2])
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("mods", [dict(causal=True), dict(causal=False),
+                                  dict(causal=True, window=(300, 0)),
+                                  dict(causal="bottom_right", window=(50, None)),
+                                  dict(causal=True, alibi_slopes={"shape": (6,), "expanded": (),
+                                                                  "scale": 1.0, "dtype": "float32"},
+                                       sink={"shape": (6,), "expanded": (), "scale": 1.0,
+                                             "dtype": "float32"})],
+                         ids=["causal", "plain", "window", "empty_rows", "alibi_sink"])
+def test_persistent_schedules(persist, d, mods, ws, monkeypatch):
+    """The persistent grids (session 17: a block runs query tiles in turn, round-robin or
+    zigzag, two Q buffers handed over on mbarriers) compute the same function: grids of a third
+    as many blocks as items (CUFLASH_FWD90_PERSIST_GRID=3; every block runs 2-3 items, unequal
+    under causal and the window), a ragged key length (the predicated build) and whole tiles,
+    rows with no key (Lq > Lk, bottom-right window), a padded head dim (96). The plan's
+    reasons say it was persistent (the 128 bucket only: _fwd_ws.PERSIST_BUCKETS)."""
+    import cupy
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", str(persist))
+    monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "3")
+    _api.clear_plans()
+    for seed, (Lq, Lk) in enumerate([(1100, 1100), (1280, 1024), (1500, 700)]):
+        if "window" not in mods and Lq > Lk and mods.get("causal") is True:
+            continue   # (top-left causal with Lq > Lk: rows past Lk see all keys, covered above)
+        case = AttentionCase.make("bfloat16", (2, 6, Lq, d), (2, 6, Lk, d), (2, 6, Lk, d),
+                                  seed=seed, **mods)
+        _check(case, ws)
+        arrays = case.with_xp(cupy)
+        assert "persistent" in cuflash.explain(arrays.q, arrays.k, arrays.v, **arrays.kwargs)
+
+
+def test_persistent_bitwise_equals_one_block_a_tile(ws, monkeypatch):
+    """Each query tile's arithmetic does not depend on the block that runs it: the persistent
+    grid's output is bitwise the one-block-a-tile grid's."""
+    from cuflash import _api
+    q, k, v = _arrays(12, (3, 8, 2048, 128), (3, 8, 2048, 128), (3, 8, 2048, 128), BF16)
+    got = {}
+    for persist in ("0", "2"):
+        monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", persist)
+        _api.clear_plans()
+        got[persist] = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    (a, la), (b, lb) = got["0"], got["2"]
+    assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all() and (la == lb).all()

@@ -11,8 +11,10 @@ becomes the dispatcher's default there (cuflash/_fwd_ws.py); the window rows ans
 One process; the fwd suite's shapes (bf16, B = 16384 / L, H = 2048 / d): plain, causal, the
 window of 1024 keys (causal) at 4k and 16k, softcap 50 at 4k (d 128; at d 64 the ws build of the
 softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared around each):
-``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles), ``ws_pp0``
-(the same without the consumers' ping-pong) and ``ws_stages`` (the other K/V stage count); with
+``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles, one block a
+query tile), ``ws_pp0`` (the same without the consumers' ping-pong) and ``ws_stages`` (the other
+K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1`` and ``ws_p2`` (session 17: a
+persistent grid, items round-robin / zigzag, ``CUFLASH_FWD90WS_PERSIST``); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -40,21 +42,23 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from suite_common import dump_probe, median_event_ms, time_arm, warm_arms  # noqa: E402
 
-ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": {"CUFLASH_FWD90_WS": "1"},
+# (the ws arms one block a query tile: CUFLASH_FWD90WS_PERSIST=0, session 16's schedule)
+WS = {"CUFLASH_FWD90_WS": "1", "CUFLASH_FWD90WS_PERSIST": "0"}
+ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": WS,
         # the table's tiles without the consumers' ping-pong, and with the other stage count
         # (3 at d 128, 2 at d 64: the table has 2 and 3)
-        "ws_pp0": {"CUFLASH_FWD90_WS": "1",
-                   "CUFLASH_TILES": "fwd_sm90ws:128=128:2:2:0:0;fwd_sm90ws:64=128:3:3:0:0"},
-        "ws_stages": {"CUFLASH_FWD90_WS": "1",
-                      "CUFLASH_TILES": "fwd_sm90ws:128=128:2:3:1:0;fwd_sm90ws:64=128:3:2:1:0"}}
+        "ws_pp0": dict(WS, CUFLASH_TILES="fwd_sm90ws:128=128:2:2:0:0;fwd_sm90ws:64=128:3:3:0:0"),
+        "ws_stages": dict(WS, CUFLASH_TILES="fwd_sm90ws:128=128:2:3:1:0;fwd_sm90ws:64=128:3:2:1:0")}
+#: --persist (session 17): the persistent schedules, round-robin (p1) and zigzag (p2)
+PERSIST_ARMS = {"sm90": ARMS["sm90"], "ws": WS,
+                **{f"ws_p{k}": dict(WS, CUFLASH_FWD90WS_PERSIST=str(k)) for k in (1, 2)}}
 
 
 def poly_arms(shares):
     """--poly: the table's d 128 tiles with K of the 16 eight-column tiles of S taking the
     softcap's exponentials on the FMA pipe (the Variant's share is 4)."""
-    return {"sm90": ARMS["sm90"], "ws": ARMS["ws"],
-            **{f"ws_poly{k}": {"CUFLASH_FWD90_WS": "1", "CUFLASH_TILES": f"fwd_sm90ws:128=128:2:2:1:{k}"}
-               for k in shares}}
+    return {"sm90": ARMS["sm90"], "ws": WS,
+            **{f"ws_poly{k}": dict(WS, CUFLASH_TILES=f"fwd_sm90ws:128=128:2:2:1:{k}") for k in shares}}
 TOKENS, WIDTH, WINDOW = 16384, 2048, 1024
 
 
@@ -81,6 +85,8 @@ def points(ds, Ls, poly=False):
                 yield d, L, "window", dict(causal=True, window=(WINDOW, 0))
             if L == 4096 and d == 128:
                 yield d, L, "softcap", dict(softcap=50.0)
+            if L >= 4096 and d == 128:   # (the mods suite's ALiBi: causal, slopes 2^-8h/H)
+                yield d, L, "alibi", dict(causal=True, alibi_slopes="mods")
 
 
 def arm_orders(arms: list, rounds: int) -> list:
@@ -98,12 +104,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timings of each arm a point, in rotated orders; the line shows medians")
+    ap.add_argument("--persist", action="store_true",
+                    help="arms sm90, ws, ws_p1, ws_p2: the persistent schedules (session 17)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
     global ARMS
     if args.poly:
         ARMS = poly_arms([int(k) for k in args.poly.split(",")])
+    elif args.persist:
+        ARMS = PERSIST_ARMS
     import cupy
     import ml_dtypes
     import numpy
@@ -118,6 +128,10 @@ def main(argv=None) -> int:
             shape = (TOKENS // L, WIDTH // d, L, d)
             arrays[d, L] = tuple(cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
                                  for _ in range(3))
+    for _, _, _, kw in pts:
+        if kw.get("alibi_slopes") == "mods":
+            h = WIDTH // 128
+            kw["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * numpy.arange(1, h + 1) / h), dtype=cupy.float32)
     t0 = time.perf_counter()
     jobs = [(lambda a=arrays[d, L], kw=kw: cuflash.attention(*a, **kw)) for d, L, _, kw in pts]
     warm_arms(list(ARMS), ARMS, jobs)
