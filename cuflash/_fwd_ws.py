@@ -27,6 +27,8 @@ D64_MIN_TILES = 16
 #: the head-dim buckets with a persistent build (session 17): at d 64 the 3 consumers' 160
 #: registers are full, and the item loop's two counters spilled 16-64 bytes (ptxas, NVRTC 13)
 PERSIST_BUCKETS = frozenset({128})
+#: the mean key tiles an item (a block's Q tile) visits up to which any Variant runs persistent
+PERSIST_SHORT_TILES = 8
 
 
 def ws_switch() -> str:
@@ -96,9 +98,19 @@ def persist_switch() -> str:
 
 
 def persist_default(shape, t) -> int:
-    """The persistent schedule the measured rule gives ``shape`` (0: none)."""
+    """The persistent schedule the measured rule gives ``shape`` (0: none). Session 17's probe
+    (``bench/probes/fwd_ws.py --persist``, ``fwd_ws_persist.json``; H200, bf16, d 128, TFLOP/s
+    over one block a tile, medians of 3 rounds): the window (items of equal length) 1.02 (4k) /
+    1.06 (16k) zigzag; items of few key tiles 1.07 (plain 1k, 8 tiles) / 1.11 (causal 1k, 4 on
+    average) round-robin; the softcap without causal 1.07 (4k) round-robin. Causal items of
+    many tiles lose (4k 0.93-0.97, 16k 0.90-0.92; ALiBi 16k 0.93-0.96): the static schedule
+    balances unequal items worse than the hardware's block scheduler, which hands the next
+    block (heaviest first) to the first SM free; plain 4k / 16k gain nothing (1.00 / 0.99)."""
     v = shape.variant
-    return 2 if (v.causal or v.window) else 0
+    if v.window:
+        return 2
+    tiles = shape.Lk / t.block_n / (2 if v.causal else 1)
+    return 1 if tiles <= PERSIST_SHORT_TILES or (v.softcap and not v.causal) else 0
 
 
 def persistent(t, shape, dev, why: list):
@@ -124,7 +136,7 @@ def persistent(t, shape, dev, why: list):
 
 def fwd_sm90ws_instances(fam, arch):
     for t in _traits.FWD_SM90WS.values():
-        for persist in (0, 2) if t.head_dim in PERSIST_BUCKETS else (0,):
+        for persist in (0, 1, 2) if t.head_dim in PERSIST_BUCKETS else (0,):
             for even in (False, True):
                 yield t.replace(persist=persist), {"even": even}
 

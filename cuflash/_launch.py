@@ -230,13 +230,31 @@ class Launch:
         """Write ``words`` over the leading 8-byte words of the block (and each ``(index,
         value)`` of ``extra`` over the 8-byte word ``index``: the modifiers' pointers) and
         launch."""
-        launch = self._launch_kernel
         with self.lock:
             _patch(len(words)).pack_into(self._bytes, 0, *words)
             for i, w in extra:   # (a struct pack, not a NumPy item store: host time)
                 _WORD.pack_into(self._bytes, 8 * i, w)
-            for fn, grid, block, smem in self.kernels:
-                launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+            try:
+                self._launch_all(stream)
+            except Exception as exc:
+                # A thread that has made no CUDA runtime call has no current context (CuPy's
+                # pool can hand it memory without one: cupy/cupy#72), and cuLaunchKernel is a
+                # driver call: make the current device's primary context current, once, and
+                # launch (the first kernel failed, so none ran). Free on the path that works.
+                if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+                    raise
+                from cupy.cuda import runtime
+                runtime.setDevice(runtime.getDevice())
+                self._launch_all(stream)
+
+    def _launch_all(self, stream: int) -> None:
+        launch = self._launch_kernel
+        for fn, grid, block, smem in self.kernels:
+            launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+
+
+#: cuLaunchKernel's status where the calling thread has no current CUDA context
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 #: one little-endian 8-byte word (Launch's ``extra``)

@@ -92,28 +92,34 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
 
 
 def test_forward_warp_specialised_persistent_schedule(monkeypatch):
-    """fwd_sm90ws's persistent grid (session 17, _fwd_ws.persistent): by default the zigzag
-    schedule for causal and the window where the grid has more query tiles than SMs, never for
-    plain attention; CUFLASH_FWD90WS_PERSIST forces or turns it off; a grid that would not be
-    smaller than the items keeps one block a tile; varlen builds never take it."""
+    """fwd_sm90ws's persistent grid (session 17, _fwd_ws.persist_default): by default zigzag for
+    the window, round-robin for items of <= 8 key tiles and the softcap without causal, none for
+    long causal or plain items, where the grid has more query tiles than SMs; d 128 only;
+    CUFLASH_FWD90WS_PERSIST forces or turns it off; a grid that would not be smaller than the
+    items keeps one block a tile; varlen builds never take it."""
     from cuflash import _inference_varlen
     ws = lambda **kw: _families.choose("fwd", _ws_shape(**kw), H200)   # noqa: E731
     persist = lambda **kw: ws(**kw).traits["persist"]   # noqa: E731
-    assert persist(causal=True) == 2 and persist(causal=True, window=True) == 2
-    assert "persistent (zigzag): 132 blocks run the 2048 query tiles" in "\n".join(ws(causal=True).reasons)
-    assert persist() == 0 and persist(softcap=True) == 0
-    assert persist(d=64, causal=True, L=16384, nbatch=32) == 0          # (its builds spill)
-    assert persist(causal=True, nbatch=5, L=4096) == 2                 # 160 tiles > 132 SMs
+    assert persist(causal=True, window=True) == 2 and persist(window=True) == 2
+    assert "persistent (zigzag): 132 blocks run the 2048 query tiles" in "\n".join(
+        ws(causal=True, window=True).reasons)
+    assert persist(causal=True) == 0 and persist() == 0                 # 16 / 32 key tiles
+    assert persist(L=1024, nbatch=256) == 1 and persist(causal=True, L=2048, nbatch=128) == 1
+    assert persist(L=2048, nbatch=128) == 0                             # 16 key tiles
+    assert persist(softcap=True) == 1 and persist(softcap=True, causal=True) == 0
+    assert persist(d=64, window=True, L=1024, nbatch=256) == 0          # (its builds spill)
+    assert persist(window=True, causal=True, nbatch=5, L=4096) == 2     # 160 tiles > 132 SMs
     monkeypatch.setenv("CUFLASH_FWD90_WS", "1")
-    assert persist(causal=True, nbatch=4, L=4096) == 0                 # 128 tiles <= 132 SMs
+    assert persist(window=True, causal=True, nbatch=4, L=4096) == 0     # 128 tiles <= 132 SMs
+    assert ws().expr.endswith(", true>")                                # the default build's name
+    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "2")
     t = ws(causal=True).traits
     assert t.smem_bytes == t.replace(persist=0).smem_bytes + 128 * 128 * 2 + 24
     assert _families.fwd_sm90_grid(t, 2048, H200) == 132
     assert "persist" not in ws(causal=True).expr.split("Variant")[0]   # (trailing, after EVEN)
     assert ws(causal=True).expr.endswith(", true, 2>")
-    assert ws().expr.endswith(", true>")                                # the default build's name
     monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "1")
-    assert persist() == 1 and persist(causal=True) == 1
+    assert persist() == 1 and persist(causal=True) == 1 and persist(window=True) == 1
     monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "0")
     assert persist(causal=True) == 0
     monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "3")
@@ -121,16 +127,18 @@ def test_forward_warp_specialised_persistent_schedule(monkeypatch):
         ws(causal=True)
     monkeypatch.delenv("CUFLASH_FWD90WS_PERSIST")
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "3")               # a third as many blocks
-    assert persist(causal=True, nbatch=4, L=4096) == 2
+    assert persist(window=True, causal=True, nbatch=4, L=4096) == 2
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST_GRID")
     monkeypatch.delenv("CUFLASH_FWD90_WS")
-    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90ws:128=128:2:2:1:0")   # persist left out: kept
-    assert persist(causal=True) == 2
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90ws:128=128:2:2:1:0")   # persist left out: the rule's
+    assert persist(window=True) == 2 and persist(causal=True) == 0
+    monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90ws:128=128:2:2:1:0:1")  # ... or set: kept
+    assert persist(causal=True) == 1
     monkeypatch.delenv("CUFLASH_TILES")
 
     class Packed:   # what _inference_varlen.choose reads of a packed problem
         dtype = numpy.dtype("float16")
-    choice = ws(causal=True)
+    choice = ws(causal=True, window=True)
     monkeypatch.setattr(_inference_varlen, "Shape", type("S", (), {"of": staticmethod(lambda p: _ws_shape(causal=True))}))
     _, t, expr, _ = _inference_varlen.choose(Packed(), H200, choice)
     assert t["persist"] == 0 and expr.endswith(", false>"), expr
@@ -419,7 +427,7 @@ def test_explain_and_its_command():
     from cuflash.__main__ import main
     q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
     text = cuflash.explain(q, q, q, causal=True)
-    assert "fwd_sm90ws<__nv_bfloat16, 128, 128, 2, 2, 1, 0, cuflash::Variant<true>, true, 2>" in text
+    assert "fwd_sm90ws<__nv_bfloat16, 128, 128, 2, 2, 1, 0, cuflash::Variant<true>, true, 1>" in text
     assert "why:" in text and "H200" in text
     text = cuflash.explain(q, q, q, backward=True, deterministic=True, device="a100")
     assert "bwd_sm80<" in text and "bwd_sm90: not used, needs compute capability 9.0" in text

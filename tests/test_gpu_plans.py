@@ -79,6 +79,40 @@ def test_fast_backward_is_bitwise_the_full_path():
             cupy.testing.assert_array_equal(a, b)
 
 
+def test_a_thread_without_a_cuda_context():
+    """A new thread whose first CUDA work is a cuflash call on a cached plan, its outputs served
+    by CuPy's pool (no runtime call that would make a context current: cupy/cupy#72): the
+    launch (a driver call) makes the context current itself. Forward and backward, each in a
+    thread of its own; bitwise the main thread's results. (Session 17's probe saw
+    CUDA_ERROR_INVALID_CONTEXT from such threads.)"""
+    import cupy
+    q, k, v = (rand((2, 4, 300, 64), BF16, 40 + i) for i in range(3))
+    o, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    do = rand(o.shape, BF16, 44)
+    grads = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    # the same sizes again, freed: the pool holds blocks a new thread's outputs can take
+    cuflash.attention(q, k, v, causal=True, return_lse=True)
+    cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    cupy.cuda.Device().synchronize()
+    got, errors = {}, []
+
+    def run(name, fn):
+        try:
+            got[name] = fn()
+            cupy.cuda.get_current_stream().synchronize()
+        except BaseException as e:      # reported below: a thread's exception is otherwise lost
+            errors.append(e)
+
+    for name, fn in (("fwd", lambda: cuflash.attention(q, k, v, causal=True, return_lse=True)),
+                     ("bwd", lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=True))):
+        t = threading.Thread(target=run, args=(name, fn))
+        t.start()
+        t.join()
+    assert not errors, errors
+    for want, have in zip((o, lse) + tuple(grads), got["fwd"] + tuple(got["bwd"])):
+        assert (want.view(numpy.uint8) == have.view(numpy.uint8)).all()
+
+
 def test_many_threads_with_cold_caches():
     """16 threads, each on its own stream, call with shapes no one has planned yet."""
     import cupy

@@ -156,3 +156,43 @@ def test_aux_grids():
     assert _plan_aux.dot_grid(1, 132) == 1
     assert _plan_aux.dot_grid(8 * 100, 132) == 100
     assert _plan_aux.dot_grid(1 << 30, 132) == _plan_aux.DOT_BLOCKS_PER_SM * 132
+
+
+def test_launch_makes_a_context_current_where_the_thread_has_none(monkeypatch):
+    """``_launch.Launch``: cuLaunchKernel fails with CUDA_ERROR_INVALID_CONTEXT (201) in a thread
+    that has made no runtime call (cupy/cupy#72); the launch then makes the current device's
+    primary context current (cudaSetDevice) and launches once more. Any other driver error
+    propagates, and nothing is retried."""
+    import struct
+
+    import numpy
+    from cupy.cuda import runtime
+    from cuflash import _launch
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    calls, contexts = [], []
+
+    def launch_kernel(*args):
+        calls.append(args[0])
+        if not contexts:
+            raise DriverError(201)
+
+    monkeypatch.setattr(runtime, "getDevice", lambda: 3)
+    monkeypatch.setattr(runtime, "setDevice", lambda d: contexts.append(d))
+    buf = numpy.zeros(4, numpy.uint64)
+    launch = _launch.Launch.__new__(_launch.Launch)
+    launch._launch_kernel, launch.kernels, launch.buf = launch_kernel, [(11, 1, 128, 0), (12, 1, 128, 0)], buf
+    launch._bytes, launch.argv_ptr, launch.lock = memoryview(buf).cast("B"), 0, threading.Lock()
+    launch(0, [7, 8])
+    assert contexts == [3] and calls == [11, 11, 12]
+    assert struct.unpack_from("<2Q", launch._bytes) == (7, 8)
+
+    def broken(*args):
+        raise DriverError(700)
+    launch._launch_kernel = broken
+    with pytest.raises(DriverError):
+        launch(0, [7, 8])
+    assert contexts == [3]

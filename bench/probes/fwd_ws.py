@@ -13,8 +13,9 @@ window of 1024 keys (causal) at 4k and 16k, softcap 50 at 4k (d 128; at d 64 the
 softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared around each):
 ``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles, one block a
 query tile), ``ws_pp0`` (the same without the consumers' ping-pong) and ``ws_stages`` (the other
-K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1`` and ``ws_p2`` (session 17: a
-persistent grid, items round-robin / zigzag, ``CUFLASH_FWD90WS_PERSIST``); with
+K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1``, ``ws_p2`` (session 17: a
+persistent grid, items round-robin / zigzag, ``CUFLASH_FWD90WS_PERSIST``) and ``ws_auto`` (the
+dispatcher's rule for it), ``--arms`` picking some of them; with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -29,7 +30,10 @@ instructions each (call 4, ``fwd_ws.json``) fwd_sm90ws is 1.26-1.51x fwd_sm90 at
 16k 646 TFLOP/s, cuDNN 625), 1.03-1.27x at d 64 from 16 key tiles a block, slower for d 64's
 short rows and window; ping-pong is worth 3-12% at d 128, 3 stages nothing there (1-3% at d 64);
 ``--poly`` (call 7, ``fwd_ws_poly.json``): the Variant's share of 4 of 16 tiles stays best
-(6-12 lose 2-10%).
+(6-12 lose 2-10%). ``--persist`` (session 17, call 1, ``fwd_ws_persist.json``, d 128): the
+persistent grid gains where items are short or equal (window 1.02-1.06 zigzag, plain / causal 1k
+1.07 / 1.11 round-robin, softcap 4k 1.07) and loses on long causal items (0.90-0.97), whose
+unequal lengths the hardware's block scheduler balances better than a static schedule.
 """
 from __future__ import annotations
 
@@ -51,7 +55,9 @@ ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": WS,
         "ws_stages": dict(WS, CUFLASH_TILES="fwd_sm90ws:128=128:2:3:1:0;fwd_sm90ws:64=128:3:2:1:0")}
 #: --persist (session 17): the persistent schedules, round-robin (p1) and zigzag (p2)
 PERSIST_ARMS = {"sm90": ARMS["sm90"], "ws": WS,
-                **{f"ws_p{k}": dict(WS, CUFLASH_FWD90WS_PERSIST=str(k)) for k in (1, 2)}}
+                **{f"ws_p{k}": dict(WS, CUFLASH_FWD90WS_PERSIST=str(k)) for k in (1, 2)},
+                # the dispatcher's rule (_fwd_ws.persist_default) on every point ws runs
+                "ws_auto": {"CUFLASH_FWD90_WS": "1"}}
 
 
 def poly_arms(shares):
@@ -106,6 +112,8 @@ def main(argv=None) -> int:
                     help="timings of each arm a point, in rotated orders; the line shows medians")
     ap.add_argument("--persist", action="store_true",
                     help="arms sm90, ws, ws_p1, ws_p2: the persistent schedules (session 17)")
+    ap.add_argument("--arms", help="comma-separated subset of the arms (sm90 and ws always)")
+    ap.add_argument("--softcap16k", action="store_true", help="also the softcap at 16k (d 128)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
@@ -114,6 +122,8 @@ def main(argv=None) -> int:
         ARMS = poly_arms([int(k) for k in args.poly.split(",")])
     elif args.persist:
         ARMS = PERSIST_ARMS
+    if args.arms:
+        ARMS = {a: e for a, e in ARMS.items() if a in ("sm90", "ws") or a in args.arms.split(",")}
     import cupy
     import ml_dtypes
     import numpy
@@ -121,6 +131,8 @@ def main(argv=None) -> int:
     ds = [int(x) for x in args.d.split(",")]
     Ls = [int(x) for x in args.L.split(",")]
     pts = list(points(ds, Ls, bool(args.poly)))
+    if args.softcap16k:
+        pts.append((128, 16384, "softcap", dict(softcap=50.0)))
     rng = numpy.random.default_rng(0)
     arrays = {}
     for d, L, _, _ in pts:
