@@ -234,8 +234,10 @@ class Launch:
             _patch(len(words)).pack_into(self._bytes, 0, *words)
             for i, w in extra:   # (a struct pack, not a NumPy item store: host time)
                 _WORD.pack_into(self._bytes, 8 * i, w)
+            launch = self._launch_kernel
             try:
-                self._launch_all(stream)
+                for fn, grid, block, smem in self.kernels:   # (inline: host time per call)
+                    launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
             except Exception as exc:
                 # A thread that has made no CUDA runtime call has no current context (CuPy's
                 # pool can hand it memory without one: cupy/cupy#72), and cuLaunchKernel is a
@@ -245,12 +247,8 @@ class Launch:
                     raise
                 from cupy.cuda import runtime
                 runtime.setDevice(runtime.getDevice())
-                self._launch_all(stream)
-
-    def _launch_all(self, stream: int) -> None:
-        launch = self._launch_kernel
-        for fn, grid, block, smem in self.kernels:
-            launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
+                for fn, grid, block, smem in self.kernels:
+                    launch(fn, grid, 1, 1, block, 1, 1, smem, stream, self.argv_ptr, 0)
 
 
 #: cuLaunchKernel's status where the calling thread has no current CUDA context
