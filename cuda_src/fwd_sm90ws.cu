@@ -122,6 +122,10 @@ __device__ __forceinline__ void producer_copy(unsigned sbase, const T* __restric
 // (without it, blocks of few key tiles, causal's and the window's, paid them alone: one block
 // an SM). A Q buffer is released (q_free) once its item's epilogue, which stages O over it,
 // has been read back. Not for varlen builds (a block's work item is its sequence's).
+// Measured (H200, session 17, bench/NOTES.md): the window 1.02-1.06x one block a tile, items of
+// <= 8 key tiles 1.07-1.11x, but long causal items 0.90-0.97x: a static schedule leaves blocks
+// of unequal items unequal, where one block a tile is handed out heaviest first to whichever SM
+// frees up; the dispatcher uses it where it won (cuflash/_fwd_ws.py, persist_default).
 template <int PERSIST>
 __device__ __forceinline__ unsigned ws_item(unsigned qi, unsigned bid, unsigned grid) {
   return (PERSIST == 2 && (qi & 1u)) ? qi * grid + (grid - 1u - bid) : qi * grid + bid;
