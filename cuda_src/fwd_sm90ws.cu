@@ -70,7 +70,7 @@ struct WsTraits {
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "wgmma N and the k16 steps of P V");
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "at most 4 warpgroups a block");
   static_assert(STAGES >= 2, "a stage computes while the next one loads");
-  static_assert(PERSIST >= 0 && PERSIST <= 2, "0: one item a block; 1: round-robin; 2: zigzag");
+  static_assert(PERSIST >= 0 && PERSIST <= 3, "0: one item a block; 1: round-robin; 2: zigzag; 3: lists");
   static_assert((kBlockM * QTile::kChunks) % 128 == 0 && (BLOCK_N * KVTile::kChunks) % 128 == 0,
                 "the producer's 128 threads copy whole rounds of 16-byte chunks");
   static_assert(QTile::kBytes % 1024 == 0 && KVTile::kBytes % 1024 == 0, "atoms stay 1024-aligned");
@@ -126,8 +126,18 @@ __device__ __forceinline__ void producer_copy(unsigned sbase, const T* __restric
 // <= 8 key tiles 1.07-1.11x, but long causal items 0.90-0.97x: a static schedule leaves blocks
 // of unequal items unequal, where one block a tile is handed out heaviest first to whichever SM
 // frees up; the dispatcher uses it where it won (cuflash/_fwd_ws.py, persist_default).
+// PERSIST 3 (session 17, written without a GPU: measure it first): each block's items from a
+// list the host made once a plan (cuflash/_fwd_schedule.lpt_schedule: longest processing time
+// first, from each item's key tiles), read through Params::varlen (no varlen build is
+// persistent): int32 offsets of the gridDim.x + 1 lists, then the lists.
 template <int PERSIST>
-__device__ __forceinline__ unsigned ws_item(unsigned qi, unsigned bid, unsigned grid) {
+__device__ __forceinline__ unsigned ws_item(const Params& p, unsigned qi, unsigned bid, unsigned grid,
+                                            unsigned n_items) {
+  if constexpr (PERSIST == 3) {
+    const int* list = reinterpret_cast<const int*>(p.varlen);
+    const int at = __ldg(list + bid) + static_cast<int>(qi);
+    return at < __ldg(list + bid + 1) ? static_cast<unsigned>(__ldg(list + grid + 1 + at)) : n_items;
+  }
   return (PERSIST == 2 && (qi & 1u)) ? qi * grid + (grid - 1u - bid) : qi * grid + bid;
 }
 
@@ -201,7 +211,9 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   // live from item to item (a Work carried across the loop made the d = 64 builds spill).
   // (Without PERSIST the one item's Work is computed once, before the roles split.)
   const unsigned n_items = unsigned(p.nbatch) * unsigned(p.num_m_blocks);
-  auto item_of = [&](unsigned qi) { return kLoop ? ws_item<PERSIST>(qi, blockIdx.x, gridDim.x) : blockIdx.x; };
+  auto item_of = [&](unsigned qi) {
+    return kLoop ? ws_item<PERSIST>(p, qi, blockIdx.x, gridDim.x, n_items) : blockIdx.x;
+  };
   const Work w0 = work_at(blockIdx.x);
 
   if (wg == 0) {

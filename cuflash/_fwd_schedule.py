@@ -156,3 +156,53 @@ def bmask_list_read(t, variant, why: list | None = None):
     if why is not None:
         why.append("the list entry read at the top of a key tile (CUFLASH_FWD90_BMASK_EARLY)")
     return t
+
+
+def item_tiles(Lq: int, Lk: int, block_m: int, block_n: int, causal: bool, causal_offset: int,
+               window=None):
+    """The key tiles fwd_sm90ws's Q tile ``m`` visits, for m = 0 .. ceil(Lq / block_m) - 1
+    (NumPy int64): ``[j0, n_blocks)`` as the kernel computes it from the Variant's key_begin /
+    key_end (causal up to the last row's diagonal, a window from the first row's far edge)."""
+    import numpy
+    m0 = numpy.arange(-(-Lq // block_m), dtype=numpy.int64) * block_m
+    end = numpy.full_like(m0, Lk)
+    if causal:
+        end = numpy.minimum(end, m0 + block_m + causal_offset)
+    begin = numpy.zeros_like(m0)
+    if window is not None:
+        diag = Lk - Lq   # (the window is on the bottom-right diagonal)
+        left, right = window
+        if right is not None:
+            end = numpy.minimum(end, m0 + block_m + diag + right)
+        if left is not None:
+            begin = numpy.maximum(0, m0 + diag - left) // block_n
+    n_blocks = numpy.where(end > 0, -(-end // block_n), 0)
+    return numpy.maximum(0, n_blocks - begin)
+
+
+def lpt_schedule(tiles, nbatch: int, order: int, grid: int):
+    """fwd_sm90ws's PERSIST 3 schedule (session 17, written without a GPU): each of ``grid``
+    blocks' list of (batch item, Q tile) items, by longest-processing-time-first (the items
+    heaviest first, each to the block with the least work so far; a block's items in that
+    order), an item's work its key tiles + 1 (its Q load and epilogue, about a tile's time).
+    ``tiles``: :func:`item_tiles`; items are numbered as the kernel's block_tile does
+    (``grid_order`` ``order``: 1 tile-major, 0 batch-major; tile t is Q tile ntiles - 1 - t).
+    Returns int32 [offsets of the grid + 1 lists..., the lists...]: block b's items are
+    ``out[grid + 1 + out[b] : grid + 1 + out[b + 1]]``. Every item appears once."""
+    import heapq
+
+    import numpy
+    tiles = numpy.asarray(tiles, numpy.int64)
+    ntiles = len(tiles)
+    idx = numpy.arange(nbatch * ntiles, dtype=numpy.int64)
+    t = idx // nbatch if order == 1 else idx % ntiles
+    work = tiles[ntiles - 1 - t] + 1
+    lists = [[] for _ in range(grid)]
+    heap = [(0, b) for b in range(grid)]
+    for i in idx[numpy.argsort(-work, kind="stable")].tolist():
+        load, b = heap[0]
+        lists[b].append(i)
+        heapq.heapreplace(heap, (load + int(work[i]), b))
+    offsets = numpy.cumsum([0] + [len(x) for x in lists])
+    return numpy.concatenate([offsets, numpy.fromiter((i for x in lists for i in x), numpy.int64,
+                                                       len(idx))]).astype(numpy.int32)

@@ -88,12 +88,14 @@ def fwd_sm90ws_select(fam, shape, dev):
 
 
 def persist_switch() -> str:
-    """``CUFLASH_FWD90WS_PERSIST`` (plan time): "0" (one block a query tile), "1" / "2" (a
-    persistent grid, items round-robin / zigzag, wherever the grid has more items than SMs) or
-    "auto" (the default: :func:`persist_default`)."""
+    """``CUFLASH_FWD90WS_PERSIST`` (plan time): "0" (one block a query tile), "1" / "2" / "3" (a
+    persistent grid, items round-robin / zigzag / by the host's longest-processing-time-first
+    lists, ``_fwd_schedule.lpt_schedule``: written in session 17 without a GPU, not measured
+    yet) wherever the grid has fewer blocks than items, or "auto" (the default:
+    :func:`persist_default`)."""
     value = os.environ.get("CUFLASH_FWD90WS_PERSIST", "").strip().lower() or "auto"
-    if value not in ("0", "1", "2", "auto"):
-        raise ValueError(f"CUFLASH_FWD90WS_PERSIST={value!r}: expected 0, 1, 2 or auto")
+    if value not in ("0", "1", "2", "3", "auto"):
+        raise ValueError(f"CUFLASH_FWD90WS_PERSIST={value!r}: expected 0, 1, 2, 3 or auto")
     return value
 
 
@@ -128,7 +130,8 @@ def persistent(t, shape, dev, why: list):
     p = t.replace(persist=mode)
     if not mode or p.smem_bytes > dev.smem_optin or items <= fwd_sm90_grid(p, items, dev):
         return t.replace(persist=0)
-    why.append(f"persistent ({'zigzag' if mode == 2 else 'round-robin'}): {fwd_sm90_grid(p, items, dev)} "
+    how = {1: "round-robin", 2: "zigzag", 3: "longest first, the host's lists"}[mode]
+    why.append(f"persistent ({how}): {fwd_sm90_grid(p, items, dev)} "
                f"blocks run the {items} query tiles in turn, each one's Q and first K/V loaded "
                "during the one before (CUFLASH_FWD90WS_PERSIST)")
     return p
@@ -136,7 +139,7 @@ def persistent(t, shape, dev, why: list):
 
 def fwd_sm90ws_instances(fam, arch):
     for t in _traits.FWD_SM90WS.values():
-        for persist in (0, 1, 2) if t.head_dim in PERSIST_BUCKETS else (0,):
+        for persist in (0, 1, 2, 3) if t.head_dim in PERSIST_BUCKETS else (0,):
             for even in (False, True):
                 yield t.replace(persist=persist), {"even": even}
 

@@ -15,7 +15,7 @@ import math
 
 import numpy
 
-from . import _families, _launch, _plan_aux, _plan_one
+from . import _families, _fwd_schedule, _launch, _plan_aux, _plan_one
 from ._families import Shape
 from ._launch import DK_OUT, DQ_OUT, DV_OUT, OWN_D, Launch, batch_layout, pack
 from ._plan_cache import PlanCache  # noqa: F401  (the plan caches' type: _api, _inference, _varlen)
@@ -122,6 +122,12 @@ class ForwardPlan:
         self._kernel = _launch.kernel(fam.source, self.choice.expr, prob.device_id, t.smem_bytes,
                                       shape.variant.prelude)
         self.dims = Dims.of(prob)
+        # fwd_sm90ws PERSIST 3: the Q tiles' key tiles, and the blocks' item lists on the device
+        # by (batch items, grid) (_fwd_schedule.lpt_schedule; made once, read through Params.varlen)
+        self._tiles = _fwd_schedule.item_tiles(
+            prob.Lq, prob.Lk, t.block_m, t.block_n, prob.causal, prob.causal_offset,
+            getattr(mods, "window", None)) if dict(t.args).get("persist") == 3 else None
+        self._lists: dict = {}
         self.launch, self.offsets = self._build(prob.q, prob.k, prob.v, o, mods)
 
     def _build(self, q, k, v, o, mods=None):
@@ -137,6 +143,13 @@ class ForwardPlan:
         # (one block a (batch item, Q tile), or fewer for fwd_sm90's persistent builds)
         grid = _families.fwd_sm90_grid(t, layout.inner_n * self.num_m_blocks,
                                        _families.device_info(self.device_id))
+        if self._tiles is not None:
+            if (layout.inner_n, grid) not in self._lists:
+                import cupy
+                with cupy.cuda.Device(self.device_id):
+                    self._lists[layout.inner_n, grid] = cupy.asarray(_fwd_schedule.lpt_schedule(
+                        self._tiles, layout.inner_n, self._order, grid))
+            p["varlen"] = self._lists[layout.inner_n, grid].data.ptr
         launch = Launch(self._kernel, grid, t.threads, t.smem_bytes, p, name=self.choice.expr)
         # byte offsets of q, k, v, o, lse (the leading words of Params) for each launch
         sizes = [x.itemsize for x in (q, k, v, o)]

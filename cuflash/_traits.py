@@ -83,7 +83,7 @@ def fwd_sm90(head_dim, block_n, warpgroups, min_blocks=1, persist=0, lean=0, rea
 def fwd_sm90ws(head_dim, block_n, consumers, stages, pingpong=1, poly=0, persist=0, reason=""):
     """WsTraits (fwd_sm90ws.cu): a producer and ``consumers`` warpgroups (turns: ``pingpong``; the
     softcap's exp2 tiles on FMAs: ``poly``, 0 the Variant's); Q, ``stages`` K/V, mbarriers, 1 KB;
-    ``persist`` (session 17; 1 round-robin, 2 zigzag): a block runs query tiles in turn, 2 Q buffers."""
+    ``persist`` (session 17; 1 round-robin, 2 zigzag, 3 lists): a block runs query tiles in turn."""
     bm, q = 64 * consumers, 2 if persist else 1
     names = ("head_dim", "block_n", "consumers", "stages", "pingpong", "poly", "persist")
     return _traits("fwd_sm90ws", names, locals(), head_dim=head_dim, block_m=bm, block_n=block_n,

@@ -122,8 +122,11 @@ def test_forward_warp_specialised_persistent_schedule(monkeypatch):
     assert persist() == 1 and persist(causal=True) == 1 and persist(window=True) == 1
     monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "0")
     assert persist(causal=True) == 0
-    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "3")
-    with pytest.raises(ValueError, match="CUFLASH_FWD90WS_PERSIST='3': expected 0, 1, 2 or auto"):
+    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "3")                 # the host's lists
+    assert persist(causal=True) == 3 and "longest first" in "\n".join(ws(causal=True).reasons)
+    assert ws(causal=True).expr.endswith(", true, 3>")
+    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", "4")
+    with pytest.raises(ValueError, match="CUFLASH_FWD90WS_PERSIST='4': expected 0, 1, 2, 3 or auto"):
         ws(causal=True)
     monkeypatch.delenv("CUFLASH_FWD90WS_PERSIST")
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "3")               # a third as many blocks

@@ -219,7 +219,7 @@ def test_softcap_poly_shares(poly, causal, ws, monkeypatch):
     _check(case, ws)
 
 
-@pytest.mark.parametrize("persist", [1, 2])
+@pytest.mark.parametrize("persist", [1, 2, 3])
 @pytest.mark.parametrize("d", [96, 128])
 @pytest.mark.parametrize("mods", [dict(causal=True), dict(causal=False),
                                   dict(causal=True, window=(300, 0)),
@@ -230,8 +230,8 @@ def test_softcap_poly_shares(poly, causal, ws, monkeypatch):
                                              "dtype": "float32"})],
                          ids=["causal", "plain", "window", "empty_rows", "alibi_sink"])
 def test_persistent_schedules(persist, d, mods, ws, monkeypatch):
-    """The persistent grids (session 17: a block runs query tiles in turn, round-robin or
-    zigzag, two Q buffers handed over on mbarriers) compute the same function: grids of a third
+    """The persistent grids (session 17: a block runs query tiles in turn, round-robin, zigzag
+    or the host's lists, two Q buffers handed over on mbarriers) compute the same function: grids of a third
     as many blocks as items (CUFLASH_FWD90_PERSIST_GRID=3; every block runs 2-3 items, unequal
     under causal and the window), a ragged key length (the predicated build) and whole tiles,
     rows with no key (Lq > Lk, bottom-right window), a padded head dim (96). The plan's
@@ -257,9 +257,11 @@ def test_persistent_bitwise_equals_one_block_a_tile(ws, monkeypatch):
     from cuflash import _api
     q, k, v = _arrays(12, (3, 8, 2048, 128), (3, 8, 2048, 128), (3, 8, 2048, 128), BF16)
     got = {}
-    for persist in ("0", "2"):
+    for persist in ("0", "2", "3"):
         monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", persist)
         _api.clear_plans()
         got[persist] = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    (a, la), (b, lb) = got["0"], got["2"]
-    assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all() and (la == lb).all()
+    a, la = got["0"]
+    for persist in ("2", "3"):
+        b, lb = got[persist]
+        assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all() and (la == lb).all(), persist
