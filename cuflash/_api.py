@@ -335,20 +335,20 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, *, sca
         if fast is not None:
             if _get_device() == fast.device_id:
                 return fast(do, q, k, v, o, lse)
-    fast_mods = None   # the key part of modifiers that carry no array (_fast.FastModified)
+    fast_mods = None   # the key part of the modifiers (_fast.FastModified; no bias or sink)
     if not plain and _CUPY is None and "cupy" in sys.modules:
         _caches()   # (attention's first call)
     if not plain and type(q) is _CUPY and type(do) is _CUPY and deterministic.__class__ is bool \
             and enable_gqa is False and bwd_key is not None:
         try:
-            fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask,
-                                       score_mod, mask_mod, block_mask)
+            fast_mods = _modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod,
+                                       mask_mod, block_mask, arrays=sink is None and bias is None)
             fast = None if fast_mods is None else _BWD_PLANS.get(
                 bwd_key(do, q, k, v, o, lse, scale, causal, deterministic) + fast_mods)
         except (TypeError, AttributeError):   # unhashable, not CuPy, not a BlockMask
             fast, fast_mods = None, None
         if fast is not None and _get_device() == fast.device_id:
-            return fast.backward(do, q, k, v, o, lse)
+            return fast.backward(do, q, k, v, o, lse, (alibi_slopes, sink, bias, mask))
 
     call = _problem.Call(q, k, v, enable_gqa, do=do, o=o, lse=lse)
     q, k, v, do, o, lse = call.q, call.k, call.v, call.do, call.o, call.lse
@@ -408,8 +408,8 @@ def _gpu_backward(prob, do, o, lse, dq, dk, dv, deterministic: bool, raw, mods=N
     key = bwd_key(rdo, rq, rk, rv, ro, rlse, scale, causal, det)
     if not mkey:
         bwd.put(key, FastBackward(plan, dq, dk, dv))
-    elif fast_mods is not None:     # (no bias or sink: no extra gradients)
-        bwd.put(key + fast_mods, FastModified(plan, mods, (dq, dk, dv)))
+    elif fast_mods is not None and FastModified.usable(plan, mods, forward=False):
+        bwd.put(key + fast_mods, FastModified(plan, mods, (dq, dk, dv)))   # (no bias or sink)
 
 
 def attention_vjp(q: Any, k: Any, v: Any, *, scale: Any = None, causal: Any = False,

@@ -152,9 +152,10 @@ def modifiers_key(window, softcap, alibi_slopes, sink, bias, mask, score_mod, ma
     """The key part of a call's modifiers for the fast path of calls with modifiers that carry
     no array of their own (``window``, ``softcap``, ``score_mod``, ``mask_mod``,
     ``block_mask``): None where ``alibi_slopes``, ``sink``, ``bias`` or ``mask`` is given
-    (the backward's: their gradients and conversions stay on the general path) or a user
-    function's dependencies cannot be keyed (``_trace.function_key``). ``arrays`` (the
-    forward's): those four are keyed too, each by its :func:`layout` (what validation and the
+    (without ``arrays``) or a user function's dependencies cannot be keyed
+    (``_trace.function_key``). ``arrays`` (the forward's; the backward's where no sink and no
+    bias is given, whose gradients are made on the general path): those four are keyed too,
+    each by its :func:`layout` (what validation and the
     plan read of it: no value is checked), so a hit may patch their pointers; None where one
     is not a CuPy array (the general path validates it: a NumPy array's ``data`` is a
     memoryview, which for bfloat16 raises ValueError, not a key).
@@ -220,8 +221,8 @@ class FastModified:
             self._launch = plan.run_modified
         if self._launch is not None:
             # the words fixed for the key (a block mask's lists, captured arrays); the call's
-            # own arrays (bias, mask, slopes, sink: the forward only, :meth:`usable`) patched a
-            # call, each as (word, index in ARRAY_MODIFIERS)
+            # own arrays (bias, mask, slopes, sink; the backward's slopes and mask: :meth:`usable`)
+            # patched a call, each as (word, index in ARRAY_MODIFIERS)
             self._extra = tuple(plan.mods.words([], mods))
             self._arrays = tuple((plan.mods.word[n], ARRAY_MODIFIERS.index(n))
                                  for n in plan.mods.names)
@@ -233,14 +234,17 @@ class FastModified:
     @staticmethod
     def usable(plan, mods, forward: bool) -> bool:
         """Whether a call of these modifiers may have an entry: one with arrays of its own
-        (the forward's bias, mask, slopes, sink) only where it is launched directly and its
-        slopes and sink are in the accumulation type already (the kernel reads them as they
-        are; a conversion a call stays on the general path)."""
+        (the forward's bias, mask, slopes, sink; the backward's slopes and mask, which have no
+        gradient: a bias's and a sink's are made on the general path) only where it is launched
+        directly and its slopes and sink are in the accumulation type already (the kernel
+        reads them as they are; a conversion a call stays on the general path)."""
         if not mods.features.intersection(ARRAY_MODIFIERS):
             return True
-        return (forward and one_launch(plan)
-                and all(getattr(mods, n) is None or getattr(mods, n).dtype == plan.mods.acc
-                        for n in ("alibi_slopes", "sink")))
+        direct = one_launch(plan) if forward else (
+            plan.direct and plan.lse_contiguous and not plan.copies and len(plan.offsets) == 1
+            and mods.bias is None and mods.sink is None)
+        return direct and all(getattr(mods, n) is None or getattr(mods, n).dtype == plan.mods.acc
+                              for n in ("alibi_slopes", "sink"))
 
     def forward(self, q, k, v, return_lse: bool, arrays=()):
         """``arrays``: the call's ARRAY_MODIFIERS, of the key's layouts."""
@@ -256,13 +260,16 @@ class FastModified:
             self.plan(q, k, v, o, lse, self.mods)
         return (o, lse) if return_lse else o
 
-    def backward(self, do, q, k, v, o, lse):
+    def backward(self, do, q, k, v, o, lse, arrays=()):
+        """``arrays``: the call's ARRAY_MODIFIERS, of the key's layouts (slopes and mask only)."""
         empty = self._empty
         dq, dk, dv = (empty(s, t) for s, t in zip(self.shapes, self.dtypes))
         if self._launch is not None:
+            extra = self._extra
+            if self._arrays:
+                extra = extra + tuple((w, arrays[i].data.ptr) for w, i in self._arrays)
             self._launch(self._stream().ptr, do.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-                         o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
-                         self._extra)
+                         o.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, extra)
         else:
             self.plan(do, q, k, v, o, lse, dq, dk, dv, self.mods, {})
         return dq, dk, dv

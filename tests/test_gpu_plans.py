@@ -290,6 +290,42 @@ def test_forward_fast_path_patches_each_calls_modifier_arrays(case, monkeypatch)
         assert e.mods.score_mod is (_scaled if case == "bias_score_mod" else None)
 
 
+@pytest.mark.parametrize("case", ["mask", "alibi", "alibi_bf16"])
+def test_backward_fast_path_patches_each_calls_slopes_and_mask(case, monkeypatch):
+    """A backward with ALiBi slopes or a mask (arrays without a gradient; session 17) takes its
+    entry on repeated calls (no validation) and reads each call's own arrays: bitwise the
+    general path's gradients on them (deterministic). Slopes of bfloat16 (converted a call)
+    keep the general path. (A bias or a sink, whose gradients are made there, always does.)"""
+    entry = not case.endswith("_bf16")
+    import cupy
+    from cuflash import _problem
+    validated = []
+    make_problem = _problem.make_problem
+    monkeypatch.setattr(_problem, "make_problem",
+                        lambda *a, **k: validated.append(1) or make_problem(*a, **k))
+    q, k, v, do = (rand((2, 3, 192, 64), BF16, 60 + i) for i in range(4))
+    _api.clear_plans()
+    kw0 = _array_case(case, 0)
+    o, lse = cuflash.attention(q, k, v, return_lse=True, **kw0)
+    cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw0)   # (the entry)
+    for seed in (1, 2, 3):
+        kw = _array_case(case, seed)
+        o, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        poison_pool()
+        before = len(validated)
+        grads = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+        assert len(validated) == before + (0 if entry else 1)    # the entry, not validation
+        _api._caches()[1].clear()                                # the general path's plan
+        ref = cuflash.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+        assert len(grads) == len(ref) == 3
+        for a, b in zip(grads, ref):
+            cupy.testing.assert_array_equal(a, b)
+            assert not bool(cupy.isnan(a).any())
+    assert len(_fast_entries(_api._BWD_PLANS)) == int(entry)
+    for e in _fast_entries(_api._BWD_PLANS):   # no array of a call kept
+        assert e.mods.mask is None and e.mods.alibi_slopes is None
+
+
 def test_modifier_fast_path_sees_what_validation_and_tracing_see(monkeypatch):
     """After an entry exists: a value validation rejects still raises (a float window bound
     equals an int one, and hashes alike), a user function whose global changed is traced
