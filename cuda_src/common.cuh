@@ -247,6 +247,18 @@ __device__ __forceinline__ Params varlen_view(const Params& in, unsigned bid) {
 #define CUFLASH_VARLEN_VIEW(T, p)
 #endif
 
+// Whether a forward build with schedule argument PERSIST runs its block's items in a loop
+// (fwd_sm90's and fwd_sm90ws's persistent grids): never in a varlen build, whose block's work
+// item is its sequence's.
+template <int PERSIST>
+__device__ constexpr bool persistent_loop() {
+#ifdef CUFLASH_VARLEN
+  return false;
+#else
+  return PERSIST != 0;
+#endif
+}
+
 // -- conversions between storage types and accumulation types
 template <typename T> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };

@@ -97,11 +97,7 @@ template <typename T, int HEAD_DIM, int BLOCK_N, int WARPGROUPS, int MIN_BLOCKS,
 __global__ void __launch_bounds__(128 * WARPGROUPS, MIN_BLOCKS)
 fwd_sm90(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh; helper "inference")
-#ifdef CUFLASH_VARLEN
-  constexpr bool kLoop = false;
-#else
-  constexpr bool kLoop = PERSIST != 0;
-#endif
+  constexpr bool kLoop = persistent_loop<PERSIST>();   // (never in varlen builds)
   using Tr = Sm90Traits<T, HEAD_DIM, BLOCK_N, WARPGROUPS, MIN_BLOCKS, PERSIST>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;

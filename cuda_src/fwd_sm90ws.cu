@@ -146,11 +146,7 @@ template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int 
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   CUFLASH_VARLEN_VIEW(T, p)   // varlen builds: this block's sequence (common.cuh)
-#ifdef CUFLASH_VARLEN
-  constexpr bool kLoop = false;
-#else
-  constexpr bool kLoop = PERSIST != 0;
-#endif
+  constexpr bool kLoop = persistent_loop<PERSIST>();   // (never in varlen builds)
   using Tr = WsTraits<T, HEAD_DIM, BLOCK_N, CONSUMERS, STAGES, PERSIST>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
