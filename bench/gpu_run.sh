@@ -5,7 +5,8 @@
 #
 # Parts (each prints its summary lines and appends them to $OUT/summary.txt):
 #   tests     the GPU test suite (pytest -m gpu, HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}, spread over
-#             $TESTS_WORKERS processes, default 15, with pytest-xdist) -> tests.log
+#             $TESTS_WORKERS processes, default 15, with pytest-xdist; --maxprocesses too, or
+#             setup.cfg's cap of 8 wins: session 17's call 2 ran 8 and hit its time limit) -> tests.log
 #             (TESTS_VERBOSITY=-v names every test that passed, so a run cut by TESTS_TIMEOUT can
 #             be completed by a second one: TESTS_IDS_FILE=left.txt, the ids it did not reach;
 #             bench/tests_left.py writes that file from the first run's log)
@@ -72,7 +73,8 @@ part_tests() {
   # In a process group of its own (setsid), killed whole afterwards: pytest-xdist workers left
   # running after the time limit loaded the machine under session 7's next (timed) call.
   HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu} setsid timeout -s INT "${TESTS_TIMEOUT:-560}" \
-    "${ONE_BLAS[@]}" "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider \
+    "${ONE_BLAS[@]}" "$PY" -m pytest -m gpu -n "${TESTS_WORKERS:-15}" \
+    --maxprocesses "${TESTS_WORKERS:-15}" --dist load -p no:cacheprovider \
     "${TESTS_VERBOSITY:--q}" --tb=short -rfE --durations=40 "${ids[@]}" \
     >> "$log" 2>&1 &
   local pg=$!

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -224,9 +225,12 @@ def _warm_point(mod, mode, d, L, H):
 
 
 def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd"),
-                   names=None, peers=True, n_sets=2, log=print, warm=True) -> list[dict]:
+                   names=None, peers=True, n_sets=2, log=print, warm=True,
+                   on_point=None) -> list[dict]:
     """Every (d, L, mode, modifier) point for cuflash, FlexAttention and SDPA; the rows
-    (``warm``: compile cuflash's kernels of every point first, in parallel: :func:`warm_jobs`)."""
+    (``warm``: compile cuflash's kernels of every point first, in parallel: :func:`warm_jobs`;
+    ``on_point(rows)`` after each point: the script writes its JSON so far, so a run cut by a
+    time limit keeps what it measured, as session 17's call 3 did not)."""
     import cupy
     import numpy
     import cuflash
@@ -278,6 +282,8 @@ def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd")
                     log(f"{name:8} {mode:7} d={d} L={L}: " + ", ".join(
                         f"{r['impl']} {r['tflops']:.0f}" if r["tflops"] else f"{r['impl']} -"
                         for r in rows[first:]) + f" TFLOP/s ({time.perf_counter() - t0:.0f} s)")
+                    if on_point is not None:
+                        on_point(rows)
             del sets, bias
             cupy.get_default_memory_pool().free_all_blocks()
     return rows
@@ -412,8 +418,14 @@ def main(argv=None) -> int:
     if a.L:
         kw["lengths"] = tuple(int(x) for x in a.L.split(","))
     t0 = time.perf_counter()
-    rows = run_mods_suite(**kw)
-    meta = {"suite": "mods", "seconds": time.perf_counter() - t0}
+
+    def so_far(rows):   # (complete: False until the last point; finish() writes the whole)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"meta": {"suite": "mods", "seconds": time.perf_counter() - t0,
+                                    "complete": False}, "rows": rows}, f, indent=1)
+    rows = run_mods_suite(**kw, on_point=so_far)
+    meta = {"suite": "mods", "seconds": time.perf_counter() - t0, "complete": True}
     return finish(meta, rows, a.out)
 
 

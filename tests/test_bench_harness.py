@@ -546,6 +546,8 @@ def test_gpu_run_script_parts(tmp_path):
     probes = re.findall(r'"(\w+\.py) ', pending)
     assert len(probes) == 4 and all((ROOT / "bench" / "probes" / p).is_file() for p in probes)
     assert "HYPOTHESIS_PROFILE=${TESTS_PROFILE:-gpu}" in text and "bench/sanitize.sh" in text
+    # the worker count reaches pytest-xdist past setup.cfg's --maxprocesses cap (session 17)
+    assert '--maxprocesses "${TESTS_WORKERS:-15}"' in text
     assert "bench/fuzz_merge.py" in text
     assert "-m cuflash check" in text
     env = dict(os.environ, OUT=str(tmp_path))
