@@ -740,4 +740,6 @@ def test_fwd_ws_probe_logic():
     assert {"ws", "sm90", "ws_poly8"} <= set(fwd_ws.poly_arms([8]))
     # every ws arm but the persistent ones runs one block a query tile (session 16's schedule)
     assert all(env.get("CUFLASH_FWD90WS_PERSIST") == "0" for a, env in fwd_ws.ARMS.items() if a != "sm90")
-    assert [fwd_ws.PERSIST_ARMS[a]["CUFLASH_FWD90WS_PERSIST"] for a in ("ws", "ws_p1", "ws_p2")] == ["0", "1", "2"]
+    assert [fwd_ws.PERSIST_ARMS[a]["CUFLASH_FWD90WS_PERSIST"]
+            for a in ("ws", "ws_p1", "ws_p2", "ws_p3")] == ["0", "1", "2", "3"]
+    assert "CUFLASH_FWD90WS_PERSIST" not in fwd_ws.PERSIST_ARMS["ws_auto"]   # (the rule's)

@@ -13,9 +13,10 @@ window of 1024 keys (causal) at 4k and 16k, softcap 50 at 4k (d 128; at d 64 the
 softcap spills and fwd_sm90 keeps it). Arms (plan-time switches, plans cleared around each):
 ``sm90`` (``CUFLASH_FWD90_WS=0``), ``ws`` (``CUFLASH_FWD90_WS=1``: the table's tiles, one block a
 query tile), ``ws_pp0`` (the same without the consumers' ping-pong) and ``ws_stages`` (the other
-K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1``, ``ws_p2`` (session 17: a
-persistent grid, items round-robin / zigzag, ``CUFLASH_FWD90WS_PERSIST``) and ``ws_auto`` (the
-dispatcher's rule for it), ``--arms`` picking some of them; with
+K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1``, ``ws_p2``, ``ws_p3`` (session 17:
+a persistent grid, items round-robin / zigzag / the host's longest-first lists,
+``CUFLASH_FWD90WS_PERSIST``) and ``ws_auto`` (the dispatcher's rule for it), ``--arms`` picking
+some of them (next: ``--persist --d 128 --arms ws_p3,ws_auto``); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -55,7 +56,7 @@ ARMS = {"sm90": {"CUFLASH_FWD90_WS": "0"}, "ws": WS,
         "ws_stages": dict(WS, CUFLASH_TILES="fwd_sm90ws:128=128:2:3:1:0;fwd_sm90ws:64=128:3:2:1:0")}
 #: --persist (session 17): the persistent schedules, round-robin (p1) and zigzag (p2)
 PERSIST_ARMS = {"sm90": ARMS["sm90"], "ws": WS,
-                **{f"ws_p{k}": dict(WS, CUFLASH_FWD90WS_PERSIST=str(k)) for k in (1, 2)},
+                **{f"ws_p{k}": dict(WS, CUFLASH_FWD90WS_PERSIST=str(k)) for k in (1, 2, 3)},
                 # the dispatcher's rule (_fwd_ws.persist_default) on every point ws runs
                 "ws_auto": {"CUFLASH_FWD90_WS": "1"}}
 
