@@ -159,8 +159,9 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   const unsigned sQ0 = (raw + 1023u) & ~1023u;
   const unsigned sKV = sQ0 + QTile::kBytes;   // stage s: K at sKV + s * kStageBytes, V after it
   // PERSIST: the other Q buffer after the stages, the barriers after it
-  const unsigned bars = sKV + STAGES * Tr::kStageBytes + (PERSIST ? QTile::kBytes : 0);
-  auto q_buf = [&](unsigned qi) { return kLoop && (qi & 1u) ? sKV + STAGES * Tr::kStageBytes : sQ0; };
+  const unsigned sQ1 = sKV + STAGES * Tr::kStageBytes;
+  const unsigned bars = sQ1 + (PERSIST ? QTile::kBytes : 0);
+  auto q_buf = [&](unsigned qi) { return kLoop && (qi & 1u) ? sQ1 : sQ0; };
   auto bar_q = [&](unsigned qi) { return kLoop && (qi & 1u) ? bars + 8u * (1 + 4 * STAGES) : bars; };
   auto bar_qfree = [&](unsigned qi) { return bars + 8u * (2 + 4 * STAGES + (qi & 1u)); };
   auto bar_k = [&](int s) { return bars + 8u * (1 + s); };

@@ -21,6 +21,13 @@ def one_launch(plan) -> bool:
     return len(plan.offsets) == 1 and not any(plan.offsets[0])
 
 
+def direct_backward(plan) -> bool:
+    """Whether a backward plan with modifiers is launched with the call's pointers as they are
+    (``BackwardPlan.run_modified``): gradients need no broadcast sum, lse is contiguous, no
+    input is copied, one launch at one offset."""
+    return plan.direct and plan.lse_contiguous and not plan.copies and len(plan.offsets) == 1
+
+
 #: the modifier keywords that carry an array of the call, in the order a forward entry is
 #: handed them (``FastModified.forward``'s ``arrays``) and keyed (:func:`modifiers_key`)
 ARRAY_MODIFIERS = ("alibi_slopes", "sink", "bias", "mask")
@@ -216,8 +223,7 @@ class FastModified:
         self._arrays = ()
         if forward and one_launch(plan):
             self._launch = plan.launch
-        elif not forward and plan.direct and plan.lse_contiguous and not plan.copies \
-                and len(plan.offsets) == 1:
+        elif not forward and direct_backward(plan):
             self._launch = plan.run_modified
         if self._launch is not None:
             # the words fixed for the key (a block mask's lists, captured arrays); the call's
@@ -241,8 +247,7 @@ class FastModified:
         if not mods.features.intersection(ARRAY_MODIFIERS):
             return True
         direct = one_launch(plan) if forward else (
-            plan.direct and plan.lse_contiguous and not plan.copies and len(plan.offsets) == 1
-            and mods.bias is None and mods.sink is None)
+            direct_backward(plan) and mods.bias is None and mods.sink is None)
         return direct and all(getattr(mods, n) is None or getattr(mods, n).dtype == plan.mods.acc
                               for n in ("alibi_slopes", "sink"))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from . import _traits
+from ._fwd_schedule import fwd_sm90_grid
 
 #: the Variants' modifiers the kernel runs: the analytic masks and the per-element transforms
 #: without an array of scores (a dense bias / mask and the user functions stay on fwd_sm90,
@@ -120,7 +121,6 @@ def persistent(t, shape, dev, why: list):
     fwd_sm90ws.cu, PERSIST) where :func:`persist_switch` asks for it, the grid
     (``_fwd_schedule.fwd_sm90_grid``: an SM's block, or ``CUFLASH_FWD90_PERSIST_GRID``) holds
     fewer blocks than items and the second Q buffer fits; a ``persist`` from CUFLASH_TILES stays."""
-    from ._fwd_schedule import fwd_sm90_grid
     switch = persist_switch()
     mode = t["persist"] or (0 if switch == "0" else persist_default(shape, t) if switch == "auto"
                             else int(switch))

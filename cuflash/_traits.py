@@ -349,7 +349,8 @@ FWD_SM90_FULL_WARPGROUPS_BLOCK_MASK = frozenset({"causal", "softcap", "alibi_slo
 FWD_SM90_MIN_BLOCKS_BLOCK_MASK = frozenset({"causal", "mask_mod"})
 #: The Variants fwd_sm90 runs PERSISTENT (session 10; ``_families.persist_wanted``,
 #: ``CUFLASH_FWD90_PERSIST`` read at plan time: "0" the default since session 10's call 2,
-#: "auto", "window", "all"): a grid of ``min_blocks`` blocks an SM, each running (batch item, Q tile) items bid, bid + grid, ...
+#: "auto", "window", "all"): a grid of ``min_blocks`` blocks an SM, each running (batch item,
+#: Q tile) items bid, bid + grid, ...
 #: with the next item's Q and first K/V loaded during the current one's last key tile. For the
 #: analytic sliding window every block visits the same ~18 key tiles (1024 keys), so each one's
 #: prologue (Q, K_0, V_0 from memory) and epilogue (O staged and stored) recur every 18 tiles,
