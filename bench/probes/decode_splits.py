@@ -9,6 +9,7 @@ on the points below, with suite_decode's timing (median CUDA-event time, inputs 
 L2). Prints one line per point and writes JSON (``--out``).
 
     PYTHONPATH=. python bench/probes/decode_splits.py --out decode_splits.json   (~30 s)
+        [--points B:Hkv:Lk,...] [--splits 0,1,2,...]   (0: the heuristic's count)
 """
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ SPLITS = (None, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 def main(argv=None) -> int:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--out")
+    a.add_argument("--points", help="comma-separated B:Hkv:Lk (Hq 32), in place of POINTS")
+    a.add_argument("--splits", help="comma-separated split counts (0: the heuristic's), in "
+                                    "place of SPLITS")
     args = a.parse_args(argv)
+    points = POINTS if not args.points else [
+        (int(b), 32, int(h), int(lk)) for b, h, lk in (x.split(":") for x in args.points.split(","))]
+    splits = SPLITS if not args.splits else tuple(
+        int(x) or None for x in args.splits.split(","))
     import cupy
     import numpy
     import torch
@@ -36,7 +44,7 @@ def main(argv=None) -> int:
     peers = {n: sd._sdpa(b)[0] for n, b in (("sdpa_flash", "FLASH_ATTENTION"),
                                             ("sdpa_cudnn", "CUDNN_ATTENTION"))}
     rows = []
-    for B, Hq, Hkv, Lk in POINTS:
+    for B, Hq, Hkv, Lk in points:
         G, D = Hq // Hkv, sd.D
         nbytes = B * Hkv * Lk * D * 4
         n_sets = max(1, min(64, -(-sd.ROTATE_BYTES // nbytes)))
@@ -45,7 +53,7 @@ def main(argv=None) -> int:
         vs = [sd._fill(cupy, (B, Hkv, Lk, D), 200 + i) for i in range(n_sets)]
         seqlens = cupy.full((B,), Lk, numpy.int32)
         line = []
-        for ns in SPLITS:
+        for ns in splits:
             def ours(i, ns=ns):
                 return inf.attention_with_kvcache(
                     qs[i].reshape(B, Hkv, G, 1, D), ks[i][:, :, None], vs[i][:, :, None],
