@@ -91,8 +91,7 @@ def fwd_sm90ws_select(fam, shape, dev):
 def persist_switch() -> str:
     """``CUFLASH_FWD90WS_PERSIST`` (plan time): "0" (one block a query tile), "1" / "2" / "3" (a
     persistent grid, items round-robin / zigzag / by the host's longest-processing-time-first
-    lists, ``_fwd_schedule.lpt_schedule``: written in session 17 without a GPU, not measured
-    yet) wherever the grid has fewer blocks than items, or "auto" (the default:
+    lists, ``_fwd_schedule.lpt_schedule``: the window's default since session 18) wherever the grid has fewer blocks than items, or "auto" (the default:
     :func:`persist_default`)."""
     value = os.environ.get("CUFLASH_FWD90WS_PERSIST", "").strip().lower() or "auto"
     if value not in ("0", "1", "2", "3", "auto"):
@@ -108,10 +107,14 @@ def persist_default(shape, t) -> int:
     average) round-robin; the softcap without causal 1.07 (4k) round-robin. Causal items of
     many tiles lose (4k 0.93-0.97, 16k 0.90-0.92; ALiBi 16k 0.93-0.96): the static schedule
     balances unequal items worse than the hardware's block scheduler, which hands the next
-    block (heaviest first) to the first SM free; plain 4k / 16k gain nothing (1.00 / 0.99)."""
+    block (heaviest first) to the first SM free; plain 4k / 16k gain nothing (1.00 / 0.99).
+    Session 18 (``fwd_ws_persist_s18.json``, 5 rounds): the window takes the host's lists (3),
+    +1.9 / +0.8 / +1.1% over zigzag at 4k / 8k / 16k (its items are equal, so the lists are a
+    round-robin whose blocks start on the interior tiles and end on the short first ones); for
+    causal items of many tiles they lose as the static schedules do (8k 0.96, 16k 0.92)."""
     v = shape.variant
     if v.window:
-        return 2
+        return 3
     tiles = shape.Lk / t.block_n / (2 if v.causal else 1)
     return 1 if tiles <= PERSIST_SHORT_TILES or (v.softcap and not v.causal) else 0
 

@@ -92,23 +92,23 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
 
 
 def test_forward_warp_specialised_persistent_schedule(monkeypatch):
-    """fwd_sm90ws's persistent grid (session 17, _fwd_ws.persist_default): by default zigzag for
-    the window, round-robin for items of <= 8 key tiles and the softcap without causal, none for
+    """fwd_sm90ws's persistent grid (sessions 17-18, _fwd_ws.persist_default): by default the
+    host's longest-first lists for the window, round-robin for items of <= 8 key tiles and the softcap without causal, none for
     long causal or plain items, where the grid has more query tiles than SMs; d 128 only;
     CUFLASH_FWD90WS_PERSIST forces or turns it off; a grid that would not be smaller than the
     items keeps one block a tile; varlen builds never take it."""
     from cuflash import _inference_varlen
     ws = lambda **kw: _families.choose("fwd", _ws_shape(**kw), H200)   # noqa: E731
     persist = lambda **kw: ws(**kw).traits["persist"]   # noqa: E731
-    assert persist(causal=True, window=True) == 2 and persist(window=True) == 2
-    assert "persistent (zigzag): 132 blocks run the 2048 query tiles" in "\n".join(
+    assert persist(causal=True, window=True) == 3 and persist(window=True) == 3
+    assert "persistent (longest first, the host's lists): 132 blocks run the 2048 query tiles" in "\n".join(
         ws(causal=True, window=True).reasons)
     assert persist(causal=True) == 0 and persist() == 0                 # 16 / 32 key tiles
     assert persist(L=1024, nbatch=256) == 1 and persist(causal=True, L=2048, nbatch=128) == 1
     assert persist(L=2048, nbatch=128) == 0                             # 16 key tiles
     assert persist(softcap=True) == 1 and persist(softcap=True, causal=True) == 0
     assert persist(d=64, window=True, L=1024, nbatch=256) == 0          # (its builds spill)
-    assert persist(window=True, causal=True, nbatch=5, L=4096) == 2     # 160 tiles > 132 SMs
+    assert persist(window=True, causal=True, nbatch=5, L=4096) == 3     # 160 tiles > 132 SMs
     monkeypatch.setenv("CUFLASH_FWD90_WS", "1")
     assert persist(window=True, causal=True, nbatch=4, L=4096) == 0     # 128 tiles <= 132 SMs
     assert ws().expr.endswith(", true>")                                # the default build's name
@@ -130,11 +130,11 @@ def test_forward_warp_specialised_persistent_schedule(monkeypatch):
         ws(causal=True)
     monkeypatch.delenv("CUFLASH_FWD90WS_PERSIST")
     monkeypatch.setenv("CUFLASH_FWD90_PERSIST_GRID", "3")               # a third as many blocks
-    assert persist(window=True, causal=True, nbatch=4, L=4096) == 2
+    assert persist(window=True, causal=True, nbatch=4, L=4096) == 3
     monkeypatch.delenv("CUFLASH_FWD90_PERSIST_GRID")
     monkeypatch.delenv("CUFLASH_FWD90_WS")
     monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90ws:128=128:2:2:1:0")   # persist left out: the rule's
-    assert persist(window=True) == 2 and persist(causal=True) == 0
+    assert persist(window=True) == 3 and persist(causal=True) == 0
     monkeypatch.setenv("CUFLASH_TILES", "fwd_sm90ws:128=128:2:2:1:0:1")  # ... or set: kept
     assert persist(causal=True) == 1
     monkeypatch.delenv("CUFLASH_TILES")

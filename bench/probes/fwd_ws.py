@@ -16,7 +16,8 @@ query tile), ``ws_pp0`` (the same without the consumers' ping-pong) and ``ws_sta
 K/V stage count); with ``--persist`` arms sm90, ws, ``ws_p1``, ``ws_p2``, ``ws_p3`` (session 17:
 a persistent grid, items round-robin / zigzag / the host's longest-first lists,
 ``CUFLASH_FWD90WS_PERSIST``) and ``ws_auto`` (the dispatcher's rule for it), ``--arms`` picking
-some of them (next: ``--persist --d 128 --arms ws_p3,ws_auto``); with
+some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,ws_p2,ws_p3
+--softcap16k --rounds 5 --no-peers``); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -35,6 +36,10 @@ short rows and window; ping-pong is worth 3-12% at d 128, 3 stages nothing there
 persistent grid gains where items are short or equal (window 1.02-1.06 zigzag, plain / causal 1k
 1.07 / 1.11 round-robin, softcap 4k 1.07) and loses on long causal items (0.90-0.97), whose
 unequal lengths the hardware's block scheduler balances better than a static schedule.
+Session 18 (``fwd_ws_persist_s18.json``, 5 rounds, 4k / 8k / 16k): the host's lists (p3) beat
+zigzag on the window by 1.9 / 0.8 / 1.1% (now its default) and lose on long causal items like the
+other static schedules (causal 0.96 / 0.92 at 8k / 16k, ALiBi 0.96 / 0.97); session 17's
+prediction for p3 (causal 4k +4%) measured +0.8%.
 """
 from __future__ import annotations
 
