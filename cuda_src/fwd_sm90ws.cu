@@ -343,7 +343,11 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     const int warp_row_first = wg_row_first + 16 * warp;
     const bool need_mask = (!EVEN && n0 + BLOCK_N > p.Lk) ||
                            Var::needs_mask(p.var, p.mod, warp_row_first, warp_row_first + 16, n0, n0 + BLOCK_N);
-    if constexpr (Var::kNatural || Var::kPairMask)
+    float row_off[2];   // ALiBi's row term (Var::kAlibiRowOffset: the other builds' call is as before)
+    if constexpr (Var::kAlibiRowOffset)
+      modify_score_tile<Var, true>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask,
+                                   row_off);
+    else if constexpr (Var::kNatural || Var::kPairMask)
       modify_score_tile<Var>(s, p.var, p.mod, item, row0, n0 + col_in_tile, p.Lq, p.Lk, need_mask);
     if (need_mask) {
       int first[2], last[2];
@@ -356,6 +360,8 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
     if constexpr (Var::kFixedOffset)
       fixed_offset_softmax_scores<Tr::kNTilesS, kPoly>(s, l_i, sl2, mo);
+    else if constexpr (Var::kAlibiRowOffset)
+      online_softmax_scores<Tr::kNTilesS, kPoly, true>(s, m_i, l_i, alpha, sl2, row_off);
     else
       online_softmax_scores<Tr::kNTilesS, kPoly>(s, m_i, l_i, alpha, sl2);
   };

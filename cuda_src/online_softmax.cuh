@@ -132,12 +132,20 @@ __device__ __forceinline__ void fixed_offset_softmax_scores(float (&s)[NT][4], f
 
 // POLY_T > 0: the last POLY_T of the NT 8-column tiles take ex2_poly instead of ex2.approx
 // (a Variant's kPolyShare: the softcap on tanh.approx); 0 compiles to the code without it.
-template <int NT, int POLY_T = 0>
+// OFFSET: this thread's scores of row r are shifted, their true values s + off[r] (ALiBi's row
+// term, modify_score_tile<Var, true>; per thread: the four threads of a quad hold different
+// columns of the row, so different offsets): each thread's max is shifted back to true units
+// before the quad's shuffles and m_i (which stays in true units, as lse needs), and P's
+// exponent subtracts the thread's (m_new - off[r]) sl2. Numerics:
+// the shifted scores and m_new - off[r] are rounded at the magnitude of the ALiBi term, as the
+// unshifted path rounds s - slope |i + diag - j| (the kit's 4 eps L noise); a row that has seen
+// only masked keys keeps m = -inf (-inf + off = -inf) and subtracts 0, as below.
+template <int NT, int POLY_T = 0, bool OFFSET = false>
 __device__ __forceinline__ void online_softmax_scores(float (&s)[NT][4], float (&m_i)[2], float (&l_i)[2],
-                                                      float (&alpha)[2], float sl2) {
+                                                      float (&alpha)[2], float sl2, const float* off = nullptr) {
   const float kNegInf = -__int_as_float(0x7f800000);
   // -- m_ij = rowmax(S_ij), m_new = max(m_i, m_ij): this thread's columns, then its quad
-  float m_new[2] = {m_i[0], m_i[1]};
+  float m_new[2] = {OFFSET ? kNegInf : m_i[0], OFFSET ? kNegInf : m_i[1]};
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     m_new[0] = fmaxf(m_new[0], fmaxf(s[t][0], s[t][1]));
@@ -146,14 +154,17 @@ __device__ __forceinline__ void online_softmax_scores(float (&s)[NT][4], float (
   float m_scaled[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    if constexpr (OFFSET) m_new[r] += off[r];   // (this thread's offset, before the quad meets)
     m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
     m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+    if constexpr (OFFSET) m_new[r] = fmaxf(m_i[r], m_new[r]);
     // A row that has seen only masked keys still has max -inf: subtract 0 instead, so that
     // exp2(-inf - 0) = 0 rather than exp2(-inf - -inf) = NaN.
     m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : m_new[r] * sl2;
     // -- rescale factor exp2(m_i - m_new); m_i = -inf gives 0 (l_i and O are still 0 then)
     alpha[r] = ex2_approx(m_i[r] * sl2 - m_scaled[r]);
     m_i[r] = m_new[r];
+    if constexpr (OFFSET) m_scaled[r] = (m_new[r] == kNegInf) ? 0.f : (m_new[r] - off[r]) * sl2;
   }
   // -- P_ij = exp2(S_ij * scale*log2e - m_new); update l_i
   float rowsum[2] = {0.f, 0.f};

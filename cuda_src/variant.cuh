@@ -69,6 +69,11 @@ struct VariantParams {
 // the other kernels compute tanhf (Mod::score_row) under all of them. ALIBI likewise: 0 none, 1 (`true`)
 // the forwards keep ALiBi-alone scores raw (kAlibiRawUnits), 2 in natural units as in session 7
 // (CUFLASH_ALIBI_RAW=0).
+// CUFLASH_ALIBI_ROW_OFFSET 0 (cuflash/_variant.py's A/B switch, in the Variant's prelude): ALiBi's
+// causal raw-units build adds its whole distance term to every score (kAlibiRowOffset off).
+#ifndef CUFLASH_ALIBI_ROW_OFFSET
+#define CUFLASH_ALIBI_ROW_OFFSET 1
+#endif
 template <bool CAUSAL, bool WINDOW = false, int SOFTCAP = 0, int ALIBI = 0,
           typename BiasT = void, bool MASK = false, typename ScoreMod = NoScoreMod,
           typename MaskMod = NoMaskMod, bool BLOCK_MASK = false, bool SINK = false>
@@ -112,6 +117,13 @@ struct Variant {
   // keep the raw products S and add - (slope / tau) |i + diag - j|, the softmax folding tau
   // log2(e) into its exp2 as plain attention does: one FMUL (S tau) a score fewer
   static constexpr bool kAlibiRawUnits = (ALIBI == 1) && (SOFTCAP == 0) && !Mod::kAfterAlibi && !SINK;
+  // ... and under causal every visible pair has j <= i + causal_offset <= i + diag (the host
+  // gives top-left causal with Lq > Lk the ALIBI = 2 build: cuflash/_variant.py), so |i + diag -
+  // j| = (i + diag - col0) - (j - col0): the score is a row term, - (slope / tau) (i + diag -
+  // col0), plus (slope / tau) (j - col0), one FFMA a score with the column as an immediate. A
+  // kernel that carries the row term in its softmax (modify_score_tile<Var, true> hands it out,
+  // online_softmax_scores<., ., true> takes it in: fwd_sm90ws) saves the FADD of the distance.
+  static constexpr bool kAlibiRowOffset = CUFLASH_ALIBI_ROW_OFFSET && kAlibiRawUnits && CAUSAL;
   // Scores go through Mod::score in natural-log units (s * scale, then steps 2-5) and the
   // online softmax runs with log2(e) in place of scale * log2(e); the sink's row start is in
   // those units too. Without it the kernels fold the scale into exp2 as before.
@@ -378,10 +390,18 @@ __device__ __forceinline__ F softcap_of(F x, F k, F cap) {
   }
 }
 
-template <class Var, int NT, class It>
+//
+// ROW_OFFSET (a kernel whose softmax takes a per-row offset) with Var::kAlibiRowOffset: the
+// ALiBi term of each of the thread's two rows at the thread's first column, col0, is written to
+// row_off instead of being added to every score (the scores stay "shifted": the true score is
+// s + row_off[r]; the offset is the thread's own, col0 differing within a quad); otherwise
+// row_off is not written.
+template <class Var, bool ROW_OFFSET = false, int NT, class It>
 __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const VariantParams& v, const ModifierParams& m,
-                                                  const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask) {
+                                                  const It& it, int row0, int col0, int Lq, int Lk, bool pair_mask,
+                                                  float* row_off = nullptr) {
   using Mod = typename Var::Mod;
+  constexpr bool kRowOffset = ROW_OFFSET && Var::kAlibiRowOffset;
   const float scale = static_cast<float>(v.scale);
   // softcap: the multiplier of the raw product (softcap_k) and c
   const float k2 = Mod::kHasSoftcap ? softcap_k<Var::kSoftcapTanh>(scale, m.inv_softcap) : 0.f;
@@ -401,6 +421,7 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
       // keys past Lk are never stored / masked after this: no clamping needed here)
       float dist0 = 0.f;
       if constexpr (Mod::kHasAlibi) dist0 = static_cast<float>(i + m.diag - col0);
+      if constexpr (kRowOffset) row_off[r] = neg_slope * dist0;
       // score and element mask pair by pair (the order ptxas allocates best when both are on)
 #pragma unroll
       for (int t = 0; t < NT; ++t)
@@ -410,7 +431,8 @@ __device__ __forceinline__ void modify_score_tile(float (&s)[NT][4], const Varia
           float& x = s[t][2 * r + e];
           if constexpr (Mod::kHasSoftcap) x = softcap_of<Var::kSoftcapTanh>(x, k2, cap);
           else if constexpr (!Var::kAlibiRawUnits) x *= scale;
-          if constexpr (Mod::kHasAlibi) x = fmaf(fabsf(dist0 - static_cast<float>(8 * t + e)), neg_slope, x);
+          if constexpr (kRowOffset) x = fmaf(-neg_slope, static_cast<float>(8 * t + e), x);
+          else if constexpr (Mod::kHasAlibi) x = fmaf(fabsf(dist0 - static_cast<float>(8 * t + e)), neg_slope, x);
           if constexpr (Mod::kAfterAlibi) x = Mod::score_after_alibi(m, row, x, min(i, Lq - 1), min(j, Lk - 1));
           if constexpr (Var::kPairMask)
             if (pair_mask && !Var::pair_visible(m, row, v.causal_offset, i, j, Lq, Lk)) x = -__int_as_float(0x7f800000);

@@ -58,7 +58,8 @@ class Variant:
     softcap_tanh: bool = True
     #: ALiBi alone in the tensor-core forwards: True, scores kept raw, the slope divided by the
     #: scale (C++ ``ALIBI`` = 1, ``true``); False, session 7's natural units (``ALIBI`` = 2).
-    #: ``CUFLASH_ALIBI_RAW`` picks it per plan; meaningless without ``alibi_slopes``.
+    #: ``CUFLASH_ALIBI_RAW`` picks it per plan, False for top-left causal with Lq > Lk
+    #: (:func:`_alibi_row_offset_ok`); meaningless without ``alibi_slopes``.
     alibi_raw: bool = True
     #: with ``softcap_tanh``: a share of the forward's softmax exponentials on the FMA pipe
     #: (online_softmax.cuh ``ex2_poly``; ``SOFTCAP`` = 1), else none (``SOFTCAP`` = 3);
@@ -168,7 +169,8 @@ def variant_of(prob, mods=None) -> Variant:
                    softcap=mods.softcap is not None,
                    softcap_tanh=mods.softcap is None or (_switch("CUFLASH_SOFTCAP_TANH")
                                                          and prob.dtype.name == "bfloat16"),
-                   alibi_raw=mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_RAW"),
+                   alibi_raw=mods.alibi_slopes is None or (_switch("CUFLASH_ALIBI_RAW")
+                                                           and _alibi_row_offset_ok(prob)),
                    softcap_poly=mods.softcap is None or _switch("CUFLASH_SOFTCAP_POLY"),
                    softcap_fixed=fixed, softcap_share_alt=fixed and _share_alt(),
                    softcap_bwd_plain=_softcap_bwd_plain(prob, mods),
@@ -178,8 +180,26 @@ def variant_of(prob, mods=None) -> Variant:
                    score_mod=None if score is None else _trace_cuda.qualified_name(score),
                    mask_mod=None if mask is None else _trace_cuda.qualified_name(mask),
                    block_mask=mods.block_mask is not None,
-                   prelude=_dq_bounds(prob, mods) + "".join(t.source for t in (score, mask)
-                                                             if t is not None))
+                   prelude=_dq_bounds(prob, mods) + _alibi_prelude(mods)
+                   + "".join(t.source for t in (score, mask) if t is not None))
+
+
+def _alibi_prelude(mods) -> str:
+    """``CUFLASH_ALIBI_ROW_OFFSET=0`` (an A/B switch, :func:`_switch`; session 18): ALiBi's
+    causal raw-units build adds its distance term to every score again (a FADD and an FFMA a
+    score) instead of carrying the row term in the softmax (variant.cuh ``kAlibiRowOffset``)."""
+    if mods.alibi_slopes is None or _switch("CUFLASH_ALIBI_ROW_OFFSET"):
+        return ""
+    return "#define CUFLASH_ALIBI_ROW_OFFSET 0\n"
+
+
+def _alibi_row_offset_ok(prob) -> bool:
+    """Whether a causal ALiBi build in raw units (``ALIBI`` = 1) may take ALiBi's distance
+    ``|i + Lk - Lq - j|`` as ``i + Lk - Lq - j`` on every visible pair, as fwd_sm90ws does
+    (variant.cuh, ``kAlibiRowOffset``: one FFMA a score): true unless causal is aligned top-left
+    with ``Lq > Lk``, whose visible pairs ``j <= i`` include some right of ``i + Lk - Lq``; those
+    take the natural-units build (``ALIBI`` = 2), which keeps the absolute value."""
+    return not prob.causal or prob.causal_offset <= prob.Lk - prob.Lq
 
 
 #: bwd_sm90's block-mask builds add dQ_i's rows with bwd_io::red_row_pairs (session 11); this
@@ -278,7 +298,9 @@ def _switch(var: str) -> bool:
     ``CUFLASH_SOFTCAP_FIXED=0``: the forwards' softmax keeps its running max under a softcap
     alone instead of the fixed offset (session 10).
     ``CUFLASH_ALIBI_RAW=0``: ALiBi alone in natural units (one FMUL a score more) instead of
-    the raw scores with the slope divided by the scale."""
+    the raw scores with the slope divided by the scale.
+    ``CUFLASH_ALIBI_ROW_OFFSET=0``: that build under causal adds ALiBi's whole distance term to
+    every score instead of carrying its row term in fwd_sm90ws's softmax (session 18)."""
     value = os.environ.get(var, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{var}={value!r}: expected 0 or 1")

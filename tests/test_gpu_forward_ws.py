@@ -105,6 +105,18 @@ def test_modifiers(d, mods, ws):
         _check(case, ws)
 
 
+@pytest.mark.parametrize("Lq, Lk, d", [(300, 700, 64), (300, 700, 128), (700, 300, 128)])
+def test_alibi_top_left(Lq, Lk, d, ws):
+    """ALiBi under top-left causal: with Lq <= Lk every visible pair is left of ALiBi's diagonal
+    (the row-offset build, variant.cuh kAlibiRowOffset, as bottom-right); with Lq > Lk some are
+    right of it, and the host gives the natural-units build (ALIBI = 2: |i + Lk - Lq - j| kept;
+    at d = 64 fwd_sm90ws declines that build, so d 128 only)."""
+    slopes = {"shape": (4,), "expanded": (), "scale": 1.0, "dtype": "float32"}
+    case = AttentionCase.make("bfloat16", (2, 4, Lq, d), (2, 4, Lk, d), (2, 4, Lk, d), seed=7,
+                              causal="top_left", alibi_slopes=slopes)
+    _check(case, ws)
+
+
 def test_rows_with_no_visible_key(ws):
     """A window that hides every key from the first rows (Lq > Lk, causal bottom right): o = 0
     and lse = -inf there, as the reference says."""

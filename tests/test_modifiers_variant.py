@@ -637,3 +637,28 @@ def test_ex2_poly_is_as_accurate_as_ex2_approx():
         p = (p.astype(numpy.float64) * f + numpy.float32(c)).astype(numpy.float32)
     err = numpy.abs(p.astype(numpy.float64) / numpy.exp2(f.astype(numpy.float64)) - 1).max()
     assert err < 2.5e-7, f"ex2_poly's relative error {err:.3g} (coefficients {coeffs})"
+
+
+@pytest.mark.parametrize("causal, Lq, Lk, raw", [
+    (True, 40, 24, True), ("bottom_right", 24, 40, True), ("top_left", 24, 40, True),
+    ("top_left", 24, 24, True), ("top_left", 40, 24, False), (False, 40, 24, True)])
+def test_alibi_raw_units_only_where_the_row_offset_holds(causal, Lq, Lk, raw, monkeypatch):
+    """ALiBi's raw-units build (``ALIBI`` = 1) under causal may assume every visible pair lies
+    left of the ALiBi diagonal (fwd_sm90ws carries its row term in the softmax, variant.cuh
+    ``kAlibiRowOffset``); top-left causal with Lq > Lk breaks that, so the host gives it the
+    natural-units build (``ALIBI`` = 2), which keeps |i + Lk - Lq - j|. ``CUFLASH_ALIBI_ROW_OFFSET=0``
+    puts the A/B switch in the Variant's prelude."""
+    from cuflash import _problem, _variant
+    monkeypatch.delenv("CUFLASH_ALIBI_RAW", raising=False)
+    monkeypatch.delenv("CUFLASH_ALIBI_ROW_OFFSET", raising=False)
+    q = numpy.zeros((1, 2, Lq, 16), numpy.float32)
+    k = numpy.zeros((1, 2, Lk, 16), numpy.float32)
+    prob = _problem.make_problem(q, k, k, scale=None, causal=causal)
+    mods = _modifiers.check_modifiers(xp=numpy, device_id=None, batch_shape=prob.batch_shape,
+                                      Lq=Lq, Lk=Lk, alibi_slopes=numpy.ones((2,), numpy.float32))
+    v = _variant.variant_of(prob, mods)
+    assert v.alibi_raw is raw
+    assert (", true, void," if raw else ", 2, void,") in v.cpp
+    assert "CUFLASH_ALIBI_ROW_OFFSET" not in v.prelude
+    monkeypatch.setenv("CUFLASH_ALIBI_ROW_OFFSET", "0")
+    assert "#define CUFLASH_ALIBI_ROW_OFFSET 0\n" in _variant.variant_of(prob, mods).prelude

@@ -66,6 +66,13 @@ PERSIST_ARMS = {"sm90": ARMS["sm90"], "ws": WS,
                 "ws_auto": {"CUFLASH_FWD90_WS": "1"}}
 
 
+#: --alibi (session 18): ALiBi under causal with its row term carried in the softmax (the
+#: default, variant.cuh kAlibiRowOffset) against the whole distance term added to every score
+#: (CUFLASH_ALIBI_ROW_OFFSET=0, the build before); both on the dispatcher's schedule
+ALIBI_ARMS = {"sm90": ARMS["sm90"], "ws": {"CUFLASH_FWD90_WS": "1"},
+              "ws_abs": {"CUFLASH_FWD90_WS": "1", "CUFLASH_ALIBI_ROW_OFFSET": "0"}}
+
+
 def poly_arms(shares):
     """--poly: the table's d 128 tiles with K of the 16 eight-column tiles of S taking the
     softcap's exponentials on the FMA pipe (the Variant's share is 4)."""
@@ -83,7 +90,13 @@ def visible_pairs(L: int, causal: bool, window: int | None) -> int:
     return w * (w + 1) // 2 + (L - w) * w if L > w else L * (L + 1) // 2
 
 
-def points(ds, Ls, poly=False):
+def points(ds, Ls, poly=False, alibi=False):
+    if alibi:   # ALiBi's cost over causal attention of the same shape (issue 10: <= 10%)
+        for d in ds:
+            for L in Ls:
+                yield d, L, "causal", dict(causal=True)
+                yield d, L, "alibi", dict(causal=True, alibi_slopes="mods")
+        return
     if poly:   # the softcap's cost over plain attention of the same shape (issue 10: <= 10%)
         for L in Ls:
             yield 128, L, "plain", dict(causal=False)
@@ -120,6 +133,8 @@ def main(argv=None) -> int:
                     help="arms sm90, ws, ws_p1, ws_p2: the persistent schedules (session 17)")
     ap.add_argument("--arms", help="comma-separated subset of the arms (sm90 and ws always)")
     ap.add_argument("--softcap16k", action="store_true", help="also the softcap at 16k (d 128)")
+    ap.add_argument("--alibi", action="store_true",
+                    help="causal and ALiBi points only, arms sm90, ws, ws_abs (CUFLASH_ALIBI_ROW_OFFSET=0)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
@@ -128,6 +143,8 @@ def main(argv=None) -> int:
         ARMS = poly_arms([int(k) for k in args.poly.split(",")])
     elif args.persist:
         ARMS = PERSIST_ARMS
+    elif args.alibi:
+        ARMS = ALIBI_ARMS
     if args.arms:
         ARMS = {a: e for a, e in ARMS.items() if a in ("sm90", "ws") or a in args.arms.split(",")}
     import cupy
@@ -136,7 +153,7 @@ def main(argv=None) -> int:
     import cuflash
     ds = [int(x) for x in args.d.split(",")]
     Ls = [int(x) for x in args.L.split(",")]
-    pts = list(points(ds, Ls, bool(args.poly)))
+    pts = list(points(ds, Ls, bool(args.poly), args.alibi))
     if args.softcap16k:
         pts.append((128, 16384, "softcap", dict(softcap=50.0)))
     rng = numpy.random.default_rng(0)
@@ -146,9 +163,9 @@ def main(argv=None) -> int:
             shape = (TOKENS // L, WIDTH // d, L, d)
             arrays[d, L] = tuple(cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
                                  for _ in range(3))
-    for _, _, _, kw in pts:
-        if kw.get("alibi_slopes") == "mods":
-            h = WIDTH // 128
+    for d, _, _, kw in pts:
+        if kw.get("alibi_slopes") == "mods":   # (the mods suite's slopes, one a head)
+            h = WIDTH // d
             kw["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * numpy.arange(1, h + 1) / h), dtype=cupy.float32)
     t0 = time.perf_counter()
     jobs = [(lambda a=arrays[d, L], kw=kw: cuflash.attention(*a, **kw)) for d, L, _, kw in pts]
