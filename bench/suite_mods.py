@@ -35,6 +35,10 @@ forward 4 x B x H x d x pairs, fwd+bwd 3.5x that (FlashAttention's convention, h
 generalised to any mask). Rows: ``impl, suite, mode, dtype, d, L, causal, isolated, tflops, ms,
 mod`` (+ ``note``).
 
+``--rounds R`` times each (d, L)'s modifiers R times in rotated orders and keeps the median of
+each row (``tflops_rounds``: every round's): the issue's cost targets are ratios of two rows
+(a modifier over plain), which one pass in a fixed order moved by 5-10% from run to run.
+
 Run: ``PYTHONPATH=. python bench/suite_mods.py --out bench/results/h200/mods.json`` (``--quick``:
 d 128, L 4k); ``run_mods_suite()`` returns the rows for bench/bench_attention.py to wire in.
 """
@@ -224,13 +228,39 @@ def _warm_point(mod, mode, d, L, H):
             cuflash.attention_vjp(q, q, q, **kw)[1](q)
 
 
+def median_rows(timed: list[list[dict]]) -> list[dict]:
+    """One row per implementation and point from ``rounds`` passes (``timed``: the rows of each
+    pass, in any order): the pass whose TFLOP/s is the median (the lower middle of an even
+    count), with every pass's figure in ``tflops_rounds``; a point no pass timed keeps its first
+    row (its note says why)."""
+    by_key: dict = {}
+    for rows in timed:
+        for r in rows:
+            by_key.setdefault((r["impl"], r["mode"], r["d"], r["L"], r["mod"]), []).append(r)
+    out = []
+    for rs in by_key.values():
+        ok = sorted((r for r in rs if r["tflops"] is not None), key=lambda r: r["tflops"])
+        if not ok:
+            out.append(rs[0])
+            continue
+        row = dict(ok[(len(ok) - 1) // 2])
+        if len(rs) > 1:
+            row["tflops_rounds"] = [r["tflops"] for r in rs]
+        out.append(row)
+    return out
+
+
 def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd"),
                    names=None, peers=True, n_sets=2, log=print, warm=True,
-                   on_point=None) -> list[dict]:
+                   on_point=None, rounds=1) -> list[dict]:
     """Every (d, L, mode, modifier) point for cuflash, FlexAttention and SDPA; the rows
     (``warm``: compile cuflash's kernels of every point first, in parallel: :func:`warm_jobs`;
     ``on_point(rows)`` after each point: the script writes its JSON so far, so a run cut by a
-    time limit keeps what it measured, as session 17's call 3 did not)."""
+    time limit keeps what it measured, as session 17's call 3 did not). ``rounds`` > 1: each
+    (d, L)'s modifiers are timed that many times, their order rotated by one a round, and each
+    row is the median (:func:`median_rows`): a modifier's cost over plain attention is a ratio of
+    two rows, and one pass in a fixed order moved such a ratio by 5-10% between runs (session
+    18: plain causal d 128 4k read 527 and 517 in two runs, 447-461 in an interleaved probe)."""
     import cupy
     import numpy
     import cuflash
@@ -261,29 +291,34 @@ def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd")
                 sets.append((q, k, v))
             bias = cupy.asarray((rng.standard_normal((H, L, L)) * 0.5).astype(bf16)) \
                 if "bias" in (names or ("bias",)) and H * L * L * 2 <= 8e9 else None
-            for name, mod in mods_for(L, H, torch).items():
-                if names and name not in names:
-                    continue
-                pairs = visible_pairs(mod, L)
-                for mode in modes:
-                    flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
-                    t0 = time.perf_counter()
-                    first = len(rows)
-                    rows += _cuflash_point(cuflash, cupy, mod, mode, d, L, H, sets, bias, flops)
-                    if flex:
-                        rows += _flex_point(torch, compiled, create_block_mask, mod, mode, d, L,
-                                            B, H, sets, bias, flops)
-                    else:
-                        rows.append(_row("flex", mode, d, L, name, None, flops, flex_why))
-                    if torch is not None:
-                        rows += _sdpa_point(torch, mod, mode, d, L, B, H, sets, bias, flops)
-                    else:
-                        rows.append(_row("sdpa", mode, d, L, name, None, flops, torch_why))
-                    log(f"{name:8} {mode:7} d={d} L={L}: " + ", ".join(
-                        f"{r['impl']} {r['tflops']:.0f}" if r["tflops"] else f"{r['impl']} -"
-                        for r in rows[first:]) + f" TFLOP/s ({time.perf_counter() - t0:.0f} s)")
-                    if on_point is not None:
-                        on_point(rows)
+            items = [(name, mod) for name, mod in mods_for(L, H, torch).items()
+                     if not names or name in names]
+            done, timed = len(rows), []
+            for rnd in range(rounds):
+                timed.append([])
+                for name, mod in items[rnd % len(items):] + items[:rnd % len(items)]:
+                    pairs = visible_pairs(mod, L)
+                    for mode in modes:
+                        flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)
+                        t0 = time.perf_counter()
+                        point = _cuflash_point(cuflash, cupy, mod, mode, d, L, H, sets, bias, flops)
+                        if flex:
+                            point += _flex_point(torch, compiled, create_block_mask, mod, mode, d,
+                                                 L, B, H, sets, bias, flops)
+                        else:
+                            point.append(_row("flex", mode, d, L, name, None, flops, flex_why))
+                        if torch is not None:
+                            point += _sdpa_point(torch, mod, mode, d, L, B, H, sets, bias, flops)
+                        else:
+                            point.append(_row("sdpa", mode, d, L, name, None, flops, torch_why))
+                        timed[-1] += point
+                        log((f"[round {rnd + 1}/{rounds}] " if rounds > 1 else "")
+                            + f"{name:8} {mode:7} d={d} L={L}: " + ", ".join(
+                                f"{r['impl']} {r['tflops']:.0f}" if r["tflops"] else f"{r['impl']} -"
+                                for r in point) + f" TFLOP/s ({time.perf_counter() - t0:.0f} s)")
+                        rows[done:] = median_rows(timed) if rounds > 1 else timed[0]
+                        if on_point is not None:
+                            on_point(rows)
             del sets, bias
             cupy.get_default_memory_pool().free_all_blocks()
     return rows
@@ -406,11 +441,14 @@ def main(argv=None) -> int:
         ("plain", "softcap", "alibi", "window", "document", "prefix", "bias")))
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each (d, L)'s modifiers this many times in rotated orders; rows are "
+                        "medians (tflops_rounds holds each round's)")
     p.add_argument("--no-warm", action="store_true",
                    help="compile each point's kernels in the timed loop instead of first")
     a = p.parse_args(argv)
     kw = dict(peers=not a.no_peers, modes=tuple(a.modes.split(",")), warm=not a.no_warm,
-              names=tuple(a.mods.split(",")) if a.mods else None)
+              names=tuple(a.mods.split(",")) if a.mods else None, rounds=a.rounds)
     if a.quick:
         kw.update(ds=(128,), lengths=(4096,))
     if a.d:

@@ -64,3 +64,22 @@ def test_warm_jobs_cover_every_timed_point_but_the_dense_bias():
     narrowed = suite.warm_jobs((64,), (4096, 16384), ("fwd",), ("window", "bias"))
     assert [(j.args[0].name, j.args[3]) for j in narrowed] == [("window", 4096),
                                                                  ("window", 16384)]
+
+
+def test_median_rows_keep_the_middle_pass_and_every_figure():
+    """--rounds (session 18): one row a point and implementation, the median pass's (the lower
+    middle of an even count), every pass's TFLOP/s beside it; a point never timed keeps its
+    note."""
+    def row(impl, ms, mod="alibi", note=None):   # (4e9 flops: tflops = 4 / ms)
+        return suite._row(impl, "fwd", 128, 4096, mod, ms, 4e9, note)
+    passes = [[row("cuflash", 5.0), row("flex", None, note="no torch")],
+              [row("flex", None, note="no torch"), row("cuflash", 2.0)],
+              [row("cuflash", 4.0), row("flex", None, note="no torch")]]
+    out = {r["impl"]: r for r in suite.median_rows(passes)}
+    assert out["cuflash"]["ms"] == 4.0 and out["cuflash"]["tflops"] == pytest.approx(1.0)
+    assert out["cuflash"]["tflops_rounds"] == pytest.approx([0.8, 2.0, 1.0])
+    assert out["flex"]["tflops"] is None and out["flex"]["note"] == "no torch"
+    two = suite.median_rows([[row("cuflash", 5.0)], [row("cuflash", 2.0)]])
+    assert two[0]["ms"] == 5.0                   # (the lower of the two TFLOP/s)
+    one = suite.median_rows([[row("cuflash", 5.0), row("cuflash", 2.0, mod="plain")]])
+    assert len(one) == 2 and "tflops_rounds" not in one[0]
