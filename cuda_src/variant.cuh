@@ -390,7 +390,6 @@ __device__ __forceinline__ F softcap_of(F x, F k, F cap) {
   }
 }
 
-//
 // ROW_OFFSET (a kernel whose softmax takes a per-row offset) with Var::kAlibiRowOffset: the
 // ALiBi term of each of the thread's two rows at the thread's first column, col0, is written to
 // row_off instead of being added to every score (the scores stay "shifted": the true score is
