@@ -13,8 +13,10 @@ forward and forward + backward; modifiers (``MODS``):
 - ``prefix``   prefix-LM: keys of the first L/4 positions are visible to every query, the rest
                causally
 - ``bias``     a dense learnable float bias (H, L, L) broadcast over B; fwd+bwd includes dbias
-- ``plain``    causal attention without modifiers, the baseline of the targets (softcap or
-               ALiBi within 10%; window's TFLOP/s on visible pairs >= 0.85x plain causal)
+- ``plain``    causal attention without modifiers, the baseline of the causal targets (ALiBi
+               within 10%; window's TFLOP/s on visible pairs >= 0.85x plain causal)
+- ``full``     attention without modifiers and without causal, the softcap's baseline (within
+               10%; session 18: before it, the softcap's cost was read against another run)
 
 Every implementation computes the same function: ``MODS[name]`` holds the one definition of
 each modifier, as the cuflash keywords and as the FlexAttention ``score_mod`` / ``mask_mod``
@@ -113,6 +115,7 @@ def mods_for(L: int, H: int, torch=None) -> dict[str, Mod]:
 
     return {
         "plain": Mod("plain", True, sdpa="causal"),
+        "full": Mod("full", False, sdpa="full"),
         "softcap": Mod("softcap", False, score_mod=_softcap),
         "alibi": Mod("alibi", True, score_mod=alibi, sdpa="bias"),
         "window": Mod("window", True, mask_mod=_window, sdpa="mask", mask_causal=True),
@@ -139,7 +142,7 @@ def point_qkv(d: int, L: int):
 def visible_pairs(mod: Mod, L: int) -> int:
     """Query/key pairs the modifier leaves visible (the FLOP count's pairs), per (b, h)."""
     import numpy
-    if mod.name in ("softcap", "bias"):
+    if mod.name in ("full", "softcap", "bias"):
         return L * L
     if mod.name in ("plain", "alibi"):
         return L * (L + 1) // 2
@@ -396,7 +399,7 @@ def _sdpa_point(torch, mod, mode, d, L, B, H, sets, bias, flops):
     tq = [[torch.from_dlpack(x) for x in s] for s in sets]
     F = torch.nn.functional
     try:
-        kw = {}
+        kw = {}   # (sdpa "full": no mask at all)
         if mod.sdpa == "causal":
             kw["is_causal"] = True
         elif mod.sdpa == "mask":
@@ -438,7 +441,7 @@ def main(argv=None) -> int:
     p.add_argument("--d", help="comma-separated head dims (default 64,128)")
     p.add_argument("--L", help="comma-separated lengths (default 4096,16384)")
     p.add_argument("--mods", help="comma-separated subset of " + ", ".join(
-        ("plain", "softcap", "alibi", "window", "document", "prefix", "bias")))
+        ("plain", "full", "softcap", "alibi", "window", "document", "prefix", "bias")))
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--rounds", type=int, default=1,

@@ -20,7 +20,7 @@ sys.modules["suite_mods"] = suite          # (dataclasses look their module up)
 spec.loader.exec_module(suite)
 
 
-@pytest.mark.parametrize("name", ["plain", "window", "document", "prefix", "alibi", "softcap"])
+@pytest.mark.parametrize("name", ["plain", "full", "window", "document", "prefix", "alibi", "softcap"])
 def test_keywords_match_the_flex_functions(name, monkeypatch):
     monkeypatch.setattr(suite, "WINDOW", 5)        # small lengths: a window that matters
     L, H = 48, 2
