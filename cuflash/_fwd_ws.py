@@ -91,8 +91,8 @@ def fwd_sm90ws_select(fam, shape, dev):
 def persist_switch() -> str:
     """``CUFLASH_FWD90WS_PERSIST`` (plan time): "0" (one block a query tile), "1" / "2" / "3" (a
     persistent grid, items round-robin / zigzag / by the host's longest-processing-time-first
-    lists, ``_fwd_schedule.lpt_schedule``: the window's default since session 18) wherever the grid has fewer blocks than items, or "auto" (the default:
-    :func:`persist_default`)."""
+    lists, ``_fwd_schedule.lpt_schedule``: the window's default since session 18) wherever
+    the grid has fewer blocks than items, or "auto" (the default: :func:`persist_default`)."""
     value = os.environ.get("CUFLASH_FWD90WS_PERSIST", "").strip().lower() or "auto"
     if value not in ("0", "1", "2", "3", "auto"):
         raise ValueError(f"CUFLASH_FWD90WS_PERSIST={value!r}: expected 0, 1, 2, 3 or auto")

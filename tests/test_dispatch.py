@@ -93,16 +93,17 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
 
 def test_forward_warp_specialised_persistent_schedule(monkeypatch):
     """fwd_sm90ws's persistent grid (sessions 17-18, _fwd_ws.persist_default): by default the
-    host's longest-first lists for the window, round-robin for items of <= 8 key tiles and the softcap without causal, none for
-    long causal or plain items, where the grid has more query tiles than SMs; d 128 only;
+    host's longest-first lists for the window, round-robin for items of <= 8 key tiles and the
+    softcap without causal, none for long causal or plain items, where the grid has more query
+    tiles than SMs; d 128 only;
     CUFLASH_FWD90WS_PERSIST forces or turns it off; a grid that would not be smaller than the
     items keeps one block a tile; varlen builds never take it."""
     from cuflash import _inference_varlen
     ws = lambda **kw: _families.choose("fwd", _ws_shape(**kw), H200)   # noqa: E731
     persist = lambda **kw: ws(**kw).traits["persist"]   # noqa: E731
     assert persist(causal=True, window=True) == 3 and persist(window=True) == 3
-    assert "persistent (longest first, the host's lists): 132 blocks run the 2048 query tiles" in "\n".join(
-        ws(causal=True, window=True).reasons)
+    why = "\n".join(ws(causal=True, window=True).reasons)
+    assert "persistent (longest first, the host's lists): 132 blocks run the 2048 query tiles" in why
     assert persist(causal=True) == 0 and persist() == 0                 # 16 / 32 key tiles
     assert persist(L=1024, nbatch=256) == 1 and persist(causal=True, L=2048, nbatch=128) == 1
     assert persist(L=2048, nbatch=128) == 0                             # 16 key tiles

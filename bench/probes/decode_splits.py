@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                                     "place of SPLITS")
     args = a.parse_args(argv)
     points = POINTS if not args.points else [
-        (int(b), 32, int(h), int(lk)) for b, h, lk in (x.split(":") for x in args.points.split(","))]
+        (int(b), 32, int(h), int(lk))
+        for b, h, lk in (x.split(":") for x in args.points.split(","))]
     splits = SPLITS if not args.splits else tuple(
         int(x) or None for x in args.splits.split(","))
     import cupy

@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", help="comma-separated subset of the arms (sm90 and ws always)")
     ap.add_argument("--softcap16k", action="store_true", help="also the softcap at 16k (d 128)")
     ap.add_argument("--alibi", action="store_true",
-                    help="causal and ALiBi points only, arms sm90, ws, ws_abs (CUFLASH_ALIBI_ROW_OFFSET=0)")
+                    help="causal and ALiBi points only, arms sm90, ws, ws_abs "
+                         "(CUFLASH_ALIBI_ROW_OFFSET=0)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
