@@ -163,7 +163,8 @@ def _modifier_case(name, dtype):
     rng = numpy.random.default_rng(len(name))
     B, H, d = 2, 2, 64
     # Lq > Lk: the window's diagonal i + Lk - Lq starts below key 0 (rows with no key)
-    Lq, Lk = (150, 100) if name in ("window", "sink", "softcap-window", "softcap-50") else (100, 150)
+    Lq, Lk = (150, 100) if name in ("window", "sink", "softcap-window", "softcap-50",
+                                    "alibi-top-left-tall") else (100, 150)
     q, k, v = (make_array(rng, (B, H, L, d), dtype) for L in (Lq, Lk, Lk))
     bias = rng.standard_normal((H, Lq, Lk)).astype(numpy.float32)   # broadcast over B
     bias[:, 7, :] = -numpy.inf                                      # row 7: no visible key
@@ -184,6 +185,13 @@ def _modifier_case(name, dtype):
         # no key (causal from the bottom right, Lq > Lk)
         "softcap-50": (True, dict(softcap=50.0)),
         "alibi": (True, dict(alibi_slopes=slopes)),
+        # top-left causal: ALiBi's diagonal right of causal's (Lq < Lk: the raw-units build,
+        # whose causal form fwd_sm90ws splits into a row term, variant.cuh kAlibiRowOffset),
+        # and left of it (Lq > Lk: the host gives the natural-units build, ALIBI = 2, which
+        # fwd_sm80 computes as it computes the raw one, |i + diag - j| kept; the GPU test of the
+        # routing is test_gpu_forward_ws.py::test_alibi_top_left)
+        "alibi-top-left": ("top_left", dict(alibi_slopes=slopes * 10)),
+        "alibi-top-left-tall": ("top_left", dict(alibi_slopes=slopes * 10)),
         "bias": (False, dict(bias=bias.astype(dtype))),
         "mask": (True, dict(mask=mask)),
         "sink": (False, dict(sink=sink, window=(10, 0))),            # rows < 50: lse = sink
@@ -198,7 +206,8 @@ def _modifier_case(name, dtype):
 
 
 MODIFIER_CASES = ["window", "window-causal-top-left", "softcap", "softcap-extreme", "softcap-window",
-                  "softcap-50", "alibi", "bias", "mask", "sink", "all"]
+                  "softcap-50", "alibi", "alibi-top-left", "alibi-top-left-tall", "bias", "mask",
+                  "sink", "all"]
 
 
 @pytest.fixture(scope="module")
