@@ -42,6 +42,14 @@ def median_event_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 2
     return ts[len(ts) // 2]
 
 
+def arm_orders(arms: list, rounds: int) -> list:
+    """The arms' order in each of ``rounds`` rounds, rotated by one a round: at ~650 TFLOP/s the
+    H200's clock sags under sustained load (session 16, call 7: the same build read 689 then
+    584-616 TFLOP/s in five arms in a row), so a fixed order favours the first arm. (The probes' rounds, suite_decode's and suite_mods'
+    ``--rounds``.)"""
+    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
+
+
 def finish(meta: dict, rows: list, out: str | None) -> int:
     """Name the device in ``meta``, write ``{"meta", "rows"}`` to ``out`` (if given) and say
     how many rows; the exit status of a suite script."""

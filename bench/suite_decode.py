@@ -33,8 +33,6 @@ an H200); ``run_decode_suite()`` returns the rows for bench/bench_attention.py t
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import time
@@ -42,7 +40,7 @@ import time
 import pathlib as _pathlib
 
 sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
-from suite_common import finish, median_event_ms  # noqa: E402  (bench/, beside this file)
+from suite_common import arm_orders, finish, median_event_ms  # noqa: E402  (bench/, beside this file)
 
 D = 128
 BATCHES = (1, 8, 64)
@@ -71,29 +69,11 @@ def _time_rounds(fns: dict, n_sets: int, rounds: int) -> dict:
     """Each arm of ``fns`` timed ``rounds`` times, the arms' order rotated by one a round (a
     fixed order favours one arm while the clock moves; ratios of ~1% are read from these), as
     {name: (median over rounds of each round's median ms, the rounds' ms in arm order)}."""
-    names, per = list(fns), {name: [] for name in fns}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    per = {name: [] for name in fns}
+    for order in arm_orders(list(fns), rounds):
+        for name in order:
             per[name].append(_time(fns[name], n_sets))
     return {name: (statistics.median(t), t) for name, t in per.items()}
-
-
-@contextlib.contextmanager
-def _decode_env(value, clear_plans):
-    """CUFLASH_DECODE set to ``value`` (None: unset) around the block, cached plans forgotten
-    on both sides (the override is read when a plan is built, so the fast path would run the
-    other kernel: session 6's first run)."""
-    old = os.environ.pop("CUFLASH_DECODE", None)
-    if value is not None:
-        os.environ["CUFLASH_DECODE"] = value
-    clear_plans()
-    try:
-        yield
-    finally:
-        os.environ.pop("CUFLASH_DECODE", None)
-        if old is not None:
-            os.environ["CUFLASH_DECODE"] = old
-        clear_plans()
 
 
 def _sdpa(backend_name):
@@ -139,7 +119,6 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
     import numpy
 
     import cuflash._inference as inf
-    from cuflash._api import clear_plans
 
     rows = []
     flash, flash_why = _sdpa("FLASH_ATTENTION") if peers else (None, "peers off")
@@ -205,8 +184,9 @@ def run_decode_suite(*, batches=BATCHES, heads=HEADS, lengths=LENGTHS, layouts=L
                         extra["kernel"] = _kernel(inf, q0, k0, v0, seqlens, None)
                     rows.append(_row(name, B, Hq, Hkv, Lk, False, 0, ms, nbytes, **extra))
                 if ab:     # the generic decode_split on the same arrays (before / after), not
-                    # interleaved: the override is read when a plan is built
-                    with _decode_env("split", clear_plans):
+                    # interleaved: the override is read when a plan is built (env clears plans)
+                    import bench_attention
+                    with bench_attention.env(CUFLASH_DECODE="split"):
                         rows.append(_row("cuflash_split", B, Hq, Hkv, Lk, False, 0,
                                          _time(ours, n_sets), nbytes,
                                          kernel=_kernel(inf, q0, k0, v0, seqlens, None)))

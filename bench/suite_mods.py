@@ -58,7 +58,8 @@ from typing import Callable
 import pathlib as _pathlib
 
 sys.path.insert(0, str(_pathlib.Path(__file__).resolve().parent))
-from suite_common import bf16_zeros, compile_flex, finish, median_event_ms, warm_arms  # noqa: E402,E501  (bench/, beside this file)
+from suite_common import (arm_orders, bf16_zeros, compile_flex, finish,  # noqa: E402
+                          median_event_ms, warm_arms)   # (bench/, beside this file)
 
 TOKENS, WIDTH = 16384, 2048
 WINDOW, SOFTCAP, DOCUMENTS = 1024, 50.0, 8
@@ -297,9 +298,9 @@ def run_mods_suite(ds=(64, 128), lengths=(4096, 16384), modes=("fwd", "fwd_bwd")
             items = [(name, mod) for name, mod in mods_for(L, H, torch).items()
                      if not names or name in names]
             done, timed = len(rows), []
-            for rnd in range(rounds):
+            for rnd, order in enumerate(arm_orders(items, rounds)):
                 timed.append([])
-                for name, mod in items[rnd % len(items):] + items[:rnd % len(items)]:
+                for name, mod in order:
                     pairs = visible_pairs(mod, L)
                     for mode in modes:
                         flops = 4 * B * H * d * pairs * (3.5 if mode == "fwd_bwd" else 1.0)

@@ -50,7 +50,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from suite_common import dump_probe, median_event_ms, time_arm, warm_arms  # noqa: E402
+from suite_common import arm_orders, dump_probe, median_event_ms, time_arm, warm_arms  # noqa: E402
 
 # (the ws arms one block a query tile: CUFLASH_FWD90WS_PERSIST=0, session 16's schedule)
 WS = {"CUFLASH_FWD90_WS": "1", "CUFLASH_FWD90WS_PERSIST": "0"}
@@ -112,13 +112,6 @@ def points(ds, Ls, poly=False, alibi=False):
                 yield d, L, "softcap", dict(softcap=50.0)
             if L >= 4096 and d == 128:   # (the mods suite's ALiBi: causal, slopes 2^-8h/H)
                 yield d, L, "alibi", dict(causal=True, alibi_slopes="mods")
-
-
-def arm_orders(arms: list, rounds: int) -> list:
-    """The arms' order in each of ``rounds`` rounds, rotated by one a round: at ~650 TFLOP/s the
-    H200's clock sags under sustained load (session 16, call 7: the same build read 689 then
-    584-616 TFLOP/s in five arms in a row), so a fixed order favours the first arm."""
-    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
 
 
 def main(argv=None) -> int:
