@@ -263,17 +263,24 @@ def test_persistent_schedules(persist, d, mods, ws, monkeypatch):
         assert "persistent" in cuflash.explain(arrays.q, arrays.k, arrays.v, **arrays.kwargs)
 
 
-def test_persistent_bitwise_equals_one_block_a_tile(ws, monkeypatch):
+@pytest.mark.parametrize("mods", [dict(causal=True), dict(causal=True, window=(1024, 0)),
+                                  dict(softcap=50.0), dict(causal=True, window=(300, 0), sink=True)],
+                         ids=["causal", "window", "softcap", "window_sink"])
+def test_persistent_bitwise_equals_one_block_a_tile(mods, ws, monkeypatch):
     """Each query tile's arithmetic does not depend on the block that runs it: the persistent
-    grid's output is bitwise the one-block-a-tile grid's."""
+    grid's output is bitwise the one-block-a-tile grid's, for every schedule, causal, the window,
+    the softcap's fixed offset and a sink's start of each item's rows."""
+    import cupy
     from cuflash import _api
     q, k, v = _arrays(12, (3, 8, 2048, 128), (3, 8, 2048, 128), (3, 8, 2048, 128), BF16)
+    kw = dict(mods)
+    if kw.pop("sink", False):
+        kw["sink"] = cupy.linspace(-1.0, 2.0, 8, dtype="float32")
     got = {}
-    for persist in ("0", "2", "3"):
+    for persist in ("0", "1", "2", "3"):
         monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", persist)
         _api.clear_plans()
-        got[persist] = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        got[persist] = cuflash.attention(q, k, v, return_lse=True, **kw)
     a, la = got["0"]
-    for persist in ("2", "3"):
-        b, lb = got[persist]
+    for persist, (b, lb) in got.items():
         assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all() and (la == lb).all(), persist
