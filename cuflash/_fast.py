@@ -84,7 +84,7 @@ class FastForward:
     the launch, where that host work overlaps the kernel. CuPy's functions are looked up once
     and a plan of one launch (no outer loop) is launched directly: host time per call."""
     __slots__ = ("plan", "o_shape", "lse_shape", "dtype", "lse_dtype", "device_id", "nbytes",
-                 "lse_offset", "_alloc", "_stream", "_ndarray", "_launch")
+                 "lse_offset", "_alloc", "_stream", "_ndarray", "_go")
 
     def __init__(self, plan, o, lse):
         self.plan, self.device_id = plan, plan.device_id
@@ -97,20 +97,16 @@ class FastForward:
     def _bind(self, plan) -> None:
         """What ``__call__`` uses besides the record: CuPy's functions, and the plan's launch
         where it is one launch at offset 0 (plan.run's own test), which takes the pointers as
-        they are."""
+        they are (``Launch.direct``: q, k, v, o, lse)."""
         cupy = sys.modules["cupy"]
         self._alloc, self._stream, self._ndarray = (cupy.cuda.alloc, cupy.cuda.get_current_stream,
                                                     cupy.ndarray)
-        self._launch = plan.launch if one_launch(plan) else None
+        self._go = plan.launch.direct(5) if one_launch(plan) else plan.run
 
     def __call__(self, q, k, v, return_lse: bool):
         mem = self._alloc(self.nbytes)
         base, off = mem.ptr, self.lse_offset
-        words = [q.data.ptr, k.data.ptr, v.data.ptr, base, base + off]
-        if self._launch is not None:
-            self._launch(self._stream().ptr, words)
-        else:
-            self.plan.run(self._stream().ptr, *words)
+        self._go(self._stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, base, base + off)
         # (memptr by position: ndarray(shape, dtype, memptr); see FastBackward)
         o = self._ndarray(self.o_shape, self.dtype, mem)
         return (o, self._ndarray(self.lse_shape, self.lse_dtype, mem + off)) if return_lse else o

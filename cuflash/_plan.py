@@ -276,6 +276,10 @@ class BackwardPlan:
         self._one_launch = (len(self.offsets) == 1 and not any(self.offsets[0])
                             and self.direct and self.mods is None)
         self._ws_words = tuple(self.ws_offsets[n] for n in ("dpsum", "dq_acc", "dq_sem"))
+        # ... its launch with the call's pointers (Launch.direct), dq's word after them where
+        # the main kernel writes dq itself
+        self._go = self.launch.direct(len(_launch.POINTERS), _DQ_WORD if (
+            self.one_kernel or self.fused_dq) else None) if self._one_launch else None
 
     def _build(self, q, k, v, o, do, mods=None):
         """The launches for inputs laid out as q, k, v, o, dO: (Launch of the D kernel and the
@@ -357,17 +361,19 @@ class BackwardPlan:
                 _cupy().cuda.runtime.memsetAsync(ws.ptr, 0, self.zeroed, stream)
         base = ws.ptr
         dpsum, dq_acc, dq_sem = self._ws_words
-        words = (q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv, base + dq_sem)
         if one:
             try:
-                self.launch(stream, words, extra=((_DQ_WORD, dq),))
+                self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
+                         base + dq_sem, dq)
             except BaseException:
                 self.zeroed_ws.reset(stream)
                 raise
         elif self.fused_dq:
-            self.launch(stream, words, extra=((_DQ_WORD, dq),))
+            self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
+                     base + dq_sem, dq)
         else:
-            self.launch(stream, words)
+            self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
+                     base + dq_sem)
             self.finish.to(dq)(stream, (base + dq_acc, dq))
 
     def run_modified(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int,

@@ -190,9 +190,21 @@ def test_launch_makes_a_context_current_where_the_thread_has_none(monkeypatch):
     assert contexts == [3] and calls == [11, 11, 12]
     assert struct.unpack_from("<2Q", launch._bytes) == (7, 8)
 
+    # the fast paths' bound form (Launch.direct, session 19): the same words, the same kernels,
+    # the same retry; ``at``: one word more, written at that 8-byte word
+    calls.clear(), contexts.clear()
+    launch.direct(2)(0, 5, 6)
+    assert contexts == [3] and calls == [11, 11, 12]
+    assert struct.unpack_from("<4Q", launch._bytes) == (5, 6, 0, 0)
+    calls.clear()
+    launch.direct(2, at=3)(0, 1, 2, 9)
+    assert calls == [11, 12] and struct.unpack_from("<4Q", launch._bytes) == (1, 2, 0, 9)
+
     def broken(*args):
         raise DriverError(700)
     launch._launch_kernel = broken
     with pytest.raises(DriverError):
         launch(0, [7, 8])
-    assert contexts == [3]
+    with pytest.raises(DriverError):
+        launch.direct(2)(0, 7, 8)
+    assert contexts == [3] and not launch.lock.locked()
