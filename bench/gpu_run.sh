@@ -23,8 +23,9 @@
 #   isolated  suite fwd --isolated: one call with the GPU idle before it, bf16, d 64/128/256,
 #             L 512/1k, causal and not, same peers        -> fwd_isolated.json fwd_isolated.png isolated.log
 #             ~1 min
-#   overhead  bench/host_overhead.py: µs of host time per call       -> host_overhead.json overhead.log
-#             ~0.5 min
+#   overhead  bench/host_overhead.py --rounds 4: µs of host time per call, the implementations
+#             interleaved                            -> host_overhead.json overhead.log
+#             ~1 min
 #   sanitize  bench/sanitize.sh: compute-sanitizer memcheck, racecheck and synccheck over the
 #             GPU tests of bench/sanitize_tests.txt   -> sanitize/{memcheck,racecheck,synccheck,
 #             warmup}.json, environment.txt, logs.tar.gz
@@ -118,7 +119,9 @@ part_isolated() {
 part_overhead() {
   local log="$OUT/overhead.log"
   env_lines > "$log"
-  timeout 150 "$PY" bench/host_overhead.py --out "$OUT" --profile >> "$log" 2>&1
+  # (--rounds: the implementations interleaved, so a change of the host's speed within the run
+  # reaches all of them; session 19 read one machine's SDPA at 17.7 and 28.3 us a minute apart)
+  timeout 150 "$PY" bench/host_overhead.py --out "$OUT" --rounds 4 --repeats 3 --profile >> "$log" 2>&1
   note "overhead: exit $?"
   grep -B 1 -A 8 "^ *impl" "$log"
 }

@@ -35,7 +35,11 @@ pieces a backward call is made of besides its three launches, each alone; ``pyth
 speed, which with the header's ``cpu_model`` / ``cpu_mhz_mean`` makes host times from two
 machines comparable. Writes ``bench/results/<gpu>/host_overhead.json`` (rows ``{"impl",
 "us_per_call", ...}`` and the header of bench/bench_attention.py) and prints a table.
-``--profile`` also prints the 25 functions with the most own time in cuflash's forward call,
+``--rounds R`` (session 19) times the implementations' back-to-back loops interleaved, in R
+rounds of ``--repeats`` loops, the order rotated a round (``measure_rounds``): one host's speed
+moved 1.7x between two processes a minute apart, and an implementation timed alone reads its
+moment's speed; the rows then add each round's figure and the median of the per-round ratios to
+SDPA flash. ``--profile`` also prints the 25 functions with the most own time in cuflash's forward call,
 and in its backward call. ``--parts`` also times the pieces of the backward's fast path on its
 own cached plan, each alone (rows ``bwd_part_*``: the key of six layouts, the device check, the
 stream, the patch and two launches, each raw launch, the three arrays of the result, and the
@@ -169,6 +173,55 @@ def measure(impl: str, fn: Callable[[], Any], calls: int, repeats: int,
     return overhead_row(impl, calls, [t[0] for t in times], [t[1] for t in times])
 
 
+#: the implementation each round's ratios are taken against (``measure_rounds``)
+BASE_IMPL = "sdpa_flash"
+
+
+def measure_rounds(fns: dict, calls: int, repeats: int, rounds: int, sync: Callable[[], None],
+                   loop: Callable = time_loop) -> tuple[dict, dict]:
+    """``--rounds`` (session 19): the back-to-back loops of every implementation in ``rounds``
+    rounds, ``repeats`` loops each a round, the order rotated by one a round
+    (``suite_common.arm_orders``). One host's speed moved by 1.7x between two processes a
+    minute apart in session 19 (python_reference 0.8 and 1.4 us, SDPA flash 17.7 and 28.3 us),
+    and within a process an implementation timed alone reads that moment's speed; interleaved,
+    each round compares the implementations at one speed. Returns (rows by implementation:
+    ``overhead_row`` over all its loops, with ``us_per_call_rounds``, each round's median, and
+    ``per_round_ratio_to_base``, the median over rounds of its round median / BASE_IMPL's;
+    the failures by implementation: an exception stops that implementation only)."""
+    from suite_common import arm_orders
+    failed: dict = {}
+    for impl, fn in fns.items():
+        try:
+            for _ in range(WARMUP):
+                fn()
+        except Exception as e:
+            failed[impl] = e
+    live = [impl for impl in fns if impl not in failed]
+    times: dict = {impl: [] for impl in live}
+    for order in arm_orders(live, rounds):
+        for impl in order:
+            if impl in failed:
+                continue
+            try:
+                times[impl].append([loop(fns[impl], calls, sync) for _ in range(repeats)])
+            except Exception as e:
+                failed[impl] = e
+    rows, per_round = {}, {}
+    for impl in live:
+        if impl in failed:
+            continue
+        flat = [t for rnd in times[impl] for t in rnd]
+        row = overhead_row(impl, calls, [t[0] for t in flat], [t[1] for t in flat])
+        per_round[impl] = [statistics.median(t[0] for t in rnd) / calls * 1e6 for rnd in times[impl]]
+        rows[impl] = dict(row, rounds=rounds, us_per_call_rounds=per_round[impl])
+    base = per_round.get(BASE_IMPL)
+    for impl, row in rows.items():
+        if base:
+            row["per_round_ratio_to_base"] = statistics.median(
+                a / b for a, b in zip(per_round[impl], base))
+    return rows, failed
+
+
 #: a GPU time per call this close to the back-to-back figure means the queue set the pace
 QUEUE_BOUND_RATIO = 0.9
 SPIN_SOURCE = r"""
@@ -293,6 +346,12 @@ def format_rows(rows: Sequence[dict]) -> str:
              else "ok" if r.get("spin_outlasted", True) else "spin too short"] for r in rows]
     head = ["impl", "us/call", "us/call drained", "/ sdpa_flash", "us/call behind spin",
             "GPU us/call", "check"]
+    if any("us_per_call_rounds" in r for r in rows):     # --rounds
+        head += ["rounds (us/call)", "per-round / sdpa_flash"]
+        for line, r in zip(body, rows):
+            line += ([" ".join(f"{x:.1f}" for x in r["us_per_call_rounds"]),
+                      f"{r['per_round_ratio_to_base']:.2f}" if "per_round_ratio_to_base" in r
+                      else "-"] if "us_per_call_rounds" in r else ["-"] * 2)
     if any("sm_mhz_in_loop" in r for r in rows):     # --clocks
         head += ["MHz in loop", "MHz behind spin", "us/call beside spin"]
         for line, r in zip(body, rows):
@@ -522,7 +581,11 @@ def cumulative_steps(q, k, v, do, o, lse, bwd, fwd) -> dict[str, Callable[[], An
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
-    p.add_argument("--repeats", type=int, default=5, help="timed loops per implementation")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops per implementation "
+                   "(per round with --rounds)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the implementations' back-to-back loops in this many rounds, "
+                        "the order rotated a round (measure_rounds); 1: each timed alone")
     p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                    help="folder for host_overhead.json (default bench/results/<gpu>/)")
     p.add_argument("--spin-calls", type=int, default=200,
@@ -573,9 +636,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     def sampled(n: int) -> float:
         return clock_mhz(clock_buf[:2 * n].get().reshape(n, 2))
     side = cp.cuda.Stream(non_blocking=True)
+    rounds, failed = ({}, {}) if args.rounds <= 1 else measure_rounds(
+        fns, args.calls, args.repeats, args.rounds, sync)
+    for impl, e in failed.items():
+        print(f"{impl}: FAILED ({ba.short_error(e)})", file=sys.stderr)
     for impl, fn in fns.items():
+        if impl in failed:
+            continue
         try:
-            row = measure(impl, fn, args.calls, args.repeats, sync)
+            row = rounds[impl] if rounds else measure(impl, fn, args.calls, args.repeats, sync)
             row = spin_row(row, args.spin_calls, *behind_spin(
                 fn, args.spin_calls, args.repeats, spin, event, sync,
                 lambda a, b: cp.cuda.get_elapsed_time(a, b) * 1e-3))

@@ -743,3 +743,35 @@ def test_fwd_ws_probe_logic():
     assert [fwd_ws.PERSIST_ARMS[a]["CUFLASH_FWD90WS_PERSIST"]
             for a in ("ws", "ws_p1", "ws_p2", "ws_p3")] == ["0", "1", "2", "3"]
     assert "CUFLASH_FWD90WS_PERSIST" not in fwd_ws.PERSIST_ARMS["ws_auto"]   # (the rule's)
+
+
+def test_host_overhead_rounds_interleave_and_take_per_round_ratios():
+    """host_overhead.measure_rounds (--rounds, session 19): every implementation's loops in each
+    round, the order rotated a round; a row's us_per_call the median of all its loops, its
+    per-round figures, and the median of its per-round ratios to sdpa_flash (the host's speed
+    cancels where it changes between rounds); an implementation that raises is reported and
+    dropped, the others still timed."""
+    seen = []
+    speed = iter([1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.5, 1.5, 1.5])   # the host slows, then partly recovers
+    cost = {"cuflash": 10.0, "sdpa_flash": 20.0, "broken": 1.0}
+
+    def loop(fn, calls, sync):
+        impl = fn()
+        seen.append(impl)
+        s = next(speed) if impl != "broken" else 1.0
+        return cost[impl] * s * calls * 1e-6, cost[impl] * s * calls * 1e-6
+
+    def boom():
+        raise RuntimeError("no peer")
+    fns = {"cuflash": lambda: "cuflash", "sdpa_flash": lambda: "sdpa_flash", "other": lambda: "other",
+           "broken": boom}
+    fns["other"] = lambda: "cuflash"   # (a third implementation costing what cuflash costs)
+    rows, failed = ho.measure_rounds(fns, 100, 1, 3, lambda: None, loop=loop)
+    assert set(failed) == {"broken"} and set(rows) == {"cuflash", "sdpa_flash", "other"}
+    assert seen == ["cuflash", "sdpa_flash", "cuflash"] + ["sdpa_flash", "cuflash", "cuflash"] \
+        + ["cuflash", "cuflash", "sdpa_flash"]
+    assert rows["cuflash"]["us_per_call_rounds"] == pytest.approx([10.0, 20.0, 15.0])
+    assert rows["sdpa_flash"]["us_per_call_rounds"] == pytest.approx([20.0, 40.0, 30.0])
+    assert rows["cuflash"]["per_round_ratio_to_base"] == pytest.approx(0.5)
+    assert rows["cuflash"]["us_per_call"] == pytest.approx(15.0) and rows["cuflash"]["rounds"] == 3
+    assert "per-round / sdpa_flash" in ho.format_rows(list(rows.values()))
