@@ -68,24 +68,35 @@ def fwd_sm90ws_select(fam, shape, dev):
     extra = shape.variant.features - WS_FEATURES
     if extra:
         return f"does not run {', '.join(sorted(extra))} (fwd_sm90's measured register budgets do)"
-    if bucket == 64 and (shape.variant.softcap or (shape.variant.alibi_slopes
-                                                   and not shape.variant.alibi_raw)):
-        # (the compile gate: 12 bytes for the softcap's predicated build, 24 for ALiBi's
-        # CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
-        return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
     from ._families import _table_traits
     t = _table_traits(fam, bucket, bucket)
+    even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
+    if bucket == 64 and (shape.variant.softcap or (shape.variant.alibi_slopes
+                                                   and not shape.variant.alibi_raw)):
+        if switch == "auto" or not softcap_d64_spill_free(shape.variant, even):
+            # (the compile gate: 12 bytes for the softcap's predicated build, 24 for ALiBi's
+            # CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
+            return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     if switch == "auto":
         declined = default_declines(shape, t, dev)
         if declined:
             return declined + " (CUFLASH_FWD90_WS=1 takes it)"
-    even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     why = [f"head-dim bucket {bucket}: {t.reason}",
            "EVEN=true: whole key tiles and no padded columns" if even else
            "EVEN=false: the last key tile or the head dim is partial (predicated loads)"]
     return persistent(t, shape, dev, why), {"even": even}, why
+
+
+def softcap_d64_spill_free(v, even: bool) -> bool:
+    """Whether the d = 64 build (3 consumers, 160 registers) of Variant ``v`` is the softcap's
+    one that compiles without local memory (session 19, NVRTC 13, sm_90a, float16 and bfloat16,
+    the softcap's fixed-offset build): the softcap alone on whole key tiles (EVEN); the
+    predicated build spills 8 bytes, the causal ones 16. Only ``CUFLASH_FWD90_WS=1`` runs it,
+    until a GPU run measures it against fwd_sm90's (``probes/fwd_ws.py --d 64 --softcap-d64``):
+    the dispatcher's rule keeps the d = 64 softcap on fwd_sm90."""
+    return bool(v.softcap) and v.features == {"softcap"} and even
 
 
 def persist_switch() -> str:

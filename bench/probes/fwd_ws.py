@@ -18,6 +18,8 @@ a persistent grid, items round-robin / zigzag / the host's longest-first lists,
 ``CUFLASH_FWD90WS_PERSIST``) and ``ws_auto`` (the dispatcher's rule for it), ``--arms`` picking
 some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,ws_p2,ws_p3
 --softcap16k --rounds 5 --no-peers``); with
+``--softcap-d64`` adds the softcap at d 64 from 4k (session 19: its one ws build without
+local memory, forced by the ws arms, against fwd_sm90's, the default: not yet run); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -90,7 +92,7 @@ def visible_pairs(L: int, causal: bool, window: int | None) -> int:
     return w * (w + 1) // 2 + (L - w) * w if L > w else L * (L + 1) // 2
 
 
-def points(ds, Ls, poly=False, alibi=False):
+def points(ds, Ls, poly=False, alibi=False, softcap_d64=False):
     if alibi:   # ALiBi's cost over causal attention of the same shape (issue 10: <= 10%)
         for d in ds:
             for L in Ls:
@@ -108,7 +110,7 @@ def points(ds, Ls, poly=False, alibi=False):
                 yield d, L, "plain" if not causal else "causal", dict(causal=causal)
             if L >= 4096:
                 yield d, L, "window", dict(causal=True, window=(WINDOW, 0))
-            if L == 4096 and d == 128:
+            if (L == 4096 and d == 128) or (softcap_d64 and d == 64 and L >= 4096):
                 yield d, L, "softcap", dict(softcap=50.0)
             if L >= 4096 and d == 128:   # (the mods suite's ALiBi: causal, slopes 2^-8h/H)
                 yield d, L, "alibi", dict(causal=True, alibi_slopes="mods")
@@ -129,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--alibi", action="store_true",
                     help="causal and ALiBi points only, arms sm90, ws, ws_abs "
                          "(CUFLASH_ALIBI_ROW_OFFSET=0)")
+    ap.add_argument("--softcap-d64", action="store_true",
+                    help="also the softcap at d 64 from 4k (session 19: its whole-tile ws build, "
+                         "forced by the ws arms, against fwd_sm90's, the default)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
     import cuflash
     ds = [int(x) for x in args.d.split(",")]
     Ls = [int(x) for x in args.L.split(",")]
-    pts = list(points(ds, Ls, bool(args.poly), args.alibi))
+    pts = list(points(ds, Ls, bool(args.poly), args.alibi, args.softcap_d64))
     if args.softcap16k:
         pts.append((128, 16384, "softcap", dict(softcap=50.0)))
     rng = numpy.random.default_rng(0)
