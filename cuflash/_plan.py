@@ -361,19 +361,17 @@ class BackwardPlan:
                 _cupy().cuda.runtime.memsetAsync(ws.ptr, 0, self.zeroed, stream)
         base = ws.ptr
         dpsum, dq_acc, dq_sem = self._ws_words
+        args = (stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv, base + dq_sem)
         if one:
             try:
-                self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
-                         base + dq_sem, dq)
+                self._go(*args, dq)
             except BaseException:
                 self.zeroed_ws.reset(stream)
                 raise
         elif self.fused_dq:
-            self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
-                     base + dq_sem, dq)
+            self._go(*args, dq)
         else:
-            self._go(stream, q, k, v, o, lse, do, base + dpsum, base + dq_acc, dk, dv,
-                     base + dq_sem)
+            self._go(*args)
             self.finish.to(dq)(stream, (base + dq_acc, dq))
 
     def run_modified(self, stream: int, do: int, q: int, k: int, v: int, o: int, lse: int,
