@@ -73,9 +73,9 @@ def fwd_sm90ws_select(fam, shape, dev):
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
     if bucket == 64 and (shape.variant.softcap or (shape.variant.alibi_slopes
                                                    and not shape.variant.alibi_raw)):
-        if switch == "auto" or not softcap_d64_spill_free(shape.variant, even):
-            # (the compile gate: 12 bytes for the softcap's predicated build, 24 for ALiBi's
-            # CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
+        if not softcap_d64_spill_free(shape.variant, even):
+            # (the compile gate: 8 bytes for the softcap's predicated build, 16 for its causal
+            # ones, 24 for ALiBi's CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
             return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
@@ -93,9 +93,11 @@ def softcap_d64_spill_free(v, even: bool) -> bool:
     """Whether the d = 64 build (3 consumers, 160 registers) of Variant ``v`` is the softcap's
     one that compiles without local memory (session 19, NVRTC 13, sm_90a, float16 and bfloat16,
     the softcap's fixed-offset build): the softcap alone on whole key tiles (EVEN); the
-    predicated build spills 8 bytes, the causal ones 16. Only ``CUFLASH_FWD90_WS=1`` runs it,
-    until a GPU run measures it against fwd_sm90's (``probes/fwd_ws.py --d 64 --softcap-d64``):
-    the dispatcher's rule keeps the d = 64 softcap on fwd_sm90."""
+    predicated build spills 8 bytes, the causal ones 16. Measured (session 20,
+    ``probes/fwd_ws.py --d 64 --L 4096,16384 --softcap-d64 --rounds 5``, H200, bf16, softcap 50,
+    ``fwd_ws_softcap_d64.json``): 348.0 / 377.9 TFLOP/s against fwd_sm90's 334.3 / 344.8 at 4k /
+    16k (1.04 / 1.10), so the rule takes it where it takes d = 64 plain attention
+    (:func:`default_declines`: a full grid, >= 16 key tiles a block)."""
     return bool(v.softcap) and v.features == {"softcap"} and even
 
 

@@ -68,7 +68,9 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
     assert ws(d=64, causal=True).family.name == "fwd_sm90ws"            # 16 on average
     assert ws(d=64, causal=True, L=2048, nbatch=128).family.name == "fwd_sm90"   # 8
     assert ws(d=64, L=16384, nbatch=8, causal=True).family.name == "fwd_sm90ws"
-    assert ws(d=64, softcap=True, L=16384).family.name == "fwd_sm90"    # spills there
+    assert ws(d=64, softcap=True, L=16384).family.name == "fwd_sm90ws"  # its spill-free build
+    assert ws(d=64, softcap=True, L=16100).family.name == "fwd_sm90"    # predicated: spills
+    assert ws(d=64, softcap=True, L=1024, nbatch=256).family.name == "fwd_sm90"   # 8 tiles
     assert ws(d=64, alibi_slopes=True, alibi_raw=False).family.name == "fwd_sm90"   # likewise
     assert ws(d=64, alibi_slopes=True).family.name == "fwd_sm90ws"
     assert ws(d=256).family.name == "fwd_sm90"                          # no tiles
@@ -79,8 +81,8 @@ def test_forward_warp_specialised_where_it_measured_faster(monkeypatch):
     assert ws(d=64, causal=True, window=True).family.name == "fwd_sm90ws"
     assert ws(nbatch=2, L=1024).family.name == "fwd_sm90ws"
     # the d 64 softcap's one build without local memory (softcap alone, whole key tiles:
-    # _fwd_ws.softcap_d64_spill_free, session 19), forced only until measured; the others spill
-    assert ws(d=64, softcap=True).family.name == "fwd_sm90ws"
+    # _fwd_ws.softcap_d64_spill_free, session 19), the only one forcing takes; the others spill
+    assert ws(d=64, softcap=True, L=1024, nbatch=256).family.name == "fwd_sm90ws"
     assert ws(d=64, softcap=True, L=4000).family.name == "fwd_sm90"     # predicated: 8 bytes
     assert ws(d=64, softcap=True, causal=True).family.name == "fwd_sm90"   # 16 bytes
     assert ws(d=64, softcap=True, sink=True).family.name == "fwd_sm90"
