@@ -141,27 +141,6 @@ __device__ __forceinline__ unsigned ws_item(const Params& p, unsigned qi, unsign
   return (PERSIST == 2 && (qi & 1u)) ? qi * grid + (grid - 1u - bid) : qi * grid + bid;
 }
 
-// HALF TILES (session 20): under causal or a window the key tiles at an item's ends are cut by
-// the mask, and for one 64-row consumer a whole half of such a tile is often masked (128-key
-// tiles, 128-row items: the diagonal tile's keys 64..127 for the first consumer, the window's
-// far-edge tile's keys 0..63 for the second). Where that tile is the consumer's first, its S
-// is the m64n64 product of the other half alone (into that half of the accumulator; the tile's
-// mask sets the rest to -inf, as it would); where it is the last, its P V takes the other
-// half's four k16 steps alone (P is 0 in the skipped ones). Only there: both products sit in
-// regions that end with a wait for them, so a branch may choose the product; a choice inside
-// the loop, whose products are in flight across the softmax, made ptxas serialise every wgmma
-// of the kernel (C7519: a branch, or a guard predicate, around a wgmma). The window's items of
-// 9 tiles take 8.5 a consumer pair (of the 9.0 the mask would allow: the other two halves sit
-// in the loop); causal's take 1/4 tile less. CUFLASH_WS_HALF_TILES=0 (a define: the probe's A/B
-// arm) computes whole tiles, the build before.
-#ifndef CUFLASH_WS_HALF_TILES
-#define CUFLASH_WS_HALF_TILES 1
-#endif
-// (a lambda's compile-time half: a tag type, no static data member, which would land in the
-// cubin's data of every build, half tiles or not)
-template <int H> struct Half {};
-template <int H> __device__ constexpr int half_index(Half<H>) { return H; }
-
 template <typename T, int HEAD_DIM, int BLOCK_N, int CONSUMERS, int STAGES, int PINGPONG, int POLY,
           typename Var, bool EVEN, int PERSIST = 0>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
@@ -354,59 +333,6 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(st) + ((kk * 16 * 128) >> 4), 1);
     wgmma_commit();
   };
-  // HALF TILES (above): which half of key tile j this warpgroup's rows see, if only one: 1 keys
-  // [0, 64) (the last key one of them sees is below n0 + 64), 2 keys [64, 128) (the first is at
-  // or past n0 + 64), 0 both; the products of one half, each a whole region (wait included)
-  // (Only where ptxas kept every product asynchronous, NVRTC 13, sm_90a: 2 consumers (at 3, with
-  // 160 registers, it serialised them: C7511, too few registers for the wgmma pipeline), and the
-  // first tile's half only in the window's persistent builds (the builds of one item a block,
-  // and causal's, C7511 again; causal's first tile is its diagonal only in one-tile items).)
-  constexpr bool kHalf = CUFLASH_WS_HALF_TILES && BLOCK_N == 128 && CONSUMERS == 2 &&
-                         (Var::kKeyHi || Var::kKeyLo);
-  constexpr bool kHalfFirst = kHalf && kLoop && Var::kKeyLo;
-  constexpr int kHalfKeys = BLOCK_N / 2;
-  auto half_of = [&](int j) {
-    if constexpr (!kHalf) return 0;
-    if (n_end_wg <= j * BLOCK_N + kHalfKeys) return 1;
-    return (Var::kKeyLo && Var::key_begin(p.var, p.mod, wg_row_first) >= j * BLOCK_N + kHalfKeys) ? 2 : 0;
-  };
-  auto s_alone_half = [&](int t, auto h) {   // S_t's columns 64 h .. 64 h + 63, waited for
-    constexpr int H = half_index(decltype(h)());
-    const int st = t % STAGES;
-    float sh[Tr::kNTilesS / 2][4];
-    my_turn();
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Tr::kKSteps; ++ks) {
-      const unsigned long long kq = ((ks / 4) * QTile::kBlockBytes + (ks % 4) * 32) >> 4;
-      const unsigned long long kk = ((ks / 4) * KVTile::kBlockBytes + (ks % 4) * 32) >> 4;
-      // (key row 64 H of the tile: 128 bytes a row inside each 64-column block)
-      Wgmma<T, BLOCK_N / 2>::ss(sh, desc_q + kq, desc_k + stage_of(st) + kk + ((H * kHalfKeys * 128) >> 4),
-                                ks > 0);
-    }
-    wgmma_commit();
-    next_turn();
-    wgmma_wait<0>();
-    fence_regs(sh);
-#pragma unroll
-    for (int u = 0; u < Tr::kNTilesS / 2; ++u)   // (the other half: masked to -inf later)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[8 * H + u][e] = sh[u][e];
-      }
-  };
-  auto pv_alone_half = [&](int t, auto h) {   // O += P_t V_t over keys 64 h .. 64 h + 63, waited for
-    constexpr int H = half_index(decltype(h)());
-    const int st = t % STAGES;
-    my_turn();
-    wgmma_fence();
-#pragma unroll
-    for (int kk = H * Tr::kPVSteps / 2; kk < (H + 1) * Tr::kPVSteps / 2; ++kk)
-      Wgmma<T, HEAD_DIM>::rs_t(o, pa[kk], desc_v + stage_of(st) + ((kk * 16 * 128) >> 4), 1);
-    wgmma_commit();
-    next_turn();
-    wgmma_wait<0>();
-  };
   // -- the Variant's score pipeline and masks (fwd_sm90's non-lean path, repeated rather than
   //    shared: moving it into one function changed the machine code of 24 fwd_sm90 builds,
   //    plain attention's among them, session 16, tools/sass_identity.py), then the online
@@ -452,15 +378,10 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       float alpha[2];
       mbar_wait(bar_k(t % STAGES), (t / STAGES) & 1);
       fence_proxy_async();   // the copies' generic-proxy writes -> the tensor cores' reads
-      auto s_alone = [&]() { my_turn(); issue_s(t); next_turn(); wgmma_wait<0>(); };
-      if constexpr (kHalfFirst) {
-        const int half = half_of(ja);
-        if (half == 1) s_alone_half(t, Half<0>());
-        else if (half == 2) s_alone_half(t, Half<1>());
-        else s_alone();
-      } else {
-        s_alone();
-      }
+      my_turn();
+      issue_s(t);
+      next_turn();
+      wgmma_wait<0>();
       fence_regs(s);
       mbar_arrive(bar_kfree(t % STAGES));
       softmax(ja, alpha);
@@ -492,15 +413,11 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     mbar_wait(bar_v((t - 1) % STAGES), ((t - 1) / STAGES) & 1);
     fence_proxy_async();
     fence_regs(o);
-    auto pv_alone = [&]() { my_turn(); wgmma_fence(); issue_pv(t - 1); next_turn(); wgmma_wait<0>(); };
-    if constexpr (kHalf) {
-      const int half = half_of(jb - 1);
-      if (half == 1) pv_alone_half(t - 1, Half<0>());
-      else if (half == 2) pv_alone_half(t - 1, Half<1>());
-      else pv_alone();
-    } else {
-      pv_alone();
-    }
+    my_turn();
+    wgmma_fence();
+    issue_pv(t - 1);
+    next_turn();
+    wgmma_wait<0>();
     fence_regs(o);
     mbar_arrive(bar_vfree((t - 1) % STAGES));
   }

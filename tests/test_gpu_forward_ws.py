@@ -170,16 +170,16 @@ def test_varlen_build(ws):
 @pytest.mark.parametrize("cap", [50.0, 5.0])
 def test_softcap_at_d64_whole_tiles(cap, ws):
     """The d = 64 softcap's build without local memory (softcap alone, whole key tiles: session
-    19, _fwd_ws.softcap_d64_spill_free; the rule's since session 20's measurement where a block
-    walks >= 16 key tiles) computes the function, a cap that bends most scores included."""
+    19, _fwd_ws.softcap_d64_spill_free; only CUFLASH_FWD90_WS=1 / CUFLASH_FWD=sm90ws take it
+    until measured) computes the function, a cap that bends most scores included."""
     case = AttentionCase.make("bfloat16", (2, 4, 333, 64), (2, 4, 512, 64), (2, 4, 512, 64),
                               seed=3, softcap=cap)
     _check(case, ws)
 
 
 def test_softcap_at_d64_stays_on_fwd_sm90(ws):
-    """Its d = 64 softcap builds on a partial key tile spill (3 consumers' 160 registers): the
-    dispatcher passes the problem on to fwd_sm90, which computes it right."""
+    """Its d = 64 softcap builds spill (3 consumers' 160 registers): the dispatcher passes the
+    problem on to fwd_sm90, which computes it right."""
     case = AttentionCase.make("bfloat16", (2, 4, 333, 64), (2, 4, 333, 64), (2, 4, 333, 64),
                               seed=1, softcap=50.0)
     import cupy
@@ -294,46 +294,3 @@ def test_persistent_bitwise_equals_one_block_a_tile(mods, ws, monkeypatch):
     a, la = got["0"]
     for persist, (b, lb) in got.items():
         assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all() and (la == lb).all(), persist
-
-
-@pytest.mark.parametrize("persist", ["0", "3"])
-@pytest.mark.parametrize("Lq, Lk, mods", [
-    (2048, 2048, dict(causal=True)),
-    (1500, 2100, dict(causal="bottom_right")),
-    (2048, 2048, dict(causal=True, window=(1024, 0))),
-    (2000, 2000, dict(causal=True, window=(200, 0))),
-    (1900, 2000, dict(window=(100, 60))),
-    (2000, 1800, dict(causal="bottom_right", window=(37, 59), softcap=30.0)),
-    (2048, 2048, dict(causal=True, window=(64, 0), softcap=50.0, sink=True)),
-], ids=["causal", "causal_br", "window1024", "window200", "window_both", "window_softcap",
-        "window_softcap_sink"])
-def test_half_tiles_bitwise_equal_whole_tiles(Lq, Lk, mods, persist, ws, monkeypatch):
-    """HALF TILES (session 20, fwd_sm90ws.cu): a consumer that computes one half of a key tile
-    (the first tile's S of the window's persistent builds, the last tile's P V) leaves out only
-    products of exactly-zero probabilities: the output and lse are bitwise those of the same
-    build computing whole tiles (the define CUFLASH_WS_HALF_TILES=0), for causal in both
-    alignments and windows whose edges fall anywhere in a tile."""
-    import cupy
-    from cuflash import _api, _jit
-    get = _jit.get_kernel
-    whole = {"on": False}
-
-    def get_kernel(source, expr, device_id, prelude=""):
-        if whole["on"] and source == "fwd_sm90ws.cu":
-            prelude = "#define CUFLASH_WS_HALF_TILES 0\n" + prelude
-        return get(source, expr, device_id, prelude)
-    monkeypatch.setattr(_jit, "get_kernel", get_kernel)
-    monkeypatch.setenv("CUFLASH_FWD90WS_PERSIST", persist)
-    q, k, v = _arrays(21, (2, 8, Lq, 128), (2, 8, Lk, 128), (2, 8, Lk, 128), BF16)
-    kw = dict(mods)
-    if kw.pop("sink", False):
-        kw["sink"] = cupy.linspace(-1.0, 2.0, 8, dtype="float32")
-    got = []
-    for on in (False, True):
-        whole["on"] = on
-        _api.clear_plans()
-        got.append(cuflash.attention(q, k, v, return_lse=True, **kw))
-    (a, la), (b, lb) = got
-    assert (a.view(numpy.uint8) == b.view(numpy.uint8)).all()
-    assert (la.view(numpy.uint8) == lb.view(numpy.uint8)).all()
-    assert set(ws) == {"fwd_sm90ws.cu"}, ws

@@ -19,9 +19,7 @@ a persistent grid, items round-robin / zigzag / the host's longest-first lists,
 some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,ws_p2,ws_p3
 --softcap16k --rounds 5 --no-peers``); with
 ``--softcap-d64`` adds the softcap at d 64 from 4k (session 19: its one ws build without
-local memory, forced by the ws arms, against fwd_sm90's; session 20 measured it 1.04 / 1.10x
-fwd_sm90 at 4k / 16k, ``fwd_ws_softcap_d64.json``, and the rule took it); with ``--half``
-(session 20) arms sm90, ws and ``ws_whole`` (fwd_sm90ws's half tiles against whole ones); with
+local memory, forced by the ws arms, against fwd_sm90's, the default: not yet run); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
@@ -75,28 +73,6 @@ PERSIST_ARMS = {"sm90": ARMS["sm90"], "ws": WS,
 #: (CUFLASH_ALIBI_ROW_OFFSET=0, the build before); both on the dispatcher's schedule
 ALIBI_ARMS = {"sm90": ARMS["sm90"], "ws": {"CUFLASH_FWD90_WS": "1"},
               "ws_abs": {"CUFLASH_FWD90_WS": "1", "CUFLASH_ALIBI_ROW_OFFSET": "0"}}
-
-
-#: --half (session 20): fwd_sm90ws's half tiles (HALF TILES in cuda_src/fwd_sm90ws.cu) against
-#: the same builds computing whole tiles (the define CUFLASH_WS_HALF_TILES=0, put in front of the
-#: source by :func:`whole_tiles_prelude` while CUFLASH_PROBE_WHOLE_TILES=1); the dispatcher's
-#: schedules in both
-HALF_ARMS = {"sm90": ARMS["sm90"], "ws": {"CUFLASH_FWD90_WS": "1"},
-             "ws_whole": {"CUFLASH_FWD90_WS": "1", "CUFLASH_PROBE_WHOLE_TILES": "1"}}
-
-
-def whole_tiles_prelude() -> None:
-    """Compile fwd_sm90ws with CUFLASH_WS_HALF_TILES=0 while CUFLASH_PROBE_WHOLE_TILES=1 (the
-    kernel cache is keyed by the prelude, so both builds stay loaded)."""
-    import os
-    from cuflash import _jit
-    get = _jit.get_kernel
-
-    def get_kernel(source, expr, device_id, prelude=""):
-        if source == "fwd_sm90ws.cu" and os.environ.get("CUFLASH_PROBE_WHOLE_TILES") == "1":
-            prelude = "#define CUFLASH_WS_HALF_TILES 0\n" + prelude
-        return get(source, expr, device_id, prelude)
-    _jit.get_kernel = get_kernel
 
 
 def poly_arms(shares):
@@ -158,9 +134,6 @@ def main(argv=None) -> int:
     ap.add_argument("--softcap-d64", action="store_true",
                     help="also the softcap at d 64 from 4k (session 19: its whole-tile ws build, "
                          "forced by the ws arms, against fwd_sm90's, the default)")
-    ap.add_argument("--half", action="store_true",
-                    help="arms sm90, ws, ws_whole: fwd_sm90ws's half tiles against whole tiles "
-                         "(session 20), with max |ws - ws_whole| (0: the same function)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
                                    "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
@@ -171,9 +144,6 @@ def main(argv=None) -> int:
         ARMS = PERSIST_ARMS
     elif args.alibi:
         ARMS = ALIBI_ARMS
-    elif args.half:
-        ARMS = HALF_ARMS
-        whole_tiles_prelude()
     if args.arms:
         ARMS = {a: e for a, e in ARMS.items() if a in ("sm90", "ws") or a in args.arms.split(",")}
     import cupy
@@ -233,10 +203,6 @@ def main(argv=None) -> int:
         line = (f"d {d:3d} L {L:5d} {name:8s} " + " ".join(f"{a} {tf[a]:6.1f}" for a in ARMS)
                 + f"  ws/sm90 {tf['ws'] / tf['sm90']:.3f}  max|diff| {diff:.2e}")
         rows[-1]["max_abs_diff_vs_sm90"] = diff
-        if "ws_whole" in outs:
-            whole = float(cupy.abs(outs["ws"] - outs["ws_whole"]).max())
-            line += f"  ws/ws_whole {tf['ws'] / tf['ws_whole']:.3f}  max|ws-whole| {whole:.1e}"
-            rows[-1]["max_abs_diff_vs_whole"] = whole
         if torch is not None and name in ("plain", "causal"):
             tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
