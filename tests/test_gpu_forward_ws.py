@@ -170,16 +170,16 @@ def test_varlen_build(ws):
 @pytest.mark.parametrize("cap", [50.0, 5.0])
 def test_softcap_at_d64_whole_tiles(cap, ws):
     """The d = 64 softcap's build without local memory (softcap alone, whole key tiles: session
-    19, _fwd_ws.softcap_d64_spill_free; only CUFLASH_FWD90_WS=1 / CUFLASH_FWD=sm90ws take it
-    until measured) computes the function, a cap that bends most scores included."""
+    19, _fwd_ws.softcap_d64_spill_free; the rule's since session 20's measurement where a block
+    walks >= 16 key tiles) computes the function, a cap that bends most scores included."""
     case = AttentionCase.make("bfloat16", (2, 4, 333, 64), (2, 4, 512, 64), (2, 4, 512, 64),
                               seed=3, softcap=cap)
     _check(case, ws)
 
 
 def test_softcap_at_d64_stays_on_fwd_sm90(ws):
-    """Its d = 64 softcap builds spill (3 consumers' 160 registers): the dispatcher passes the
-    problem on to fwd_sm90, which computes it right."""
+    """Its d = 64 softcap builds on a partial key tile spill (3 consumers' 160 registers): the
+    dispatcher passes the problem on to fwd_sm90, which computes it right."""
     case = AttentionCase.make("bfloat16", (2, 4, 333, 64), (2, 4, 333, 64), (2, 4, 333, 64),
                               seed=1, softcap=50.0)
     import cupy

@@ -19,7 +19,8 @@ a persistent grid, items round-robin / zigzag / the host's longest-first lists,
 some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,ws_p2,ws_p3
 --softcap16k --rounds 5 --no-peers``); with
 ``--softcap-d64`` adds the softcap at d 64 from 4k (session 19: its one ws build without
-local memory, forced by the ws arms, against fwd_sm90's, the default: not yet run); with
+local memory, forced by the ws arms, against fwd_sm90's; session 20 measured it 1.04 / 1.10x
+fwd_sm90 at 4k / 16k, ``fwd_ws_softcap_d64.json``, and the rule took it); with
 ``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
 eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
