@@ -320,15 +320,15 @@ def test_committed_results_are_in_the_row_format(name, isolated, converted, caps
     assert ("converted from" in capsys.readouterr().out) is converted
 
 
-def test_committed_fwd_bwd_ratios_are_the_session_17_evidence():
-    # bench/NOTES.md, "Session 17 ... the suites on the final code": 1.19-1.29x SDPA flash at all
-    # 12 bf16 points (session 16: 1.21-1.27; session 8's file: 1.14-1.24; the text there and
-    # this file must agree)
+def test_committed_fwd_bwd_ratios_are_the_session_20_evidence():
+    # bench/NOTES.md, "Session 20 ... the suites on the final code": 1.19-1.34x SDPA flash at all
+    # 12 bf16 points (session 17: 1.19-1.29; session 16: 1.21-1.27; session 8's file: 1.14-1.24;
+    # the text there and this file must agree)
     _, rows = ba.read_json(RESULTS / "fwd_bwd.json")
     by = {(r["impl"], r["d"], r["L"], r["causal"]): r["tflops"] for r in rows}
     ratios = [by[("cuflash", d, L, c)] / by[("sdpa_flash", d, L, c)]
               for d in (64, 128) for L in (1024, 4096, 16384) for c in (False, True)]
-    assert len(ratios) == 12 and 1.19 <= min(ratios) and max(ratios) <= 1.30
+    assert len(ratios) == 12 and 1.19 <= min(ratios) and max(ratios) <= 1.34
 
 
 def test_only_current_results_are_committed():
