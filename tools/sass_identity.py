@@ -13,8 +13,9 @@ narrow) whose source starts with one of the --source prefixes (default ``fwd_``:
 kernels) with NVRTC, disassembles the cubin with nvdisasm and writes, per (arch, name
 expression), a SHA-256 of the function's instruction lines with the address comments removed
 its own (mangled) name in its instructions
-replaced, and its branch labels numbered per function (the rest of a section, e.g. file-level data, is
-not deterministic from run to run, and label numbers depend on the other functions), the
+replaced, its branch labels numbered per function and the compiler's internal subroutines
+(``$__internal_<n>_$...``) unnumbered (the rest of a section, e.g. file-level data, is not
+deterministic from run to run, and both numberings depend on the program's other functions), the
 number of those lines, and ptxas's registers, spill stores and loads and stack frame.
 
 Name expressions are compared after rewriting a spelling map (``SPELLING``: today
@@ -70,6 +71,11 @@ def fingerprint(section: str, name: str) -> dict:
     labels: dict[str, str] = {}
     text = re.sub(r"\.L_x_\d+", lambda m: labels.setdefault(m.group(0), f".L{len(labels)}"), text)
     text = text.replace(name, "SELF")   # e.g. RET.REL.NODEC R4 `(<own mangled name>)
+    # the compiler's internal subroutines (a division's slow path) are numbered across the
+    # program: `$__internal_3_$...` in one program is `$__internal_4_$...` in a program with
+    # one more build (session 20: every modifier build of fwd_sm90ws read as changed when the
+    # dispatcher added four builds to their program)
+    text = re.sub(r"\$__internal_\d+_\$", "$__internal_$", text)
     lines = [line for line in text.splitlines() if line.rstrip().endswith(";")]
     body = "\n".join(lines)
     return {"sha": hashlib.sha256(body.encode()).hexdigest(),
