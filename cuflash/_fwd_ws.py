@@ -71,12 +71,12 @@ def fwd_sm90ws_select(fam, shape, dev):
     from ._families import _table_traits
     t = _table_traits(fam, bucket, bucket)
     even = shape.Lk % t.block_n == 0 and shape.d == bucket and shape.dv == bucket
-    if bucket == 64 and (shape.variant.softcap or (shape.variant.alibi_slopes
-                                                   and not shape.variant.alibi_raw)):
-        if not softcap_d64_spill_free(shape.variant, even):
-            # (the compile gate: 8 bytes for the softcap's predicated build, 16 for its causal
-            # ones, 24 for ALiBi's CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
-            return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
+    v = shape.variant
+    if (bucket == 64 and (v.softcap or (v.alibi_slopes and not v.alibi_raw))
+            and not softcap_d64_spill_free(v, even)):
+        # (the compile gate: 8 bytes for the softcap's predicated build, 16 for its causal
+        # ones, 24 for ALiBi's CUFLASH_ALIBI_RAW=0 build, at 3 consumers' 160 registers)
+        return "its d = 64 build of these modifiers spills (3 consumers, 160 registers)"
     if t.smem_bytes > dev.smem_optin:
         return f"needs {t.smem_bytes} B of shared memory a block, the device grants {dev.smem_optin}"
     if switch == "auto":
@@ -98,7 +98,7 @@ def softcap_d64_spill_free(v, even: bool) -> bool:
     ``fwd_ws_softcap_d64.json``): 348.0 / 377.9 TFLOP/s against fwd_sm90's 334.3 / 344.8 at 4k /
     16k (1.04 / 1.10), so the rule takes it where it takes d = 64 plain attention
     (:func:`default_declines`: a full grid, >= 16 key tiles a block)."""
-    return bool(v.softcap) and v.features == {"softcap"} and even
+    return v.features == {"softcap"} and even
 
 
 def persist_switch() -> str:
