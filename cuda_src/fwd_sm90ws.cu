@@ -267,9 +267,10 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   // The softcap's tanh.approx makes the special-function unit the bottleneck (two operations a
   // score): the 8-column tiles of S whose exponentials run on the FMA pipe instead (ex2_poly):
   // the Variant's share (variant.cuh kPolyShare, tuned on fwd_sm90) or, POLY > 0, POLY of them
-  // where the Variant has a share at all (an A/B knob: CUFLASH_TILES' last value).
+  // where the Variant's build may take a share at all (kPolyCapable: the tile table's value,
+  // or an A/B knob: CUFLASH_TILES' last value).
   constexpr int kVarPoly = Var::template kPolyShare<Tr::kNTilesS, HEAD_DIM>;
-  constexpr int kPoly = (kVarPoly > 0 && POLY > 0) ? (POLY < Tr::kNTilesS ? POLY : Tr::kNTilesS) : kVarPoly;
+  constexpr int kPoly = (Var::kPolyCapable && POLY > 0) ? (POLY < Tr::kNTilesS ? POLY : Tr::kNTilesS) : kVarPoly;
 
   const unsigned long long desc_q = make_desc(sQ + cw * 64 * 128, 16, 1024);
   const unsigned long long desc_k = make_desc(sKV, 16, 1024);

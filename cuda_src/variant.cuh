@@ -100,6 +100,9 @@ struct Variant {
   // model had it), neutral at d = 128. So: none at d <= 64, 2 in 8 at d = 128 (8 of 32);
   // SOFTCAP 6 the other arm of an A/B (CUFLASH_SOFTCAP_SHARE=alt): 2 in 8 at d <= 64, 1 in 8
   // at d = 128 (bench/NOTES.md, session 10).
+  // The builds that may send exponentials to the FMA pipe at all (3 and 5 are the A/B arms
+  // without the share): a kernel's own tile argument may set their share (fwd_sm90ws's POLY).
+  static constexpr bool kPolyCapable = kSoftcapBuild == 1 || kSoftcapBuild == 4 || kSoftcapBuild == 6;
   template <int NT, int HEAD_DIM>
   static constexpr int kPolyShare = kSoftcapBuild == 1 ? (HEAD_DIM <= 64 ? (3 * NT + 7) / 8 : (NT + 7) / 8)
                                   : kSoftcapBuild == 4 ? (HEAD_DIM <= 64 ? 0 : (2 * NT + 7) / 8)

@@ -736,8 +736,13 @@ def test_fwd_ws_probe_logic():
     orders = fwd_ws.arm_orders(["a", "b", "c"], 3)
     assert [o[0] for o in orders] == ["a", "b", "c"] and all(sorted(o) == ["a", "b", "c"] for o in orders)
     pts = list(fwd_ws.points([64, 128], [4096], poly=True))
-    assert [(d, name) for d, _, name, _ in pts] == [(128, "plain"), (128, "softcap")]
-    assert {"ws", "sm90", "ws_poly8"} <= set(fwd_ws.poly_arms([8]))
+    assert [(d, name) for d, _, name, _ in pts] == [(64, "plain"), (64, "softcap"),
+                                                     (128, "plain"), (128, "softcap")]
+    poly = fwd_ws.poly_arms([8])
+    assert {"ws", "sm90", "ws_poly8"} <= set(poly)
+    # (both head dims' tiles, on the dispatcher's schedule)
+    assert poly["ws_poly8"]["CUFLASH_TILES"].count(":8") == 2
+    assert "CUFLASH_FWD90WS_PERSIST" not in poly["ws_poly8"]
     # every ws arm but the persistent ones runs one block a query tile (session 16's schedule)
     assert all(env.get("CUFLASH_FWD90WS_PERSIST") == "0" for a, env in fwd_ws.ARMS.items() if a != "sm90")
     assert [fwd_ws.PERSIST_ARMS[a]["CUFLASH_FWD90WS_PERSIST"]
@@ -775,3 +780,18 @@ def test_host_overhead_rounds_interleave_and_take_per_round_ratios():
     assert rows["cuflash"]["per_round_ratio_to_base"] == pytest.approx(0.5)
     assert rows["cuflash"]["us_per_call"] == pytest.approx(15.0) and rows["cuflash"]["rounds"] == 3
     assert "per-round / sdpa_flash" in ho.format_rows(list(rows.values()))
+
+
+def test_window_items_probe_logic():
+    """bench/probes/window_items.py (session 21): its least-squares line and its pair counts
+    (the window's as fwd_ws's)."""
+    sys.path.insert(0, str(ROOT / "bench" / "probes"))
+    import window_items
+    import fwd_ws
+    a, b = window_items.fit([(9, 0.3), (18, 0.5), (36, 0.9)])
+    assert abs(a - 0.1) < 1e-12 and abs(b - 1 / 45) < 1e-12          # (on the line t = 0.1 + n / 45)
+    a, b = window_items.fit([(9, 1.0), (18, 1.0), (36, 4.0)])          # off it: least squares
+    assert abs(b - 45 / 378) < 1e-12 and abs(a - (2.0 - 21 * 45 / 378)) < 1e-12
+    assert window_items.visible("window", 0) == fwd_ws.visible_pairs(window_items.L, True, 1024)
+    assert window_items.visible("causal", 0) == fwd_ws.visible_pairs(window_items.L, True, None)
+    assert window_items.visible("plain9", 1152) == window_items.L * 1152

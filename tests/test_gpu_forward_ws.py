@@ -179,6 +179,19 @@ def test_softcap_at_d64_whole_tiles(cap, ws):
     _check(case, ws)
 
 
+@pytest.mark.parametrize("poly", [8, 16])
+def test_softcap_at_d64_poly_shares(poly, ws, monkeypatch):
+    """The d = 64 softcap build with other shares of its exponentials on the FMA pipe than the
+    table's 4 (the tile argument, variant.cuh kPolyCapable: session 21's --poly arms at d 64)
+    computes the function, every exponential on the FMA pipe (16 of 16 tiles) included."""
+    from cuflash import _api
+    monkeypatch.setenv("CUFLASH_TILES", f"fwd_sm90ws:64=128:3:3:1:{poly}")
+    _api.clear_plans()
+    case = AttentionCase.make("bfloat16", (2, 4, 333, 64), (2, 4, 512, 64), (2, 4, 512, 64),
+                              seed=5, softcap=50.0)
+    _check(case, ws)
+
+
 def test_softcap_at_d64_stays_on_fwd_sm90(ws):
     """Its d = 64 softcap builds on a partial key tile spill (3 consumers' 160 registers): the
     dispatcher passes the problem on to fwd_sm90, which computes it right."""

@@ -21,8 +21,9 @@ some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,w
 ``--softcap-d64`` adds the softcap at d 64 from 4k (session 19: its one ws build without
 local memory, forced by the ws arms, against fwd_sm90's; session 20 measured it 1.04 / 1.10x
 fwd_sm90 at 4k / 16k, ``fwd_ws_softcap_d64.json``, and the rule took it); with
-``--poly K,..`` instead d 128 plain and softcap only, arms sm90, ws and ``ws_polyK`` (K of 16
-eight-column tiles of the softcap's exponentials on the FMA pipe); and, unless --no-peers,
+``--poly K,..`` instead plain and softcap only (of --d), arms sm90, ws and ``ws_polyK`` (K of
+16 eight-column tiles of the softcap's exponentials on the FMA pipe; session 21 asked it of
+d 64's ws build, which the dispatcher took in session 20 with none); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
 TFLOP/s count visible pairs (4 B H d pairs); each arm is timed ``--rounds`` times a point (3), the
 arms' order rotated a round, and the printed figure is the median (rows: one a round). Before
@@ -77,10 +78,14 @@ ALIBI_ARMS = {"sm90": ARMS["sm90"], "ws": {"CUFLASH_FWD90_WS": "1"},
 
 
 def poly_arms(shares):
-    """--poly: the table's d 128 tiles with K of the 16 eight-column tiles of S taking the
-    softcap's exponentials on the FMA pipe (the Variant's share is 4)."""
-    return {"sm90": ARMS["sm90"], "ws": WS,
-            **{f"ws_poly{k}": dict(WS, CUFLASH_TILES=f"fwd_sm90ws:128=128:2:2:1:{k}") for k in shares}}
+    """--poly: the table's tiles with K of the 16 eight-column tiles of S taking the softcap's
+    exponentials on the FMA pipe (the Variant's share: 4 at d 128, none at d 64; the tile
+    argument sets it for every softcap build that may take one, variant.cuh kPolyCapable)."""
+    auto = {"CUFLASH_FWD90_WS": "1"}   # (the dispatcher's schedule: persistent where it is)
+    return {"sm90": ARMS["sm90"], "ws": auto,
+            **{f"ws_poly{k}": dict(auto, CUFLASH_TILES=f"fwd_sm90ws:128=128:2:2:1:{k};"
+                                                     f"fwd_sm90ws:64=128:3:3:1:{k}")
+               for k in shares}}
 TOKENS, WIDTH, WINDOW = 16384, 2048, 1024
 
 
@@ -101,9 +106,10 @@ def points(ds, Ls, poly=False, alibi=False, softcap_d64=False):
                 yield d, L, "alibi", dict(causal=True, alibi_slopes="mods")
         return
     if poly:   # the softcap's cost over plain attention of the same shape (issue 10: <= 10%)
-        for L in Ls:
-            yield 128, L, "plain", dict(causal=False)
-            yield 128, L, "softcap", dict(softcap=50.0)
+        for d in ds:
+            for L in Ls:
+                yield d, L, "plain", dict(causal=False)
+                yield d, L, "softcap", dict(softcap=50.0)
         return
     for d in ds:
         for L in Ls:
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
                     help="also the softcap at d 64 from 4k (session 19: its whole-tile ws build, "
                          "forced by the ws arms, against fwd_sm90's, the default)")
     ap.add_argument("--poly", help="comma-separated shares (tiles of 16) for the softcap A/B: "
-                                   "d 128 plain and softcap points only, arms sm90, ws, ws_polyK")
+                                   "plain and softcap points only, arms sm90, ws, ws_polyK")
     args = ap.parse_args(argv)
     global ARMS
     if args.poly:
