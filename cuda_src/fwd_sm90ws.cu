@@ -34,6 +34,25 @@
 #include "sm90_ops.cuh"
 #include "wgmma_sm90.cuh"
 
+// CUFLASH_WS_STAMPS (defined only by bench/probes/ws_stamps.py, never by the package): the
+// first thread of each warpgroup records clock64() at the phases of each of its block's first
+// 64 items (blocks < 132), so the probe can say where an item's time goes; without it
+// WS_STAMP is nothing and the machine code is the same.
+#ifdef CUFLASH_WS_STAMPS
+extern "C" {
+__device__ unsigned long long cuflash_ws_stamps[132 * 4 * 64 * 16];
+}
+#define WS_STAMP(qi, k)                                                                        \
+  do {                                                                                         \
+    if (threadIdx.x % 128 == 0 && blockIdx.x < 132 && (qi) < 64)                               \
+      cuflash_ws_stamps[((blockIdx.x * 4 + threadIdx.x / 128) * 64 + (qi)) * 16 + (k)] = clock64(); \
+  } while (0)
+#else
+#define WS_STAMP(qi, k) \
+  do {                  \
+  } while (0)
+#endif
+
 namespace cuflash {
 namespace sm90 {
 
@@ -220,9 +239,11 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     const int tid = threadIdx.x;
     int t = 0;
     for (unsigned qi = 0; !kLoop || item_of(qi) < n_items; ++qi) {
+      WS_STAMP(qi, 0);
       const Work w = kLoop ? work_at(item_of(qi)) : w0;
       // (PERSIST: the buffer's previous item, qi - 2, stored its O from it)
       if (kLoop && qi >= 2) mbar_wait(bar_qfree(qi), ((qi >> 1) - 1) & 1);
+      WS_STAMP(qi, 1);
       producer_copy<QTile, kBlockM, false>(q_buf(qi), w.gmem.q, p.q_row_stride, w.m0, p.Lq, p.d, tid);
       mbar_arrive_on_copies(bar_q(qi));
       for (int j = w.j0; j < w.n_blocks; ++j, ++t) {
@@ -230,12 +251,14 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
         // the stage's previous K (V), tile t - STAGES's, released by every consumer
         const unsigned sK = sKV + s * Tr::kStageBytes;
         if (t >= STAGES) mbar_wait(bar_kfree(s), ((t / STAGES) - 1) & 1);
+        if (j == w.j0) WS_STAMP(qi, 2);
         producer_copy<KVTile, BLOCK_N, EVEN>(sK, w.gmem.k, p.k_row_stride, j * BLOCK_N, p.Lk, p.d, tid);
         mbar_arrive_on_copies(bar_k(s));
         if (t >= STAGES) mbar_wait(bar_vfree(s), ((t / STAGES) - 1) & 1);
         producer_copy<KVTile, BLOCK_N, EVEN>(sK + KVTile::kBytes, w.gmem.v, p.v_row_stride, j * BLOCK_N, p.Lk, p.dv, tid);
         mbar_arrive_on_copies(bar_v(s));
       }
+      WS_STAMP(qi, 3);
       if constexpr (!kLoop) break;
     }
     cp_async_wait<0>();   // (nothing left in flight when the warpgroup exits)
@@ -247,6 +270,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
   regs_inc<Tr::kConsumerRegs>();
   int t = 0;   // the key tile's number over the block's items (its stage: t % STAGES)
   for (unsigned qi = 0; !kLoop || item_of(qi) < n_items; ++qi) {
+  WS_STAMP(qi, 0);
   const Work w = kLoop ? work_at(item_of(qi)) : w0;
   const unsigned sQ = q_buf(qi);
   const int b = w.b, m0 = w.m0, j0 = w.j0, n_blocks = w.n_blocks;
@@ -372,21 +396,27 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     for (int kk = 0; kk < Tr::kPVSteps; ++kk) p_fragment<T>(pa[kk], s, kk);
   };
 
+  WS_STAMP(qi, 1);
   mbar_wait(bar_q(qi), (qi >> 1) & 1);   // (also before the epilogue writes O over Q, when there is no key tile)
+  WS_STAMP(qi, 2);
   for (int j = j0; j < min(ja, n_blocks); ++j, ++t) skip(t);
   if (ja < jb) {
     {   // the first tile: S_t alone
       float alpha[2];
       mbar_wait(bar_k(t % STAGES), (t / STAGES) & 1);
+      WS_STAMP(qi, 3);
       fence_proxy_async();   // the copies' generic-proxy writes -> the tensor cores' reads
       my_turn();
+      WS_STAMP(qi, 4);
       issue_s(t);
       next_turn();
       wgmma_wait<0>();
+      WS_STAMP(qi, 5);
       fence_regs(s);
       mbar_arrive(bar_kfree(t % STAGES));
       softmax(ja, alpha);
       to_p(alpha);
+      WS_STAMP(qi, 6);
       ++t;
     }
     for (int j = ja + 1; j < jb; ++j, ++t) {
@@ -411,16 +441,19 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       to_p(alpha);
     }
     // the last tile's P V
+    WS_STAMP(qi, 7);
     mbar_wait(bar_v((t - 1) % STAGES), ((t - 1) / STAGES) & 1);
     fence_proxy_async();
     fence_regs(o);
     my_turn();
+    WS_STAMP(qi, 8);
     wgmma_fence();
     issue_pv(t - 1);
     next_turn();
     wgmma_wait<0>();
     fence_regs(o);
     mbar_arrive(bar_vfree((t - 1) % STAGES));
+    WS_STAMP(qi, 9);
   }
   for (int j = max(jb, ja); j < n_blocks; ++j, ++t) skip(t);
 
@@ -442,6 +475,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
     }
   }
   named_barrier(1 + cw, 128);   // this warpgroup's rows staged
+  WS_STAMP(qi, 10);
   T* out = w.gmem.o;
   const bool vec = p.o_col_stride == 1 && p.o_row_stride % 8 == 0 && w.off.o % 8 == 0 &&
                    p.o % 16 == 0 && p.dv % 8 == 0;
@@ -459,6 +493,7 @@ fwd_sm90ws(const Params CUFLASH_VARLEN_PARAM(p)) {
       for (int u = 0; u < 8 && c * 8 + u < p.dv; ++u) out[gi * p.o_row_stride + (c * 8 + u) * p.o_col_stride] = e[u];
     }
   }
+  WS_STAMP(qi, 11);
   if constexpr (!kLoop) break;
   // PERSIST: the staged rows are read back (in registers, stored): the buffer is free for the
   // item after the next one

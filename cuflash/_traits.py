@@ -216,13 +216,10 @@ FWD_SM90 = {
 }
 # fwd_sm90ws (cuda_src/fwd_sm90ws.cu) by head-dim bucket; dispatch in cuflash/_fwd_ws.py
 FWD_SM90WS = {
-    64: fwd_sm90ws(64, 128, 3, 3, poly=4, reason=(
-        "3 consumers (192 rows, 160 registers each: S 64, O 32, P 32), 128-key tiles, 3 stages "
-        "(1-3% over 2, session 16: Q 24 KB + 96 KB); the softcap's exponentials of 4 of the 16 "
-        "eight-column tiles on the FMA pipe (session 21: +7.2% / +8.5% at 4k / 16k over none, "
-        "2 +2.4% / +3.2%, 6 and 8 below 4)")),
-    128: fwd_sm90ws(128, 128, 2, 2, reason="2 consumers (128 rows, 232 registers each: S 64, O "
-                    "64, P 32), 128-key tiles, 2 stages (3 lost 0-12%: Q 32 KB + 128 KB)"),
+    64: fwd_sm90ws(64, 128, 3, 3, poly=4, reason="3 consumers (192 rows, 160 registers: S 64, O "
+                   "32, P 32), 128-key tiles, 3 stages (1-3% over 2); softcap: 4/16 exp2 on FMAs"),
+    128: fwd_sm90ws(128, 128, 2, 2, poly=2, reason="2 consumers (128 rows, 232 registers: S 64, O "
+                    "64, P 32), 128-key tiles, 2 stages (3 lost 0-12%); softcap: 2/16 exp2 on FMAs"),
 }
 
 # ---------------------------------------------------------------------------------------------

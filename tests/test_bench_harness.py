@@ -795,3 +795,29 @@ def test_window_items_probe_logic():
     assert window_items.visible("window", 0) == fwd_ws.visible_pairs(window_items.L, True, 1024)
     assert window_items.visible("causal", 0) == fwd_ws.visible_pairs(window_items.L, True, None)
     assert window_items.visible("plain9", 1152) == window_items.L * 1152
+
+
+def test_ws_stamps_phases():
+    """bench/probes/ws_stamps.py's reading of the stamps (session 21): per-phase medians over
+    the interior items of every (block, consumer), the item's whole time from one start to the
+    next, the loop's time a tile and the fixed cost in tiles; the producer's phases and lead."""
+    sys.path.insert(0, str(ROOT / "bench" / "probes"))
+    import ws_stamps
+    st = np.zeros((132, 4, 64, 16), dtype=np.uint64)
+    steps = [10, 20, 30, 40, 50, 60, 800, 80, 90, 100, 110]   # consumer phases 0 -> 11
+    item = sum(steps) + 5                                       # + 5 from stored to next start
+    for b in (0, 7):
+        for wg in (1, 2):
+            for qi in range(6):
+                t = 1000 + qi * item
+                for k in range(12):
+                    st[b, wg, qi, k] = t
+                    t += steps[k] if k < 11 else 0
+        for qi in range(6):
+            st[b, 0, qi, :4] = [1000 + qi * item + x for x in (0, 3, 8, 100)]
+    ph = ws_stamps.phases(st, n_tiles=9)
+    assert ph["c_start->work"] == 10 and ph["c_softmax0->loop"] == 800 and ph["c_staged->stored"] == 110
+    assert ph["c_stored->next_start"] == 5 and ph["c_item"] == item
+    assert ph["c_loop_per_tile"] == 100 and ph["c_fixed_tiles"] == item / 100 - 9
+    assert ph["p_start->qfree"] == 3 and ph["p_qfree->stage0"] == 5 and ph["p_stage0->copies"] == 92
+    assert ph["lead_stage0_to_k0"] == 10 + 20 + 30 - 8

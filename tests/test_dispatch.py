@@ -438,7 +438,7 @@ def test_explain_and_its_command():
     from cuflash.__main__ import main
     q = numpy.broadcast_to(numpy.zeros((), ml_dtypes.bfloat16), (4, 16, 1024, 128))
     text = cuflash.explain(q, q, q, causal=True)
-    assert "fwd_sm90ws<__nv_bfloat16, 128, 128, 2, 2, 1, 0, cuflash::Variant<true>, true, 1>" in text
+    assert "fwd_sm90ws<__nv_bfloat16, 128, 128, 2, 2, 1, 2, cuflash::Variant<true>, true, 1>" in text
     assert "why:" in text and "H200" in text
     text = cuflash.explain(q, q, q, backward=True, deterministic=True, device="a100")
     assert "bwd_sm80<" in text and "bwd_sm90: not used, needs compute capability 9.0" in text

@@ -22,8 +22,9 @@ some of them (session 18: ``--persist --d 128 --L 4096,8192,16384 --arms ws_p1,w
 local memory, forced by the ws arms, against fwd_sm90's; session 20 measured it 1.04 / 1.10x
 fwd_sm90 at 4k / 16k, ``fwd_ws_softcap_d64.json``, and the rule took it); with
 ``--poly K,..`` instead plain and softcap only (of --d), arms sm90, ws and ``ws_polyK`` (K of
-16 eight-column tiles of the softcap's exponentials on the FMA pipe; session 21 asked it of
-d 64's ws build, which the dispatcher took in session 20 with none); and, unless --no-peers,
+16 eight-column tiles of the softcap's exponentials on the FMA pipe; ``ws_poly0`` none,
+``CUFLASH_SOFTCAP_POLY=0``; session 21 asked it of d 64's ws build, which the dispatcher took
+in session 20 with none); and, unless --no-peers,
 SDPA's cuDNN backend on the plain and causal points (torch, the same arrays through DLPack).
 TFLOP/s count visible pairs (4 B H d pairs); each arm is timed ``--rounds`` times a point (3), the
 arms' order rotated a round, and the printed figure is the median (rows: one a round). Before
@@ -85,6 +86,7 @@ def poly_arms(shares):
     return {"sm90": ARMS["sm90"], "ws": auto,
             **{f"ws_poly{k}": dict(auto, CUFLASH_TILES=f"fwd_sm90ws:128=128:2:2:1:{k};"
                                                      f"fwd_sm90ws:64=128:3:3:1:{k}")
+               if k else dict(auto, CUFLASH_SOFTCAP_POLY="0")   # (0: no share at all)
                for k in shares}}
 TOKENS, WIDTH, WINDOW = 16384, 2048, 1024
 

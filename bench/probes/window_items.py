@@ -15,10 +15,19 @@ running its items from the host's lists):
     slope) and the fixed cost an item (the intercept, in key tiles: F = intercept / slope);
   - the window 1024 (causal) at Lk = 16384: items of 9 key tiles (the first 8 fewer), two of
     them masked; its time against the line at its tile count is the masking's extra;
-  - plain causal at 16384 (the issue's baseline), timed beside.
+  - plain causal at 16384 (the issue's baseline), timed beside on its default schedule (one
+    block a query tile; call 1 timed it on the lists, which lose on causal: 0.797 there).
 Each arm timed ``--rounds`` times, the points' order rotated a round; medians printed. Reading:
 the window reaches 0.85x causal only if F + the masking's extra <= ~0.4 key tiles an item (9
 tiles at the 0.889 ceiling, against causal's per-tile rate).
+Answer (session 21, call 1, ``window_items.json``): F = 2.1 key tiles, and the window's item
+costs what a plain 9-tile item does (0.314 ms both): the masking adds nothing measurable; the
+whole gap is the item's fixed cost (``ws_stamps.py`` breaks it down).
+
+``--ab DEFINE``: every point also timed with fwd_sm90ws.cu compiled after ``#define DEFINE 1``
+(arm ``before``; ``_jit.get_kernel`` wrapped here, the kernel cache keyed by the prelude), the
+points' and arms' order rotated together: a change to the item's fixed cost measured against
+the build before it in one process.
 """
 from __future__ import annotations
 
@@ -31,6 +40,24 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from suite_common import arm_orders, dump_probe, time_arm, warm_arms  # noqa: E402
 
 ENV = {"CUFLASH_FWD90_WS": "1", "CUFLASH_FWD90WS_PERSIST": "3"}
+#: the environment variable naming the define of --ab's ``before`` arm (read at plan time)
+DEFINE_VAR = "CUFLASH_PROBE_WS_DEFINE"
+
+
+def install_define():
+    """Wrap ``_jit.get_kernel``: fwd_sm90ws.cu after ``#define $CUFLASH_PROBE_WS_DEFINE 1``
+    where that variable is set (the arm's environment, read when a plan compiles)."""
+    import os
+    from cuflash import _jit
+    orig = _jit.get_kernel
+
+    def get_kernel(source, expr, device_id, prelude=""):
+        name = os.environ.get(DEFINE_VAR, "")
+        if source == "fwd_sm90ws.cu" and name:
+            prelude = f"#define {name} 1\n" + prelude
+        return orig(source, expr, device_id, prelude)
+
+    _jit.get_kernel = get_kernel
 L, H, D, WINDOW, BLOCK = 16384, 16, 128, 1024, 128
 PLAIN_TILES = (9, 18, 36, 72)
 
@@ -57,7 +84,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ab", help="a define of fwd_sm90ws.cu: arm 'before' compiled with it")
     args = ap.parse_args(argv)
+    arms = {"ws": ENV}
+    if args.ab:
+        install_define()
+        arms["before"] = dict(ENV, **{DEFINE_VAR: args.ab})
     import cupy
     import ml_dtypes
     import numpy
@@ -75,19 +107,36 @@ def main(argv=None) -> int:
             ("causal", L // BLOCK, dict(causal=True))]
     kv_of = {name: kv[L // BLOCK] if name in ("window", "causal") else kv[n] for name, n, _ in pts}
     jobs = {name: (lambda k=kv_of[name], kw=kw: cuflash.attention(q, *k, **kw)) for name, _, kw in pts}
-    warm_arms(["ws"], {"ws": ENV}, list(jobs.values()))
-    rows, times = [], {name: [] for name, _, _ in pts}
-    for rnd, order in enumerate(arm_orders([p[0] for p in pts], args.rounds)):
-        for name in order:
+    warm_arms(list(arms), arms, list(jobs.values()))
+    rows, times = [], {(arm, name): [] for arm in arms for name, _, _ in pts}
+    for rnd, order in enumerate(arm_orders(list(times), args.rounds)):
+        for arm, name in order:
             Lk = kv_of[name][0].shape[2]
             flops = 4.0 * H * D * visible(name, Lk)
-            ms, row = time_arm(name, ENV, lambda i, f=jobs[name]: f(), flops,
+            env = dict(arms[arm])
+            if name == "causal":   # (the issue's baseline: causal on its own schedule)
+                env.pop("CUFLASH_FWD90WS_PERSIST")
+            ms, row = time_arm(arm, env, lambda i, f=jobs[name]: f(), flops,
                                dict(point=name, Lk=Lk, round=rnd, d=D, L=L))
             rows.append(row)
             if ms:
-                times[name].append(ms)
-        dump_probe(args.json, "window_items", {"ws_p3": ENV}, rows, False)
-    med = {name: statistics.median(t) for name, t in times.items() if t}
+                times[arm, name].append(ms)
+        dump_probe(args.json, "window_items", arms, rows, False)
+    for arm in arms:
+        print(f"-- {arm}")
+        med = {name: statistics.median(times[arm, name]) for name, _, _ in pts if times[arm, name]}
+        rows.append(report(arm, med, pts, kv_of))
+    if args.ab:
+        for name, _, _ in pts:
+            if times["ws", name] and times["before", name]:
+                r = statistics.median(times["before", name]) / statistics.median(times["ws", name])
+                print(f"{name:8s} ws / before (speed): {r:.3f}")
+    dump_probe(args.json, "window_items", arms, rows, True)
+    return 0
+
+
+def report(arm, med, pts, kv_of) -> dict:
+    """Print one arm's line, its items' fit and each point; the fit's row."""
     a, b = fit([(n, med[f"plain{n}"]) for n in PLAIN_TILES])
     print(f"plain items: {b * 1e3:.3f} us a key tile (the grid's), intercept {a * 1e3:.1f} us "
           f"= F {a / b:.2f} key tiles an item")
@@ -101,10 +150,8 @@ def main(argv=None) -> int:
               f"{computed:6.1f} computed  line's tiles {eq:6.2f} (n {n})")
     w_c = (4.0 * H * D * visible("window", L) / med["window"]) / (4.0 * H * D * visible("causal", L) / med["causal"])
     print(f"window / causal (visible TFLOP/s): {w_c:.3f}")
-    rows.append(dict(impl="fit", us_per_tile=b * 1e3, intercept_us=a * 1e3, fixed_tiles=a / b,
-                     window_over_causal=w_c))
-    dump_probe(args.json, "window_items", {"ws_p3": ENV}, rows, True)
-    return 0
+    return dict(impl="fit", arm=arm, us_per_tile=b * 1e3, intercept_us=a * 1e3,
+                fixed_tiles=a / b, window_over_causal=w_c)
 
 
 if __name__ == "__main__":
