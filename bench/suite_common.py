@@ -43,11 +43,27 @@ def median_event_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 2
 
 
 def arm_orders(arms: list, rounds: int) -> list:
-    """The arms' order in each of ``rounds`` rounds, rotated by one a round: at ~650 TFLOP/s the
-    H200's clock sags under sustained load (session 16, call 7: the same build read 689 then
-    584-616 TFLOP/s in five arms in a row), so a fixed order favours the first arm. (The probes' rounds, suite_decode's and suite_mods'
-    ``--rounds``.)"""
-    return [arms[r % len(arms):] + arms[:r % len(arms)] for r in range(rounds)]
+    """The arms' order in each of ``rounds`` rounds (the probes' rounds, suite_decode's and
+    suite_mods' ``--rounds``): at ~650 TFLOP/s the H200's clock sags under sustained load
+    (session 16, call 7: the same build read 689 then 584-616 TFLOP/s in five arms in a row),
+    so a fixed order favours the first arm; and an arm timed right after a lighter one (fwd_sm90
+    before fwd_sm90ws) starts with the clock's headroom (session 21: one kernel object read 6-9%
+    faster after the sm90 arm than after a ws arm, d 128 4k; a rotation, which kept the same
+    neighbours, gave the arm after sm90 that lead in 5 rounds of 7). So the rounds are a
+    balanced Latin square (Williams): every arm first once in ``len(arms)`` rounds, and every
+    arm right after every other equally often (in ``len(arms)`` rounds, twice as many when odd)."""
+    n = len(arms)
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:   # 0, 1, n - 1, 2, n - 2, ...: each step's difference once
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[arms[i] for i in rows[k % len(rows)]] for k in range(rounds)]
 
 
 def finish(meta: dict, rows: list, out: str | None) -> int:

@@ -821,3 +821,19 @@ def test_ws_stamps_phases():
     assert ph["c_loop_per_tile"] == 100 and ph["c_fixed_tiles"] == item / 100 - 9
     assert ph["p_start->qfree"] == 3 and ph["p_qfree->stage0"] == 5 and ph["p_stage0->copies"] == 92
     assert ph["lead_stage0_to_k0"] == 10 + 20 + 30 - 8
+
+
+def test_arm_orders_balance_first_places_and_neighbours():
+    """suite_common.arm_orders (session 21): every arm first once in len(arms) rounds, and each
+    ordered pair of neighbours equally often over the square (len(arms) rounds, 2 len(arms)
+    when odd): an arm timed after a lighter one starts with the clock's headroom."""
+    from collections import Counter
+    sc = _load("suite_common")
+    for n in range(1, 8):
+        arms = [f"a{i}" for i in range(n)]
+        rows = sc.arm_orders(arms, 2 * n + 1)
+        assert len(rows) == 2 * n + 1 and all(sorted(r) == arms for r in rows)
+        assert [r[0] for r in rows[:n]] == arms
+        square = rows[: n if n % 2 == 0 else 2 * n]
+        pairs = Counter((r[i], r[i + 1]) for r in square for i in range(n - 1))
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1

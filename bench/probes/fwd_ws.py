@@ -37,7 +37,10 @@ instructions each (call 4, ``fwd_ws.json``) fwd_sm90ws is 1.26-1.51x fwd_sm90 at
 16k 646 TFLOP/s, cuDNN 625), 1.03-1.27x at d 64 from 16 key tiles a block, slower for d 64's
 short rows and window; ping-pong is worth 3-12% at d 128, 3 stages nothing there (1-3% at d 64);
 ``--poly`` (call 7, ``fwd_ws_poly.json``): the Variant's share of 4 of 16 tiles stays best
-(6-12 lose 2-10%). ``--persist`` (session 17, call 1, ``fwd_ws_persist.json``, d 128): the
+(6-12 lose 2-10%); session 21 (``fwd_ws_poly_d64.json``, ``fwd_ws_poly_d128.json``): 2 beats 4
+at d 128 by 1.5-4.4% and 4 beats none at d 64 by 7-8% (the tile table's shares since), and the
+``ws`` arm's lead over TILES arms of the same kernel was its place after ``sm90``
+(suite_common.arm_orders, now balanced). ``--persist`` (session 17, call 1, ``fwd_ws_persist.json``, d 128): the
 persistent grid gains where items are short or equal (window 1.02-1.06 zigzag, plain / causal 1k
 1.07 / 1.11 round-robin, softcap 4k 1.07) and loses on long causal items (0.90-0.97), whose
 unequal lengths the hardware's block scheduler balances better than a static schedule.

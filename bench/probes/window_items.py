@@ -20,9 +20,10 @@ running its items from the host's lists):
 Each arm timed ``--rounds`` times, the points' order rotated a round; medians printed. Reading:
 the window reaches 0.85x causal only if F + the masking's extra <= ~0.4 key tiles an item (9
 tiles at the 0.889 ceiling, against causal's per-tile rate).
-Answer (session 21, call 1, ``window_items.json``): F = 2.1 key tiles, and the window's item
-costs what a plain 9-tile item does (0.314 ms both): the masking adds nothing measurable; the
-whole gap is the item's fixed cost (``ws_stamps.py`` breaks it down).
+Answer (session 21, ``window_items.json``): F = 2.1 key tiles an item; the window's item read
+as a plain 9-tile item there (0.314 ms both), but 6-7% slower in call 2's process, whose stamps
+(``ws_stamps.py``) put the difference on its two masked tiles and the rest (~5,000 cycles, 1.7
+tiles) on the item's boundary, whatever its length.
 
 ``--ab DEFINE``: every point also timed with fwd_sm90ws.cu compiled after ``#define DEFINE 1``
 (arm ``before``; ``_jit.get_kernel`` wrapped here, the kernel cache keyed by the prelude), the
