@@ -42,6 +42,40 @@ def median_event_ms(fn: Callable[[int], object], n_sets: int = 1, iters: int = 2
     return ts[len(ts) // 2]
 
 
+def compile_with_define(source: str, define_of: Callable[[], str], modules: dict | None = None):
+    """Probes only: wrap ``cuflash._jit.get_kernel`` so that ``cuda_src/<source>`` compiles
+    after ``#define NAME 1``, NAME = ``define_of()`` read when a plan compiles (an arm's
+    environment, say); an empty NAME leaves the package's build. The kernel cache is keyed by
+    the prelude, so each define is its own build. ``modules``: each such build is compiled here
+    instead and its ``cupy.RawModule`` kept there, by (expr, device, prelude), for a probe that
+    reads the module's globals (``probes/ws_stamps.py``). Returns the function that restores
+    ``get_kernel``."""
+    from cuflash import _jit
+    orig = _jit.get_kernel
+
+    def get_kernel(src, expr, device_id, prelude=""):
+        name = define_of()
+        if src != source or not name:
+            return orig(src, expr, device_id, prelude)
+        prelude = f"#define {name} 1\n" + prelude
+        if modules is None:
+            return orig(src, expr, device_id, prelude)
+        key = (expr, device_id, prelude)
+        if key not in modules:
+            import cupy
+            with cupy.cuda.Device(device_id):
+                arch = _jit.arch_of_device(device_id)
+                module = cupy.RawModule(code=prelude + _jit.load_source(src),
+                                        options=_jit._options(arch), name_expressions=(expr,))
+                kernel = module.get_function(expr)
+                kernel.compile()
+            modules[key] = (module, kernel)
+        return modules[key][1]
+
+    _jit.get_kernel = get_kernel
+    return lambda: setattr(_jit, "get_kernel", orig)
+
+
 def arm_orders(arms: list, rounds: int) -> list:
     """The arms' order in each of ``rounds`` rounds (the probes' rounds, suite_decode's and
     suite_mods' ``--rounds``): at ~650 TFLOP/s the H200's clock sags under sustained load

@@ -837,3 +837,24 @@ def test_arm_orders_balance_first_places_and_neighbours():
         square = rows[: n if n % 2 == 0 else 2 * n]
         pairs = Counter((r[i], r[i + 1]) for r in square for i in range(n - 1))
         assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+
+
+def test_compile_with_define_wraps_one_source(monkeypatch):
+    """suite_common.compile_with_define (the probes' A/B of a kernel define, session 21): the
+    define goes before that source's prelude only while define_of() names one; other sources
+    and an empty name reach get_kernel as they came; restore() puts get_kernel back."""
+    from cuflash import _jit
+    sc = _load("suite_common")
+    seen = []
+    fake = lambda src, expr, dev, prelude="": seen.append((src, prelude)) or "kernel"  # noqa: E731
+    monkeypatch.setattr(_jit, "get_kernel", fake)
+    name = ["X_AB"]
+    restore = sc.compile_with_define("fwd_sm90ws.cu", lambda: name[0])
+    assert _jit.get_kernel("fwd_sm90ws.cu", "e", 0, "P;") == "kernel"
+    _jit.get_kernel("fwd_sm90.cu", "e", 0, "P;")
+    name[0] = ""
+    _jit.get_kernel("fwd_sm90ws.cu", "e", 0, "P;")
+    assert seen == [("fwd_sm90ws.cu", "#define X_AB 1\nP;"), ("fwd_sm90.cu", "P;"),
+                    ("fwd_sm90ws.cu", "P;")]
+    restore()
+    assert _jit.get_kernel is fake

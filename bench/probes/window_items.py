@@ -26,7 +26,7 @@ as a plain 9-tile item there (0.314 ms both), but 6-7% slower in call 2's proces
 tiles) on the item's boundary, whatever its length.
 
 ``--ab DEFINE``: every point also timed with fwd_sm90ws.cu compiled after ``#define DEFINE 1``
-(arm ``before``; ``_jit.get_kernel`` wrapped here, the kernel cache keyed by the prelude), the
+(arm ``before``; ``suite_common.compile_with_define``: its own build, keyed by the prelude), the
 points' and arms' order rotated together: a change to the item's fixed cost measured against
 the build before it in one process.
 """
@@ -38,27 +38,11 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from suite_common import arm_orders, dump_probe, time_arm, warm_arms  # noqa: E402
+from suite_common import arm_orders, compile_with_define, dump_probe, time_arm, warm_arms  # noqa: E402
 
 ENV = {"CUFLASH_FWD90_WS": "1", "CUFLASH_FWD90WS_PERSIST": "3"}
 #: the environment variable naming the define of --ab's ``before`` arm (read at plan time)
 DEFINE_VAR = "CUFLASH_PROBE_WS_DEFINE"
-
-
-def install_define():
-    """Wrap ``_jit.get_kernel``: fwd_sm90ws.cu after ``#define $CUFLASH_PROBE_WS_DEFINE 1``
-    where that variable is set (the arm's environment, read when a plan compiles)."""
-    import os
-    from cuflash import _jit
-    orig = _jit.get_kernel
-
-    def get_kernel(source, expr, device_id, prelude=""):
-        name = os.environ.get(DEFINE_VAR, "")
-        if source == "fwd_sm90ws.cu" and name:
-            prelude = f"#define {name} 1\n" + prelude
-        return orig(source, expr, device_id, prelude)
-
-    _jit.get_kernel = get_kernel
 L, H, D, WINDOW, BLOCK = 16384, 16, 128, 1024, 128
 PLAIN_TILES = (9, 18, 36, 72)
 
@@ -91,7 +75,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     arms = {"ws": ENV}
     if args.ab:
-        install_define()
+        import os
+        compile_with_define("fwd_sm90ws.cu", lambda: os.environ.get(DEFINE_VAR, ""))
         arms["before"] = dict(ENV, **{DEFINE_VAR: args.ab})
     import cupy
     import ml_dtypes
@@ -154,7 +139,7 @@ def report(arm, med, pts, kv_of) -> dict:
         eq = (med[name] - a) / b
         print(f"{name:8s} Lk {Lk:5d} {med[name]:7.3f} ms  {tf:6.1f} TFLOP/s visible  "
               f"{computed:6.1f} computed  line's tiles {eq:6.2f} (n {n})")
-    w_c = (4.0 * H * D * visible("window", L) / med["window"]) / (4.0 * H * D * visible("causal", L) / med["causal"])
+    w_c = visible("window", L) / med["window"] / (visible("causal", L) / med["causal"])
     print(f"window / causal (visible TFLOP/s): {w_c:.3f}")
     return dict(impl="fit", arm=arm, us_per_tile=b * 1e3, intercept_us=a * 1e3,
                 fixed_tiles=a / b, window_over_causal=w_c)

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Question (session 21, issue 10's window): where does an item of fwd_sm90ws's persistent
 schedule spend the ~2 key tiles of time it costs beyond its tiles (``window_items.py``: F = 2.1
-key tiles an item, the window's item costing exactly a plain 9-tile one)? Each phase of each
-item timed on the SM's clock.
+key tiles an item), and what does the window's masking add? Each phase of each item timed on
+the SM's clock. Answer (session 21, ``ws_stamps.json``): ~5,000 cycles (1.7 tiles) an item at
+any length, the consumers' boundary (epilogue, the store of O, the next item's number, the
+first S and softmax); the window's two masked tiles ~1,870 more (bench/NOTES.md, session 21).
 
     PYTHONPATH=. python bench/probes/ws_stamps.py [--json out.json] [--rounds 5]
 
-fwd_sm90ws.cu compiled with ``CUFLASH_WS_STAMPS`` (this probe only: ``_jit.get_kernel`` wrapped
-here): the first thread of each warpgroup writes ``clock64()`` at its phases of each item of its
-block's first 64 (blocks < 132) into the module's ``cuflash_ws_stamps``. Consumer phases (k):
+fwd_sm90ws.cu compiled with ``CUFLASH_WS_STAMPS`` (this probe only, through
+``suite_common.compile_with_define``): the first thread of each warpgroup writes ``clock64()``
+at its phases of each item of its block's first 64 (blocks < 132) into the module's
+``cuflash_ws_stamps`` (132 x 4 x 64 x 16 words: the kernel's WS_STAMP and ``stamps_of``). Consumer phases (k):
 0 item start, 1 its Work computed (PERSIST 3: two dependent loads of the host's lists), 2 its Q
 landed, 3 the first K landed, 4 the first turn taken (PINGPONG), 5 the first S landed, 6 the
 first tile's softmax and P done, 7 the key loop done (tiles 2 .. n), 8 the last V landed and
@@ -29,7 +32,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from suite_common import arm_orders, dump_probe, time_arm  # noqa: E402
+from suite_common import arm_orders, compile_with_define, dump_probe, time_arm  # noqa: E402
 
 L, H, D, BLOCK = 16384, 16, 128, 128
 PERSIST = {"CUFLASH_FWD90_WS": "1", "CUFLASH_FWD90WS_PERSIST": "3"}
@@ -43,32 +46,7 @@ CASES = {   # name: (key length, keywords, environment)
 CONSUMER = ["start", "work", "q", "k0", "turn0", "s0", "softmax0", "loop", "v_turn", "pv_last",
             "staged", "stored"]
 PRODUCER = ["start", "qfree", "stage0", "copies"]
-STAMP = "#define CUFLASH_WS_STAMPS 1\n"
-
-
-def install_stamps():
-    """Wrap ``_jit.get_kernel`` so fwd_sm90ws.cu compiles with the stamps; returns the modules
-    made (their ``cuflash_ws_stamps``), by expression."""
-    import cupy
-    from cuflash import _jit
-    orig, modules = _jit.get_kernel, {}
-
-    def get_kernel(source, expr, device_id, prelude=""):
-        if source != "fwd_sm90ws.cu":
-            return orig(source, expr, device_id, prelude)
-        key = (expr, device_id, prelude)
-        if key not in modules:
-            with cupy.cuda.Device(device_id):
-                arch = _jit.arch_of_device(device_id)
-                m = cupy.RawModule(code=STAMP + prelude + _jit.load_source(source),
-                                   options=_jit._options(arch), name_expressions=(expr,))
-                k = m.get_function(expr)
-                k.compile()
-            modules[key] = (m, k)
-        return modules[key][1]
-
-    _jit.get_kernel = get_kernel
-    return orig, modules
+STAMP = "CUFLASH_WS_STAMPS"
 
 
 def stamps_of(module):
@@ -116,7 +94,7 @@ def main(argv=None) -> int:
     import numpy
     import bench_attention
     import cuflash
-    from cuflash import _api, _jit
+    from cuflash import _api
     rng = numpy.random.default_rng(0)
 
     def arr(n):
@@ -142,7 +120,8 @@ def main(argv=None) -> int:
                 times[name].append(ms)
     med = {n: statistics.median(t) for n, t in times.items() if t}
     # -- the stamps
-    orig, modules = install_stamps()
+    modules: dict = {}
+    restore = compile_with_define("fwd_sm90ws.cu", lambda: STAMP, modules)
     try:
         for name, (Lk, kw, env) in CASES.items():
             n_tiles = 9 if name.startswith("window") else Lk // BLOCK
@@ -175,7 +154,7 @@ def main(argv=None) -> int:
                                     if "->" in k or k.startswith("lead")), flush=True)
             dump_probe(args.json, "ws_stamps", {n: c[2] for n, c in CASES.items()}, rows, False)
     finally:
-        _jit.get_kernel = orig
+        restore()
         _api.clear_plans()
     dump_probe(args.json, "ws_stamps", {n: c[2] for n, c in CASES.items()}, rows, True)
     return 0
