@@ -27,7 +27,7 @@ tiles) on the item's boundary, whatever its length.
 
 ``--ab DEFINE``: every point also timed with fwd_sm90ws.cu compiled after ``#define DEFINE 1``
 (arm ``before``; ``suite_common.compile_with_define``: its own build, keyed by the prelude), the
-points' and arms' order rotated together: a change to the item's fixed cost measured against
+points' and arms' order balanced together (arm_orders): a change to the item's fixed cost measured against
 the build before it in one process.
 """
 from __future__ import annotations
